@@ -1,0 +1,162 @@
+"""An arena: one anonymous shared-memory region cut into equal, reusable slots.
+
+Runs in both processes. The worker *creates* its arena (``Arena.create``): an anonymous ``memfd``
+with no name in ``/dev/shm``, so a crash cannot leave an entry behind; the memory goes away when
+the last mapping and the last descriptor are gone. Pages are reserved at creation with
+``posix_fallocate`` so that too little shared memory is a clear error now, never a ``SIGBUS`` in
+the middle of an epoch. The file descriptor travels once to the trainer over the control socket;
+the trainer *attaches* (``Arena.attach``), maps it and closes the descriptor it received.
+
+Lifetimes: ``close()`` drops this process's mapping. On the trainer side a slot's numpy views keep
+the mapping alive through :class:`SlotView`, so ``close()`` there only forgets the arena and the
+mapping goes when the last view is collected; memory is never unmapped under a live view.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+
+PAGE = mmap.PAGESIZE
+#: Every output inside a slot starts on this boundary.
+OUTPUT_ALIGN = 64
+
+
+class SharedMemoryError(MemoryError):
+    """Shared memory for an arena could not be reserved."""
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class Arena:
+    """``num_slots`` slots of ``slot_size`` bytes in one shared mapping."""
+
+    __slots__ = ("_address", "_anchor", "_fd", "_mmap", "arena_id", "num_slots", "slot_size")
+
+    def __init__(self, fd: int, arena_id: int, slot_size: int, num_slots: int) -> None:
+        if slot_size <= 0 or slot_size % PAGE:
+            raise ValueError(f"slot_size must be a positive multiple of {PAGE}, got {slot_size}")
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.arena_id = arena_id
+        self.slot_size = slot_size
+        self.num_slots = num_slots
+        self._fd: int | None = fd
+        self._mmap: mmap.mmap | None = mmap.mmap(fd, slot_size * num_slots)
+        # A ctypes anchor gives the base address; it also pins the mapping while we use it.
+        self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(self._mmap)
+        self._address = ctypes.addressof(self._anchor)
+
+    @classmethod
+    def create(cls, arena_id: int, slot_size: int, num_slots: int, *, label: str) -> Arena:
+        """Create and reserve a new anonymous arena (worker side)."""
+        size = slot_size * num_slots
+        fd = os.memfd_create(label, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as error:
+                if error.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                    raise SharedMemoryError(
+                        f"cannot reserve {size} bytes ({size / 2**20:.1f} MiB) of shared memory "
+                        f"for {num_slots} slots of {slot_size} bytes: {error.strerror}. "
+                        "Free memory, lower `prefetch` or the batch size, or raise the memory "
+                        "limit of this container."
+                    ) from error
+                if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+            return cls(fd, arena_id, slot_size, num_slots)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, fd: int, arena_id: int, slot_size: int, num_slots: int) -> Arena:
+        """Map an arena received from a worker, then close the received descriptor."""
+        try:
+            arena = cls(fd, arena_id, slot_size, num_slots)
+        except BaseException:
+            os.close(fd)
+            raise
+        arena.close_fd()
+        return arena
+
+    @property
+    def fd(self) -> int:
+        if self._fd is None:
+            raise ValueError("the arena's file descriptor is already closed")
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def close_fd(self) -> None:
+        """Close the descriptor; the mapping stays valid (mmap keeps its own duplicate)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def slot_address(self, slot: int) -> int:
+        if self._mmap is None:
+            raise ValueError("arena is closed")
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range for {self.num_slots} slots")
+        return self._address + slot * self.slot_size
+
+    def slot_view(self, slot: int) -> SlotView:
+        """A buffer over one slot that keeps this arena's mapping alive while referenced."""
+        address = self.slot_address(slot)
+        assert self._anchor is not None
+        return SlotView(self._anchor, address, self.slot_size)
+
+    def write(self, slot: int, offset: int, data: bytes | memoryview) -> None:
+        """Copy ``data`` into a slot at ``offset`` (used for tests and small payloads)."""
+        if self._mmap is None:
+            raise ValueError("arena is closed")
+        start = slot * self.slot_size + offset
+        if offset < 0 or offset + len(data) > self.slot_size:
+            raise ValueError("write past the end of the slot")
+        self._mmap[start : start + len(data)] = data
+
+    def close(self) -> None:
+        """Drop this side's descriptor and mapping. Idempotent."""
+        self.close_fd()
+        self._anchor = None
+        mm, self._mmap = self._mmap, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                # Live views still export the buffer: the mapping goes with the last of them.
+                pass
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            self.close_fd()
+
+
+class SlotView:
+    """A numpy-compatible byte buffer over one slot, holding its arena mapping alive.
+
+    numpy collapses chains of views to the first object that is not an array, so every array made
+    from ``np.asarray(slot_view)`` keeps *this* object alive; a ``weakref.finalize`` on it fires
+    exactly when the last view of the slot is gone.
+    """
+
+    __slots__ = ("__array_interface__", "__weakref__", "_anchor")
+
+    def __init__(self, anchor: ctypes.c_char, address: int, nbytes: int) -> None:
+        # The anchor exports the mmap's buffer, so the mapping cannot be closed under this view.
+        self._anchor = anchor
+        self.__array_interface__ = {
+            "data": (address, False),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }

@@ -1,0 +1,201 @@
+"""The one wire format between a trainer and its workers.
+
+Both processes import this module. Every record that crosses the control channel is a frozen,
+slotted dataclass defined here; nothing else is ever sent. The channel is a ``socketpair`` created
+by the trainer for one worker, so the only bytes ever unpickled come from our own peer process.
+
+Trainer -> worker: :class:`StartEpoch`, :class:`AbortEpoch`, :class:`Release`, :class:`Shutdown`.
+Worker -> trainer: :class:`Hello`, :class:`ArenaReady` (followed by one file descriptor),
+:class:`Signature`, :class:`BatchReady`, :class:`EpochEnd`, :class:`EpochAborted`,
+:class:`WorkerFailure`, :class:`WarningRelay`, :class:`LogRelay`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Shape = tuple[int, ...]
+
+
+# --------------------------------------------------------------------------- trainer -> worker
+@dataclass(frozen=True, slots=True)
+class StartEpoch:
+    """Run one epoch of the worker's capture loop."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortEpoch:
+    """The trainer left ``epoch`` early: stop it, rebuild the sources, and answer EpochAborted."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """The trainer no longer uses ``slot``; ``generation`` must match the slot's current fill."""
+
+    slot: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Leave the command loop and exit."""
+
+
+# --------------------------------------------------------------------------- worker -> trainer
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Sent once the worker built its EvalContext and sources and waits for commands."""
+
+    pid: int
+    num_threads: int
+    device_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaReady:
+    """A new arena for this worker; exactly one file descriptor follows on the channel."""
+
+    arena_id: int
+    slot_size: int
+    num_slots: int
+    backend: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSchema:
+    """What one named output looks like, as far as every worker must agree."""
+
+    name: str
+    dtype: str
+    ndim: int
+    layout: str
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """What a worker's traced loop looks like; every worker (and rank) must send the same."""
+
+    batch_size: int
+    device: str
+    device_id: int | None
+    num_threads: int
+    outputs: tuple[OutputSchema, ...]
+    output_kind: str  # "dict", "tuple" or "single"
+    captured: bool
+    capture_requested: bool
+    dali_version: str
+    trace_seconds: float
+
+    def agreement_fields(self) -> dict[str, object]:
+        """The fields that must be equal across workers, by name."""
+        return {
+            "batch_size": self.batch_size,
+            "device": self.device,
+            "device_id": self.device_id,
+            "num_threads": self.num_threads,
+            "output_kind": self.output_kind,
+            "outputs": self.outputs,
+            "captured": self.captured,
+            "dali_version": self.dali_version,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlacement:
+    """Where one output of a batch lies inside its slot.
+
+    ``shapes`` holds one shape per sample. ``dense`` says every sample has the same shape, so the
+    output is one ``(B, ...)`` array; otherwise it is a list of per-sample arrays packed back to back.
+    """
+
+    name: str
+    dtype: str
+    offset: int
+    nbytes: int
+    shapes: tuple[Shape, ...]
+    dense: bool
+    layout: str
+
+
+@dataclass(frozen=True, slots=True)
+class BatchReady:
+    """A filled slot. ``generation`` counts the fills of that slot; a release must quote it."""
+
+    epoch: int
+    step: int
+    arena_id: int
+    slot: int
+    generation: int
+    outputs: tuple[OutputPlacement, ...]
+    nbytes: int
+    padded: int  # rows at the end of this batch that are padding, not data
+    blocked_ns: int  # how long the worker waited for a free slot before this batch
+    busy_ns: int  # how long the worker spent producing this batch (step + copy)
+
+
+@dataclass(frozen=True, slots=True)
+class EpochEnd:
+    """The worker's source ended ``epoch`` after ``steps`` batches."""
+
+    epoch: int
+    steps: int
+    traces: int  # how many times this worker has traced a loop since it started
+    rebuilds: int  # how many times this worker rebuilt its sources
+
+
+@dataclass(frozen=True, slots=True)
+class EpochAborted:
+    """Answer to AbortEpoch: the epoch is stopped and the sources are ready for the next one."""
+
+    epoch: int
+    rebuilt: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """An exception inside the worker, with where it happened. The worker stops after sending."""
+
+    type_module: str
+    type_name: str
+    message: str
+    traceback: str
+    epoch: int | None
+    step: int | None
+    phase: str  # "source", "feeders", "step", "transport", ...
+
+
+@dataclass(frozen=True, slots=True)
+class WarningRelay:
+    """A warning raised inside the worker, to be re-emitted in the trainer."""
+
+    category_module: str
+    category_name: str
+    message: str
+    filename: str
+    lineno: int
+
+
+@dataclass(frozen=True, slots=True)
+class LogRelay:
+    """A log record from the worker, re-logged by the trainer's ``loader`` logger."""
+
+    level: int
+    message: str
+
+
+TrainerMessage = StartEpoch | AbortEpoch | Release | Shutdown
+WorkerMessage = (
+    Hello
+    | ArenaReady
+    | Signature
+    | BatchReady
+    | EpochEnd
+    | EpochAborted
+    | WorkerFailure
+    | WarningRelay
+    | LogRelay
+)

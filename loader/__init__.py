@@ -1,0 +1,42 @@
+"""dali-capture-loader: a multiprocess sharded loader over NVIDIA DALI capture mode.
+
+Runs in the trainer. Everything public is re-exported here; other modules are private.
+"""
+
+from workers import Shard
+
+from ._errors import (
+    AgreementError,
+    LoaderClosedError,
+    LoaderError,
+    RemoteTraceback,
+    SlotsExhaustedError,
+    StartupError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerTimeoutError,
+)
+from ._loader import Loader, LoaderStats, WorkerStats
+from ._views import BatchInfo, LoadedBatch, LoadedTuple
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgreementError",
+    "BatchInfo",
+    "LoadedBatch",
+    "LoadedTuple",
+    "Loader",
+    "LoaderClosedError",
+    "LoaderError",
+    "LoaderStats",
+    "RemoteTraceback",
+    "Shard",
+    "SlotsExhaustedError",
+    "StartupError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerStats",
+    "WorkerTimeoutError",
+    "__version__",
+]

@@ -1,0 +1,339 @@
+"""The coordinator: the trainer's end of every worker's control channel. Runs in the trainer.
+
+It waits on all channels, all process sentinels and the release queue's wakeup pipe at once, so
+a message, a dead worker or a released slot each wake it immediately; there is no polling. It
+turns what workers send into state (queued batches, signatures, epoch ends) and every failure into
+one exception with the worker, shard, epoch and step in its message.
+
+Invariants: only the trainer's thread that iterates calls into it; a failure closes the pool
+before the exception leaves, so nothing is left running behind an error.
+"""
+
+from __future__ import annotations
+
+import builtins
+import gc
+import logging
+import os
+import signal
+import time
+import warnings
+from collections.abc import Iterable
+from multiprocessing.connection import wait
+from typing import Any
+
+from ipc import Arena, ChannelClosed
+from ipc import _wire as wire
+
+from ._errors import (
+    AgreementError,
+    RemoteTraceback,
+    SlotsExhaustedError,
+    StartupError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerTimeoutError,
+)
+from ._pool import WorkerHandle, WorkerPool, describe_exit
+from ._views import ReleaseQueue
+
+logger = logging.getLogger("loader")
+
+NOTHING_CAPTURED = "no operators were captured"
+
+
+class Coordinator:
+    """Receives from every worker; raises what goes wrong. See the module docstring."""
+
+    def __init__(self, pool: WorkerPool, *, timeout: float | None) -> None:
+        self.pool = pool
+        self.handles = pool.handles
+        self.timeout = timeout
+        self.releases = ReleaseQueue()
+        self.pending_signatures: set[int] = set()
+        self.reference: wire.Signature | None = None
+        self.fallback_warned = False
+        self.wait_ns = 0
+        self.failure: BaseException | None = None
+
+    # ------------------------------------------------------------------------------ waiting
+    def wait_startup(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(h.hello is None for h in self.handles):
+            waiting_for = next(h for h in self.handles if h.hello is None)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._fail(
+                    StartupError(
+                        f"{waiting_for.describe()} did not start within {timeout:.0f} s "
+                        "(startup_timeout); the machine may be overloaded"
+                    )
+                )
+            self.pump(waiting_for, remaining, startup=True)
+        self.pending_signatures = {h.index for h in self.handles}
+
+    def pump(self, wanted: WorkerHandle | None, timeout: float | None, *, startup: bool = False) -> None:
+        """Wait until something arrives, then handle everything that did.
+
+        Raises ``WorkerTimeoutError`` when ``timeout`` passes with nothing from anyone.
+        """
+        self.flush_releases()
+        live = [h for h in self.handles if not h.exited]
+        channels = {h.channel.connection: h for h in live}
+        sentinels = {h.process.sentinel: h for h in live}
+        waitables: list[Any] = [*channels, *sentinels, self.releases.wakeup_fd]
+        started = time.perf_counter_ns()
+        ready = wait(waitables, timeout)
+        self.wait_ns += time.perf_counter_ns() - started
+        if not ready:
+            assert wanted is not None
+            if startup:
+                return
+            raise self._timeout(wanted, timeout)
+        died: list[WorkerHandle] = []
+        for item in ready:
+            if item in channels:
+                self._drain(channels[item])
+            elif item in sentinels:
+                died.append(sentinels[item])
+        for handle in died:
+            self._drain(handle)  # a failure record sent just before exiting explains the exit
+            raise self._died(handle)
+        self.flush_releases()
+
+    def _drain(self, handle: WorkerHandle) -> None:
+        channel = handle.channel
+        try:
+            while not channel.closed and channel.poll(0):
+                self.dispatch(handle, channel.recv())
+        except ChannelClosed:
+            return
+
+    def flush_releases(self) -> None:
+        for worker, slot, generation in self.releases.take():
+            handle = self.handles[worker]
+            if handle.ledger.release(slot, generation):
+                handle.send(wire.Release(slot, generation))
+
+    def release_now(self, handle: WorkerHandle, descriptor: wire.BatchReady) -> None:
+        if handle.ledger.release(descriptor.slot, descriptor.generation):
+            handle.send(wire.Release(descriptor.slot, descriptor.generation))
+
+    def collect_views(self, handle: WorkerHandle) -> None:
+        """Before declaring every slot held: collect dead views and send their releases."""
+        gc.collect()
+        self.flush_releases()
+        if handle.ledger.all_held and not handle.queue:
+            raise self._fail(
+                SlotsExhaustedError(
+                    f"the trainer holds all {handle.ledger.num_slots} shared-memory slots of "
+                    f"{handle.describe()} through live batch views, so it cannot produce the next "
+                    "batch. Drop references to old batches (or their arrays/tensors), pass "
+                    "copy=True to get private copies, or raise prefetch="
+                )
+            )
+
+    # ------------------------------------------------------------------------------ messages
+    def dispatch(self, handle: WorkerHandle, message: Any) -> None:
+        if isinstance(message, wire.BatchReady):
+            handle.ledger.receive(message.slot, message.generation)
+            if handle.arena is None or message.arena_id != handle.arena.arena_id:
+                raise self._fail(
+                    RuntimeError(f"{handle.describe()} sent a batch for an unknown arena")
+                )
+            if message.epoch != handle.epoch:
+                self.release_now(handle, message)  # a batch of an epoch the trainer left
+                return
+            handle.queue.append(message)
+            handle.last_step = message.step
+            handle.steps += 1
+            handle.bytes += message.nbytes
+            handle.blocked_ns += message.blocked_ns
+            handle.busy_ns += message.busy_ns
+        elif isinstance(message, wire.ArenaReady):
+            fd = handle.channel.recv_fd()
+            arena = Arena.attach(fd, message.arena_id, message.slot_size, message.num_slots)
+            if handle.arena is not None:
+                handle.arena.close()  # live views keep the old mapping until they die
+            handle.arena = arena
+            handle.ledger.resize(message.num_slots)
+        elif isinstance(message, wire.Signature):
+            handle.signature = message
+            handle.trace_seconds.append(message.trace_seconds)
+            self.pending_signatures.discard(handle.index)
+            if not self.pending_signatures:
+                self.check_agreement()
+        elif isinstance(message, wire.EpochEnd):
+            handle.ended_epoch = message.epoch
+            handle.traces = message.traces
+            handle.rebuilds = message.rebuilds
+            if handle.index in self.pending_signatures:
+                self.pending_signatures.discard(handle.index)
+                if not self.pending_signatures:
+                    self.check_agreement()
+        elif isinstance(message, wire.EpochAborted):
+            handle.aborted_epoch = message.epoch
+        elif isinstance(message, wire.WorkerFailure):
+            raise self._fail(self.relay_failure(handle, message))
+        elif isinstance(message, wire.WarningRelay):
+            self.relay_warning(handle, message)
+        elif isinstance(message, wire.LogRelay):
+            logger.log(message.level, "worker %d: %s", handle.index, message.message)
+        elif isinstance(message, wire.Hello):
+            handle.hello = message
+        else:
+            raise self._fail(
+                RuntimeError(f"{handle.describe()} sent an unknown record {type(message).__name__}")
+            )
+
+    # ------------------------------------------------------------------------------ agreement
+    def check_agreement(self) -> None:
+        """Every worker's signature must match worker 0's (or the first one seen)."""
+        signed = [h for h in self.handles if h.signature is not None]
+        if not signed:
+            return
+        reference_handle = signed[0]
+        reference = reference_handle.signature
+        assert reference is not None
+        for handle in signed[1:]:
+            signature = handle.signature
+            assert signature is not None
+            expected = reference.agreement_fields()
+            for field, value in signature.agreement_fields().items():
+                if value != expected[field]:
+                    raise self._fail(
+                        AgreementError(
+                            f"{handle.describe()} disagrees with worker "
+                            f"{reference_handle.index} on {field}: "
+                            f"{_short(value)} != {_short(expected[field])}. Every worker must "
+                            "trace the same loop: make source(shard) and step() give the same "
+                            "batch size, device and outputs on every shard"
+                        )
+                    )
+        self.reference = reference
+        fell_back = [
+            h for h in signed if h.signature and h.signature.capture_requested and not h.signature.captured
+        ]
+        if fell_back and not self.fallback_warned:
+            self.fallback_warned = True
+            names = ", ".join(f"{h.index} ({h.shard.describe()})" for h in fell_back)
+            warnings.warn(
+                f"capture=True was specified but no operators were captured during tracing in "
+                f"worker(s) {names}; they run step() eagerly. Make step() call DALI operators "
+                "(arithmetic, slicing and ndd.math are not captured), or pass capture=False",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    # ------------------------------------------------------------------------------ failures
+    def where(self, handle: WorkerHandle, epoch: int | None, step: int | None) -> str:
+        parts = [f"worker {handle.index}", handle.shard.describe()]
+        parts.append(f"epoch {epoch}" if epoch is not None else "before the first epoch")
+        if step is not None:
+            parts.append(f"step {step}")
+        return ", ".join(parts)
+
+    def relay_failure(self, handle: WorkerHandle, failure: wire.WorkerFailure) -> BaseException:
+        where = self.where(handle, failure.epoch, failure.step)
+        message = f"{failure.message} [{where}, in {failure.phase}]"
+        error: BaseException | None = None
+        if failure.type_module == "builtins":
+            kind = getattr(builtins, failure.type_name, None)
+            if isinstance(kind, type) and issubclass(kind, Exception):
+                try:
+                    error = kind(message)
+                except Exception:
+                    error = None
+        if error is None:
+            error = WorkerError(
+                f"{failure.type_module}.{failure.type_name}: {message}",
+                remote_type=f"{failure.type_module}.{failure.type_name}",
+            )
+        for name, value in (
+            ("worker", handle.index),
+            ("shard", handle.shard.index),
+            ("epoch", failure.epoch),
+            ("step", failure.step),
+            ("remote_traceback", failure.traceback),
+        ):
+            setattr(error, name, value)
+        error.__cause__ = RemoteTraceback(failure.traceback)
+        return error
+
+    def relay_warning(self, handle: WorkerHandle, relay: wire.WarningRelay) -> None:
+        if NOTHING_CAPTURED in relay.message:
+            return  # reported once, for all workers, by check_agreement
+        category: type[Warning] = UserWarning
+        if relay.category_module == "builtins":
+            found = getattr(builtins, relay.category_name, None)
+            if isinstance(found, type) and issubclass(found, Warning):
+                category = found
+        warnings.warn_explicit(
+            f"[worker {handle.index}] {relay.message}",
+            category,
+            relay.filename,
+            relay.lineno,
+            module=f"worker{handle.index}",
+        )
+
+    def _died(self, handle: WorkerHandle) -> BaseException:
+        handle.process.join(0.5)
+        exitcode = handle.process.exitcode
+        text, signal_name = describe_exit(exitcode)
+        stack = handle.read_stack(0.2)
+        handle.exited = True
+        last = "no batch yet" if handle.last_step is None else f"last step sent {handle.last_step}"
+        epoch = handle.epoch
+        message = (
+            f"{handle.describe()} {text} unexpectedly "
+            f"[{self.where(handle, epoch, None)}, {last}]"
+        )
+        if stack.strip():
+            message += f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
+        return self._fail(
+            WorkerDiedError(
+                message,
+                worker=handle.index,
+                pid=handle.pid,
+                exitcode=exitcode,
+                signal_name=signal_name,
+            )
+        )
+
+    def _timeout(self, handle: WorkerHandle, timeout: float | None) -> BaseException:
+        stack = ""
+        if handle.pid is not None and not handle.exited:
+            try:
+                os.kill(handle.pid, signal.SIGUSR1)
+                stack = handle.read_stack(2.0)
+            except (ProcessLookupError, OSError):
+                stack = ""
+        message = (
+            f"{handle.describe()} sent nothing for {timeout} s (timeout=) "
+            f"[{self.where(handle, handle.epoch, handle.last_step)}]"
+        )
+        message += (
+            f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}" if stack.strip() else
+            "\n(the worker's stack could not be read)"
+        )
+        return self._fail(WorkerTimeoutError(message, worker=handle.index, stack=stack))
+
+    def _fail(self, error: BaseException) -> BaseException:
+        """Record the failure and stop the pool; returns the error for the caller to raise."""
+        if self.failure is None:
+            self.failure = error
+        self.close()
+        return error
+
+    def close(self) -> None:
+        self.pool.close()
+        self.releases.close()
+
+    def send_all(self, message: Any, handles: Iterable[WorkerHandle] | None = None) -> None:
+        for handle in self.handles if handles is None else handles:
+            handle.send(message)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -1,0 +1,96 @@
+"""Where this trainer runs: its rank, its GPU and its share of the CPUs. Runs in the trainer."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    source: str  # "torch.distributed", "environment", "arguments" or "default"
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _torch_group() -> tuple[int, int] | None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return None
+    try:
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank()), int(dist.get_world_size())
+    except (RuntimeError, AttributeError):
+        return None
+    return None
+
+
+def discover_placement(rank: int | None, world_size: int | None) -> Placement:
+    """An initialised torch.distributed group wins, then RANK/WORLD_SIZE, then the arguments.
+
+    Explicit arguments that contradict the group or the environment raise ``ValueError``.
+    """
+    if (rank is None) != (world_size is None):
+        raise ValueError("pass both rank= and world_size=, or neither")
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if rank is not None and world_size is not None and not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+
+    local_rank = _env_int("LOCAL_RANK")
+    local_world = _env_int("LOCAL_WORLD_SIZE")
+    found: tuple[int, int] | None = _torch_group()
+    how = "torch.distributed"
+    if found is None:
+        env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
+        if env_rank is not None and env_world is not None:
+            found, how = (env_rank, env_world), "environment"
+    if found is not None:
+        if rank is not None and (rank, world_size) != found:
+            raise ValueError(
+                f"rank={rank}, world_size={world_size} contradict {how} "
+                f"(rank {found[0]} of {found[1]}); drop the arguments or fix the launcher"
+            )
+        rank, world_size = found
+    elif rank is not None and world_size is not None:
+        how = "arguments"
+    else:
+        rank, world_size, how = 0, 1, "default"
+    assert rank is not None and world_size is not None
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size}) ({how})")
+    if local_rank is None:
+        local_rank = rank if how != "environment" and how != "torch.distributed" else 0
+    if local_world is None:
+        local_world = 1
+    return Placement(rank, world_size, local_rank, local_world, how)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def default_num_threads(num_workers: int, local_world_size: int = 1) -> int:
+    """DALI threads per worker: this process's CPUs split among workers, trainers and xdist peers."""
+    sharers = max(1, local_world_size)
+    xdist = _env_int("PYTEST_XDIST_WORKER_COUNT")
+    if xdist is not None and xdist > 1:
+        sharers *= xdist
+    return max(1, usable_cpus() // (sharers * max(1, num_workers)))

@@ -1,0 +1,75 @@
+"""The loader's exceptions. Runs in the trainer.
+
+Errors raised *inside* a worker keep their own builtin type (``ValueError``, DALI's
+``RuntimeError``...) and only gain context in their message; the classes here are for what only a
+multiprocess loader can go through.
+"""
+
+from __future__ import annotations
+
+
+class LoaderError(RuntimeError):
+    """Base class of the loader's own errors."""
+
+
+class WorkerError(LoaderError):
+    """A worker raised an exception whose type cannot be re-created in the trainer."""
+
+    def __init__(self, message: str, *, remote_type: str = "") -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
+
+
+class WorkerDiedError(LoaderError):
+    """A worker process ended without being asked to (signal, ``os._exit``, crash)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker: int,
+        pid: int | None,
+        exitcode: int | None,
+        signal_name: str | None,
+    ) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.pid = pid
+        self.exitcode = exitcode
+        self.signal_name = signal_name
+
+
+class WorkerTimeoutError(LoaderError):
+    """No batch came from a live worker within ``timeout`` seconds."""
+
+    def __init__(self, message: str, *, worker: int, stack: str) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.stack = stack
+
+
+class StartupError(LoaderError):
+    """The worker pool could not start."""
+
+
+class AgreementError(LoaderError):
+    """Workers (or ranks) disagree on batch size, device, context or outputs."""
+
+
+class SlotsExhaustedError(LoaderError):
+    """The trainer holds every shared-memory slot of the worker it waits on."""
+
+
+class LoaderClosedError(LoaderError):
+    """The loader was closed, or shut down after a failure, and cannot be iterated."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's traceback text; set as ``__cause__`` of a relayed error."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f"\n\n--- traceback in the worker ---\n{self.text}"

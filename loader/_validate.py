@@ -1,0 +1,83 @@
+"""Argument checks made in the trainer before any worker starts."""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def check_importable(fn: Any, what: str) -> None:
+    """Spawned workers import ``fn`` by module and name; refuse what they could not import."""
+    if not callable(fn):
+        raise TypeError(f"{what} must be a function, got {type(fn).__name__}")
+    if _is_external_source_instance(fn):
+        raise TypeError(
+            f"{what} is an ndd.ExternalSource instance; pass a module-level function that "
+            "builds one per worker (two workers cannot share one source)"
+        )
+    qualname = getattr(fn, "__qualname__", "")
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__name__", repr(fn))
+    if "<lambda>" in qualname:
+        raise TypeError(
+            f"{what} is a lambda; workers are spawned and import it by name, so define it "
+            "with `def` at module level"
+        )
+    if "<locals>" in qualname:
+        raise TypeError(
+            f"{what} ({qualname}) is defined inside a function; spawned workers can only import "
+            "module-level functions, so move it to module level"
+        )
+    if module is None:
+        raise TypeError(f"{what} ({name}) has no module; define it at module level in a file")
+    if module == "__main__":
+        main = sys.modules.get("__main__")
+        if main is None or not getattr(main, "__file__", None):
+            raise TypeError(
+                f"{what} ({name}) is defined in an interactive session (REPL or notebook); "
+                "spawned workers cannot import it. Put it in a .py file and import it"
+            )
+    else:
+        try:
+            imported = importlib.import_module(module)
+        except ImportError as error:
+            raise TypeError(f"{what} ({name}): module {module!r} cannot be imported") from error
+        target: Any = imported
+        for part in qualname.split("."):
+            target = getattr(target, part, None)
+        if target is not fn:
+            raise TypeError(
+                f"{what} ({module}.{qualname}) is not reachable by its name in its module; "
+                "define it at module level"
+            )
+    try:
+        pickle.dumps(fn)
+    except Exception as error:
+        raise TypeError(f"{what} ({name}) cannot be sent to a worker: {error}") from error
+
+
+def _is_external_source_instance(obj: object) -> bool:
+    module = type(obj).__module__
+    return module.startswith("nvidia.dali") and type(obj).__name__ == "ExternalSource"
+
+
+def check_positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return str(value)
+
+
+def check_optional_callable(fn: Callable[..., Any] | None, what: str) -> None:
+    if fn is not None:
+        check_importable(fn, what)

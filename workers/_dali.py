@@ -1,0 +1,133 @@
+"""The one adapter between this project and DALI's dynamic-mode capture API.
+
+Runs in the worker. Every capture entry point and every look at DALI's capture state goes through
+here, so that a DALI release that renames ``capture=True``/``.captured()`` (newer upstream spells
+them ``compile=True``/``.compiled()``) or moves its private state needs changes in one file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+import nvidia.dali as dali
+import nvidia.dali.experimental.dynamic as ndd
+import nvidia.dali.types as dali_types
+
+DALI_VERSION: str = str(dali.__version__)
+
+
+def is_reader(source: object) -> bool:
+    return callable(getattr(source, "next_epoch", None))
+
+
+def is_external_source(source: object) -> bool:
+    return isinstance(source, ndd.ExternalSource)
+
+
+def describe_source_error(source: object) -> str | None:
+    """Why ``source`` cannot drive a loop, or None when it can."""
+    if is_reader(source) or is_external_source(source):
+        return None
+    return (
+        f"source(shard) must return a DALI reader (ndd.readers.*) or an ndd.ExternalSource, "
+        f"got {type(source).__name__}"
+    )
+
+
+def make_context(num_threads: int, device_id: int | None) -> Any:
+    """The worker's one EvalContext, used for every epoch (rule 8)."""
+    return ndd.EvalContext(num_threads=num_threads, device_id=device_id)
+
+
+def seed_random(seed: int) -> None:
+    """Seed this thread's default DALI RNG, so random operators repeat with the same seed."""
+    ndd.random.set_seed(seed)
+
+
+def _capture_context(source: object) -> Any:
+    iterator = getattr(source, "_captured_iter", None)
+    return None if iterator is None else iterator._capture_ctx
+
+
+def will_trace(source: object, capture: bool) -> bool:
+    """True when the next capture-mode epoch of ``source`` traces instead of replaying."""
+    if not capture:
+        return False
+    ctx = _capture_context(source)
+    return ctx is None or ctx.state.name == "TRACING"
+
+
+def capture_state(source: object, capture: bool) -> str:
+    """``"captured"``, ``"fallback"`` (nothing captured, runs eagerly), ``"tracing"`` or ``"eager"``."""
+    if not capture:
+        return "eager"
+    ctx = _capture_context(source)
+    if ctx is None:
+        # A fallback tears the capture bindings down, which forgets the iterator.
+        return "fallback"
+    name = str(ctx.state.name)
+    return {"CAPTURED": "captured", "TRACING": "tracing"}.get(name, "fallback")
+
+
+def is_disabled(source: object) -> bool:
+    """True when DALI has destroyed a reader (rule 12) and it must be rebuilt."""
+    return bool(getattr(source, "_disabled", False))
+
+
+def epoch_iterator(source: Any, batch_size: int, ctx: Any, capture: bool) -> Iterator[Any]:
+    """One epoch of ``source``: batches of exactly ``batch_size``, traced/replayed when capturing."""
+    if is_reader(source):
+        return iter(source.next_epoch(batch_size=batch_size, ctx=ctx, capture=capture))
+    if capture:
+        return iter(source.captured(batch_size, ctx))
+    return _eager_external_source(source, batch_size, ctx)
+
+
+def _eager_external_source(source: Any, batch_size: int, ctx: Any) -> Iterator[Any]:
+    while True:
+        with ctx:
+            try:
+                item = source(batch_size=batch_size)
+            except StopIteration:
+                return
+        yield item
+
+
+def is_batch(value: object) -> bool:
+    return isinstance(value, ndd.Batch)
+
+
+def batch_device(batch: Any) -> str:
+    return str(batch.device.device_type)
+
+
+def cpu_storage(batch: Any) -> Any:
+    """The evaluated ``TensorListCPU`` behind a CPU batch."""
+    return batch.evaluate()._storage
+
+
+def numpy_dtype(storage: Any, name: str) -> np.dtype[Any]:
+    try:
+        return np.dtype(dali_types.to_numpy_type(storage.dtype))
+    except Exception as error:
+        raise TypeError(
+            f"output {name!r} has DALI type {storage.dtype}, which numpy cannot hold; "
+            "cast it in step() (for example ndd.cast(x, dtype=ndd.float32))"
+        ) from error
+
+
+def sample_shapes(storage: Any) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in shape) for shape in storage.shape()]
+
+
+def layout_of(storage: Any) -> str:
+    return str(storage.layout() or "")
+
+
+def copy_packed(storage: Any, address: int) -> None:
+    """Copy every sample of a CPU batch back to back to ``address`` in one call."""
+    storage.copy_to_external(ctypes.c_void_p(address))

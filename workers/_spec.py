@@ -1,0 +1,32 @@
+"""What the trainer tells a worker at spawn time. Pickled once, by the trainer, into the child."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._shard import Shard
+
+SourceFactory = Callable[[Shard], Any]
+FeederFactory = Callable[[Shard], Mapping[str, Any]]
+StepFunction = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything one worker needs; functions travel by reference (module and qualified name)."""
+
+    source: SourceFactory
+    step: StepFunction
+    feeders: FeederFactory | None
+    shard: Shard
+    batch_size: int
+    capture: bool
+    device: str  # "cpu" or "gpu"
+    device_id: int | None
+    num_threads: int
+    num_slots: int
+    parent_pid: int
+    parent_death_signal: bool
+    log_level: int
