@@ -204,7 +204,9 @@ class WorkerPool:
                 return
             for sentinel in wait(list(pending), timeout=remaining):
                 handle = pending.pop(sentinel)  # type: ignore[call-overload]
-                handle.process.join(0)
+                # The sentinel closes slightly before the process becomes reapable: block on
+                # waitpid (bounded) rather than polling it with WNOHANG.
+                handle.process.join(max(deadline - time.monotonic(), 0.5))
 
 
 def _alive(process: BaseProcess) -> bool:

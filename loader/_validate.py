@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pickle
 import sys
@@ -10,7 +11,17 @@ from typing import Any
 
 
 def check_importable(fn: Any, what: str) -> None:
-    """Spawned workers import ``fn`` by module and name; refuse what they could not import."""
+    """Spawned workers import ``fn`` by module and name; refuse what they could not import.
+
+    A ``functools.partial`` of an importable function is accepted when its arguments pickle.
+    """
+    if isinstance(fn, functools.partial):
+        check_importable(fn.func, what)
+        try:
+            pickle.dumps(fn)
+        except Exception as error:
+            raise TypeError(f"{what}: the arguments of this partial cannot be pickled: {error}") from error
+        return
     if not callable(fn):
         raise TypeError(f"{what} must be a function, got {type(fn).__name__}")
     if _is_external_source_instance(fn):

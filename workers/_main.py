@@ -446,6 +446,10 @@ def _watch_trainer(alive: Connection) -> None:
 
 
 def _set_parent_death_signal(parent_pid: int) -> None:
+    """SIGKILL this process when the trainer dies (only when the trainer is our parent:
+    under forkserver the parent is the server, and the liveness pipe alone does the job)."""
+    if os.getppid() != parent_pid:
+        return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

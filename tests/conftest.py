@@ -1,0 +1,28 @@
+"""Shared fixtures: every test is leak-checked; image datasets are generated once per process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loader._sample import write_sample_dataset
+from loader.testing import find_leaks, snapshot
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks() -> Iterator[None]:
+    """No child process, memfd/socket/pipe descriptor or /dev/shm entry may outlive a test."""
+    before = snapshot()
+    yield
+    problems = find_leaks(before)
+    if problems:
+        pytest.fail("resource leak: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def image_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """48 small JPEGs in 3 classes (ImageFolder layout)."""
+    root = tmp_path_factory.mktemp("images")
+    return write_sample_dataset(root, count=48, classes=3, seed=1)

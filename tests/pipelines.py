@@ -1,0 +1,163 @@
+"""Module-level sources and steps for the tests: spawned workers import them by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import numpy as np
+
+import nvidia.dali.experimental.dynamic as ndd
+from loader import Shard
+from loader._sample import list_images
+
+# ------------------------------------------------------------------- readers over sample images
+
+
+def id_reader(shard: Shard, root: str, batch_size: int = 4, shuffle: bool = False) -> Any:
+    """A File reader whose label is the file's global index (a sample id)."""
+    files, _labels = list_images(root)
+    return ndd.readers.File(
+        files=files,
+        labels=list(range(len(files))),
+        shard_id=shard.index,
+        num_shards=shard.count,
+        random_shuffle=shuffle,
+        seed=shard.seed,
+        max_batch_size=batch_size,
+        stick_to_shard=True,
+    )
+
+
+def decode_step(jpegs: Any, ids: Any) -> dict[str, Any]:
+    images = ndd.decoders.image(jpegs, device="cpu")
+    images = ndd.resize(images, size=[16, 16])
+    return {"image": ndd.crop_mirror_normalize(images, dtype=ndd.float32), "id": ids}
+
+
+def raw_step(jpegs: Any, ids: Any) -> dict[str, Any]:
+    """Ragged output (undecoded JPEG bytes) next to a dense one."""
+    return {"jpeg": jpegs, "id": ids, "shape": ndd.peek_image_shape(jpegs)}
+
+
+def tuple_step(jpegs: Any, ids: Any) -> tuple[Any, Any]:
+    images = ndd.decoders.image(jpegs, device="cpu")
+    return ndd.resize(images, size=[8, 8]), ids
+
+
+# ------------------------------------------------------------------- ExternalSource roots
+
+
+class ShardIds:
+    """Re-iterable: one epoch of full batches of this shard's ids (``total`` ids overall)."""
+
+    def __init__(self, shard: Shard, total: int, batch_size: int) -> None:
+        ids = np.arange(total)
+        per = np.array_split(ids, shard.count)[shard.index]
+        usable = len(per) - len(per) % batch_size
+        self.batches = [per[i : i + batch_size] for i in range(0, usable, batch_size)]
+
+    def __iter__(self) -> Any:
+        for chunk in self.batches:
+            yield ndd.batch([np.array([i], dtype=np.int64) for i in chunk])
+
+
+def id_source(shard: Shard, total: int = 64, batch_size: int = 4) -> Any:
+    return ndd.ExternalSource(ShardIds(shard, total, batch_size), cycle="raise")
+
+
+def cast_step(ids: Any) -> dict[str, Any]:
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def passthrough_step(ids: Any) -> dict[str, Any]:
+    """Calls no DALI operator: nothing is captured, DALI falls back to eager."""
+    return {"id": ids}
+
+
+def dtype_by_shard_source(shard: Shard) -> Any:
+    """Shard 1 yields int32 where the others yield int64: the workers' signatures disagree."""
+    dtype = np.int32 if shard.index == 1 else np.int64
+
+    class Items:
+        def __iter__(self) -> Any:
+            for i in range(4):
+                yield ndd.batch([np.array([i], dtype=dtype)] * 2)
+
+    return ndd.ExternalSource(Items(), cycle="raise")
+
+
+def copy_step(ids: Any) -> dict[str, Any]:
+    return {"id": ndd.copy(ids)}
+
+
+_calls = 0
+
+
+def failing_step(ids: Any) -> dict[str, Any]:
+    """Raises ValueError on its third call."""
+    global _calls
+    _calls += 1
+    if _calls == 3:
+        raise ValueError("step failed on purpose")
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def killing_step(ids: Any) -> dict[str, Any]:
+    """The worker kills itself with SIGKILL on its third call."""
+    global _calls
+    _calls += 1
+    if _calls == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def exiting_step(ids: Any) -> dict[str, Any]:
+    global _calls
+    _calls += 1
+    if _calls == 2:
+        os._exit(3)
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def failing_source(shard: Shard) -> Any:
+    raise FileNotFoundError(f"no data for shard {shard.index}")
+
+
+def not_a_source(shard: Shard) -> Any:
+    return [1, 2, 3]
+
+
+class CustomError(Exception):
+    pass
+
+
+def custom_error_step(ids: Any) -> Any:
+    raise CustomError("custom failure")
+
+
+def bad_output_step(ids: Any) -> Any:
+    return {"id": np.zeros(3)}
+
+
+# ------------------------------------------------------------------- feeders
+
+
+class Offsets:
+    def __init__(self, base: int, batch_size: int) -> None:
+        self.base = base
+        self.batch_size = batch_size
+
+    def __iter__(self) -> Any:
+        for i in range(1000):
+            yield ndd.batch([np.array([self.base + i], dtype=np.int64)] * self.batch_size)
+
+
+def offset_feeders(shard: Shard, batch_size: int = 4) -> dict[str, Any]:
+    return {"offset": ndd.ExternalSource(Offsets(1000 * shard.index, batch_size), cycle="raise")}
+
+
+def feeder_step(ids: Any, offset: Any) -> dict[str, Any]:
+    """Reads its feeder (an ndd.ExternalSource) exactly once per step."""
+    return {"id": ndd.cast(ids, dtype=ndd.int64), "offset": ndd.cast(offset(), dtype=ndd.int64)}
