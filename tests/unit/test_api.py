@@ -1,0 +1,87 @@
+"""Argument checks, rank discovery, thread budget and import layering (no processes)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+import loader
+from loader import Shard
+from loader._env import default_num_threads, discover_placement
+from loader._validate import check_importable
+from tests import pipelines as P
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_shard_formula() -> None:
+    shard = Shard.make(rank=1, world_size=2, worker=1, num_workers=3, seed=10)
+    assert (shard.index, shard.count, shard.seed, shard.epoch) == (4, 6, 14, 0)
+    with pytest.raises(ValueError):
+        Shard(index=0, count=2, rank=0, world_size=1, worker=1, num_workers=2, seed=0)
+
+
+def test_importability_checks() -> None:
+    check_importable(P.cast_step, "step")
+    check_importable(functools.partial(P.id_reader, root="x"), "source")
+
+    def local(x: object) -> object:
+        return x
+
+    with pytest.raises(TypeError, match="lambda"):
+        check_importable(lambda x: x, "step")
+    with pytest.raises(TypeError, match="inside a function"):
+        check_importable(local, "step")
+    with pytest.raises(TypeError, match="must be a function"):
+        check_importable(3, "step")
+
+
+def test_placement_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert discover_placement(None, None).world_size == 1
+    assert discover_placement(1, 4).rank == 1
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    placed = discover_placement(None, None)
+    assert (placed.rank, placed.world_size, placed.source) == (2, 3, "environment")
+    with pytest.raises(ValueError, match="contradict"):
+        discover_placement(0, 3)
+    with pytest.raises(ValueError, match="both"):
+        discover_placement(1, None)
+
+
+def test_thread_budget_splits_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    monkeypatch.setattr("loader._env.usable_cpus", lambda: 8)
+    assert default_num_threads(2) == 4
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    assert default_num_threads(2) == 1
+    assert default_num_threads(1) == 2
+
+
+def _imports(package: str) -> set[str]:
+    found = set()
+    for path in (ROOT / package).glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module.split(".")[0])
+    return found
+
+
+def test_imports_go_one_way() -> None:
+    assert not _imports("ipc") & {"loader", "workers"}
+    assert "loader" not in _imports("workers")
+
+
+def test_public_api_is_sorted() -> None:
+    assert loader.__all__ == sorted(loader.__all__)
+    for name in loader.__all__:
+        assert hasattr(loader, name)
