@@ -14,6 +14,7 @@ mapping goes when the last view is collected; memory is never unmapped under a l
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -130,11 +131,9 @@ class Arena:
         self._anchor = None
         mm, self._mmap = self._mmap, None
         if mm is not None:
-            try:
+            # Live views still export the buffer: the mapping then goes with the last of them.
+            with contextlib.suppress(BufferError):
                 mm.close()
-            except BufferError:
-                # Live views still export the buffer: the mapping goes with the last of them.
-                pass
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:

@@ -104,7 +104,7 @@ class SlotLedger:
         return len(self._held) >= self.num_slots
 
     def receive(self, slot: int, generation: int) -> None:
-        """Record a descriptor; rejects a slot the trainer still holds or a generation going back."""
+        """Record a descriptor; rejects a slot whose previous fill the trainer still holds."""
         if not 0 <= slot < self.num_slots:
             raise RuntimeError(f"descriptor for slot {slot}, but the worker has {self.num_slots}")
         if slot in self._held:

@@ -109,7 +109,7 @@ class OutputPlacement:
     """Where one output of a batch lies inside its slot.
 
     ``shapes`` holds one shape per sample. ``dense`` says every sample has the same shape, so the
-    output is one ``(B, ...)`` array; otherwise it is a list of per-sample arrays packed back to back.
+    output is one ``(B, ...)`` array; otherwise it is a list of per-sample arrays, back to back.
     """
 
     name: str

@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    for name, value in (("--workers", args.workers), ("--batch-size", args.batch_size),
-                        ("--epochs", args.epochs)):
+    for name, value in (
+        ("--workers", args.workers),
+        ("--batch-size", args.batch_size),
+        ("--epochs", args.epochs),
+    ):
         if value < 1:
             print(f"error: {name} must be at least 1, got {value}", file=sys.stderr)
             return 2

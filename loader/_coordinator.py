@@ -72,7 +72,9 @@ class Coordinator:
             self.pump(waiting_for, remaining, startup=True)
         self.pending_signatures = {h.index for h in self.handles}
 
-    def pump(self, wanted: WorkerHandle | None, timeout: float | None, *, startup: bool = False) -> None:
+    def pump(
+        self, wanted: WorkerHandle | None, timeout: float | None, *, startup: bool = False
+    ) -> None:
         """Wait until something arrives, then handle everything that did.
 
         Raises ``WorkerTimeoutError`` when ``timeout`` passes with nothing from anyone.
@@ -212,7 +214,9 @@ class Coordinator:
                     )
         self.reference = reference
         fell_back = [
-            h for h in signed if h.signature and h.signature.capture_requested and not h.signature.captured
+            h
+            for h in signed
+            if h.signature and h.signature.capture_requested and not h.signature.captured
         ]
         if fell_back and not self.fallback_warned:
             self.fallback_warned = True
@@ -285,8 +289,7 @@ class Coordinator:
         last = "no batch yet" if handle.last_step is None else f"last step sent {handle.last_step}"
         epoch = handle.epoch
         message = (
-            f"{handle.describe()} {text} unexpectedly "
-            f"[{self.where(handle, epoch, None)}, {last}]"
+            f"{handle.describe()} {text} unexpectedly [{self.where(handle, epoch, None)}, {last}]"
         )
         if stack.strip():
             message += f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
@@ -313,8 +316,9 @@ class Coordinator:
             f"[{self.where(handle, handle.epoch, handle.last_step)}]"
         )
         message += (
-            f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}" if stack.strip() else
-            "\n(the worker's stack could not be read)"
+            f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
+            if stack.strip()
+            else "\n(the worker's stack could not be read)"
         )
         return self._fail(WorkerTimeoutError(message, worker=handle.index, stack=stack))
 

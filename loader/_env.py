@@ -88,7 +88,7 @@ def usable_cpus() -> int:
 
 
 def default_num_threads(num_workers: int, local_world_size: int = 1) -> int:
-    """DALI threads per worker: this process's CPUs split among workers, trainers and xdist peers."""
+    """DALI threads per worker: this process's CPUs split among workers, ranks and xdist peers."""
     sharers = max(1, local_world_size)
     xdist = _env_int("PYTEST_XDIST_WORKER_COUNT")
     if xdist is not None and xdist > 1:

@@ -391,4 +391,3 @@ def _require_gpu() -> None:
             "device='gpu' needs an NVIDIA GPU, but CUDA sees none "
             "(check CUDA_VISIBLE_DEVICES); use device='cpu'"
         )
-

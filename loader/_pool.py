@@ -85,7 +85,9 @@ class WorkerHandle:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            ready, _, _ = select.select([fd], [], [], min(remaining, quiet if chunks else remaining))
+            ready, _, _ = select.select(
+                [fd], [], [], min(remaining, quiet if chunks else remaining)
+            )
             if not ready:
                 break
             data = os.read(fd, 65536)
@@ -118,7 +120,7 @@ class WorkerPool:
             raise ValueError(
                 f"start_method must be one of {SUPPORTED_START_METHODS}, got {start_method!r}"
             )
-        self._context = multiprocessing.get_context(start_method)
+        self._context: Any = multiprocessing.get_context(start_method)
         self._specs = list(specs)
         self.handles: list[WorkerHandle] = []
         self._closed = False
@@ -187,13 +189,13 @@ class WorkerPool:
                 handle.arena.close()
                 handle.arena = None
             handle.queue.clear()
-        survivors = [h.index for h in started if _alive(h.process)]
+        stuck = [h.index for h in started if _alive(h.process)]
         for handle in started:
             if handle.process.exitcode is not None:
                 with contextlib.suppress(ValueError):
                     handle.process.close()
-        if survivors:
-            logger.warning("workers %s did not exit after SIGKILL", survivors)
+        if stuck:
+            logger.warning("workers %s did not exit after SIGKILL", stuck)
 
     @staticmethod
     def _join(handles: Sequence[WorkerHandle], deadline: float) -> None:
@@ -203,7 +205,7 @@ class WorkerPool:
             if remaining <= 0:
                 return
             for sentinel in wait(list(pending), timeout=remaining):
-                handle = pending.pop(sentinel)  # type: ignore[call-overload]
+                handle = pending.pop(sentinel)  # type: ignore[arg-type]
                 # The sentinel closes slightly before the process becomes reapable: block on
                 # waitpid (bounded) rather than polling it with WNOHANG.
                 handle.process.join(max(deadline - time.monotonic(), 0.5))

@@ -20,7 +20,9 @@ def check_importable(fn: Any, what: str) -> None:
         try:
             pickle.dumps(fn)
         except Exception as error:
-            raise TypeError(f"{what}: the arguments of this partial cannot be pickled: {error}") from error
+            raise TypeError(
+                f"{what}: the arguments of this partial cannot be pickled: {error}"
+            ) from error
         return
     if not callable(fn):
         raise TypeError(f"{what} must be a function, got {type(fn).__name__}")

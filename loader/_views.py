@@ -141,7 +141,7 @@ def build_batch(
     del base, slot_view
     result: Any
     if kind == "dict":
-        result = LoadedBatch(zip((p.name for p in descriptor.outputs), values))
+        result = LoadedBatch(zip((p.name for p in descriptor.outputs), values, strict=False))
         result.info = info
     elif kind == "tuple":
         result = LoadedTuple(values)

@@ -103,7 +103,9 @@ def _shm_entries() -> set[str]:
 
 
 def snapshot() -> Snapshot:
-    return Snapshot(frozenset(_live_children()), frozenset(_watched_fds()), frozenset(_shm_entries()))
+    return Snapshot(
+        frozenset(_live_children()), frozenset(_watched_fds()), frozenset(_shm_entries())
+    )
 
 
 def find_leaks(before: Snapshot, *, grace: float = 5.0) -> list[str]:

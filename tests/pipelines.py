@@ -7,8 +7,8 @@ import signal
 from typing import Any
 
 import numpy as np
-
 import nvidia.dali.experimental.dynamic as ndd
+
 from loader import Shard
 from loader._sample import list_images
 

@@ -7,4 +7,12 @@ from ._main import Worker, run_worker
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
 
-__all__ = ["FeederFactory", "Shard", "SourceFactory", "StepFunction", "Worker", "WorkerSpec", "run_worker"]
+__all__ = [
+    "FeederFactory",
+    "Shard",
+    "SourceFactory",
+    "StepFunction",
+    "Worker",
+    "WorkerSpec",
+    "run_worker",
+]

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-
 import nvidia.dali as dali
 import nvidia.dali.experimental.dynamic as ndd
 import nvidia.dali.types as dali_types
@@ -40,12 +39,12 @@ def describe_source_error(source: object) -> str | None:
 
 def make_context(num_threads: int, device_id: int | None) -> Any:
     """The worker's one EvalContext, used for every epoch (rule 8)."""
-    return ndd.EvalContext(num_threads=num_threads, device_id=device_id)
+    return ndd.EvalContext(num_threads=num_threads, device_id=device_id)  # type: ignore[no-untyped-call]
 
 
 def seed_random(seed: int) -> None:
     """Seed this thread's default DALI RNG, so random operators repeat with the same seed."""
-    ndd.random.set_seed(seed)
+    ndd.random.set_seed(seed)  # type: ignore[no-untyped-call]
 
 
 def _capture_context(source: object) -> Any:
@@ -62,7 +61,7 @@ def will_trace(source: object, capture: bool) -> bool:
 
 
 def capture_state(source: object, capture: bool) -> str:
-    """``"captured"``, ``"fallback"`` (nothing captured, runs eagerly), ``"tracing"`` or ``"eager"``."""
+    """One of ``captured``, ``fallback`` (nothing captured), ``tracing`` or ``eager``."""
     if not capture:
         return "eager"
     ctx = _capture_context(source)
@@ -79,7 +78,7 @@ def is_disabled(source: object) -> bool:
 
 
 def epoch_iterator(source: Any, batch_size: int, ctx: Any, capture: bool) -> Iterator[Any]:
-    """One epoch of ``source``: batches of exactly ``batch_size``, traced/replayed when capturing."""
+    """One epoch of ``source`` in batches of ``batch_size``; traced or replayed when capturing."""
     if is_reader(source):
         return iter(source.next_epoch(batch_size=batch_size, ctx=ctx, capture=capture))
     if capture:
@@ -112,7 +111,7 @@ def cpu_storage(batch: Any) -> Any:
 
 def numpy_dtype(storage: Any, name: str) -> np.dtype[Any]:
     try:
-        return np.dtype(dali_types.to_numpy_type(storage.dtype))
+        return np.dtype(dali_types.to_numpy_type(storage.dtype))  # type: ignore[no-untyped-call]
     except Exception as error:
         raise TypeError(
             f"output {name!r} has DALI type {storage.dtype}, which numpy cannot hold; "

@@ -114,7 +114,8 @@ class Worker:
             for name, feeder in made.items():
                 if not _dali.is_external_source(feeder):
                     raise TypeError(
-                        f"feeder {name!r} must be an ndd.ExternalSource, got {type(feeder).__name__}"
+                        f"feeder {name!r} must be an ndd.ExternalSource, "
+                        f"got {type(feeder).__name__}"
                     )
             feeders = dict(made)
         self.source, self.feeders = source, feeders
@@ -305,9 +306,7 @@ class Worker:
             arena.close()
         self.arena = new
         if grow:
-            logger.debug(
-                "worker %d grew its slots to %d bytes", self.shard.worker, new.slot_size
-            )
+            logger.debug("worker %d grew its slots to %d bytes", self.shard.worker, new.slot_size)
         return new
 
     def publish(self, epoch: int, step: int, named: dict[str, Any], started_ns: int) -> None:
@@ -334,7 +333,7 @@ class Worker:
         try:
             arena = self.ensure_arena(nbytes)
             base = arena.slot_address(slot)
-            for storage, placement in zip(storages, placements):
+            for storage, placement in zip(storages, placements, strict=False):
                 if placement.nbytes:
                     _dali.copy_packed(storage, base + placement.offset)
         except BaseException:
@@ -438,10 +437,8 @@ def describe_outputs(named: Mapping[str, Any]) -> tuple[wire.OutputSchema, ...]:
 
 def _watch_trainer(alive: Connection) -> None:
     """Exit the process as soon as the trainer is gone (its end of ``alive`` closes)."""
-    try:
+    with contextlib.suppress(EOFError, OSError):
         alive.recv_bytes()
-    except (EOFError, OSError):
-        pass
     os._exit(0)
 
 
@@ -459,16 +456,16 @@ def _set_parent_death_signal(parent_pid: int) -> None:
         os._exit(0)  # the trainer died before the signal was armed
 
 
-def run_worker(
-    spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connection
-) -> None:
+def run_worker(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connection) -> None:
     """Process entry point. Never returns normally: the process exits when serving ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     faulthandler.enable(file=stack.fileno(), all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack.fileno(), all_threads=True, chain=False)
     if spec.parent_death_signal:
         _set_parent_death_signal(spec.parent_pid)
-    threading.Thread(target=_watch_trainer, args=(alive,), daemon=True, name="trainer-watch").start()
+    threading.Thread(
+        target=_watch_trainer, args=(alive,), daemon=True, name="trainer-watch"
+    ).start()
 
     channel = ControlChannel(conn)
     worker = Worker(spec, channel)

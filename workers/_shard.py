@@ -40,9 +40,7 @@ class Shard:
             raise ValueError("count must be world_size * num_workers")
 
     @classmethod
-    def make(
-        cls, *, rank: int, world_size: int, worker: int, num_workers: int, seed: int
-    ) -> Shard:
+    def make(cls, *, rank: int, world_size: int, worker: int, num_workers: int, seed: int) -> Shard:
         index = rank * num_workers + worker
         return cls(
             index=index,

@@ -77,7 +77,7 @@ def test_ragged_outputs_are_lists_of_samples(image_root: Path) -> None:
         for batch in loader:
             jpegs = batch["jpeg"]
             assert isinstance(jpegs, list) and len(jpegs) == 4
-            for sample_id, data in zip(ids_of(batch), jpegs):
+            for sample_id, data in zip(ids_of(batch), jpegs, strict=False):
                 assert data.tobytes() == files[sample_id].read_bytes()
             assert batch["shape"].shape == (4, 3)
             del batch, jpegs
@@ -93,7 +93,9 @@ def test_tuple_step_gives_tuples(image_root: Path) -> None:
 
 
 def test_views_return_slots_when_collected(image_root: Path) -> None:
-    with Loader(reader(image_root), P.decode_step, batch_size=4, num_workers=1, prefetch=1) as loader:
+    with Loader(
+        reader(image_root), P.decode_step, batch_size=4, num_workers=1, prefetch=1
+    ) as loader:
         count = 0
         for batch in loader:
             count += 1
@@ -232,7 +234,9 @@ def test_close_is_idempotent_and_leaves_nothing() -> None:
     next(iter(loader))
     loader.close()
     loader.close()
-    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
+    assert not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids
+    )
     with pytest.raises(LoaderClosedError):
         iter(loader)
 
@@ -243,13 +247,14 @@ def test_dropping_the_loader_stops_its_workers() -> None:
     batch = next(iter(loader))
     del loader, batch
     gc.collect()
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 5)
+    _gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 5)
     assert not alive
 
 
 def test_breaking_out_starts_a_complete_next_epoch(image_root: Path) -> None:
     with Loader(reader(image_root), P.decode_step, batch_size=4, num_workers=2) as loader:
         for i, batch in enumerate(loader):
+            assert batch.info.epoch == 0
             if i == 2:
                 break
         del batch
