@@ -54,11 +54,16 @@ def time_loader(shape: tuple[int, ...], dtype: str, batch_size: int, count: int)
             del _
             next(iterator)
         started = time.perf_counter()
+        cpu_started = time.process_time()
         n = 0
         for batch in iterator:
             n += 1
             del batch
+        TRAINER_CPU.append((time.process_time() - cpu_started) / n)
         return (time.perf_counter() - started) / n
+
+
+TRAINER_CPU: list[float] = []
 
 
 def time_torch(shape: tuple[int, ...], dtype: str, batch_size: int, count: int) -> float | None:
@@ -98,7 +103,9 @@ def run(repeats: int, count_large: int, count_tiny: int) -> dict[str, Any]:
         results[name] = {
             "bytes": nbytes,
             "seconds_per_batch": {k: statistics.median(v) for k, v in rows.items() if v},
+            "loader_trainer_cpu_per_batch": statistics.median(TRAINER_CPU),
         }
+        TRAINER_CPU.clear()
     return results
 
 
@@ -114,6 +121,10 @@ def render(results: dict[str, Any]) -> str:
             lines.append(
                 f"{name:<6} {contender:<18} {per:>12} {rate:>8.2f} {seconds / floor:>9.2f}x"
             )
+    lines.append("")
+    for name, result in results.items():
+        cpu = result["loader_trainer_cpu_per_batch"] * 1e6
+        lines.append(f"loader trainer-side CPU per {name} batch: {cpu:.1f} us")
     return "\n".join(lines)
 
 

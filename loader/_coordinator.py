@@ -103,6 +103,18 @@ class Coordinator:
             raise self._died(handle)
         self.flush_releases()
 
+    def take_ready(self, handle: WorkerHandle) -> bool:
+        """Handle what ``handle`` already sent, without waiting; False when it sent nothing."""
+        if handle.exited or handle.channel.closed:
+            return False
+        try:
+            if not handle.channel.poll(0):
+                return False
+        except ChannelClosed:
+            return False
+        self._drain(handle)
+        return True
+
     def _drain(self, handle: WorkerHandle) -> None:
         channel = handle.channel
         try:

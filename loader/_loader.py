@@ -324,8 +324,11 @@ class Loader:
                 run.cursor = (chosen.index + 1) % count
                 return self._deliver(chosen, descriptor)
             if chosen.ledger.all_held:
-                coordinator.collect_views(chosen)
-            coordinator.pump(chosen, self.timeout)
+                coordinator.flush_releases()
+                if chosen.ledger.all_held:
+                    coordinator.collect_views(chosen)
+            if not coordinator.take_ready(chosen):
+                coordinator.pump(chosen, self.timeout)
 
     def _deliver(self, handle: Any, descriptor: wire.BatchReady) -> Any:
         coordinator = self._coordinator
