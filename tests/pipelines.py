@@ -161,3 +161,48 @@ def offset_feeders(shard: Shard, batch_size: int = 4) -> dict[str, Any]:
 def feeder_step(ids: Any, offset: Any) -> dict[str, Any]:
     """Reads its feeder (an ndd.ExternalSource) exactly once per step."""
     return {"id": ndd.cast(ids, dtype=ndd.int64), "offset": ndd.cast(offset(), dtype=ndd.int64)}
+
+
+def segfault_step(ids: Any) -> dict[str, Any]:
+    """Dereferences NULL on its second call."""
+    global _calls
+    _calls += 1
+    if _calls == 2:
+        import ctypes
+
+        ctypes.string_at(0)
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def stuck_step(ids: Any) -> dict[str, Any]:
+    """Never returns from its second call."""
+    global _calls
+    _calls += 1
+    if _calls == 2:
+        import time
+
+        time.sleep(1e6)
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def failing_feeders(shard: Shard) -> dict[str, Any]:
+    def explode() -> Any:
+        raise KeyError("feeder callback failed")
+
+    return {"offset": ndd.ExternalSource(explode)}
+
+
+def corrupt_reader(shard: Shard, root: str) -> Any:
+    return ndd.readers.File(
+        file_root=root, shard_id=shard.index, num_shards=shard.count, max_batch_size=2
+    )
+
+
+def file_root_reader(shard: Shard, root: str) -> Any:
+    return ndd.readers.File(
+        file_root=root, shard_id=shard.index, num_shards=shard.count, max_batch_size=2
+    )
+
+
+def decode_only_step(jpegs: Any, labels: Any) -> dict[str, Any]:
+    return {"image": ndd.decoders.image(jpegs, device="cpu"), "label": labels}

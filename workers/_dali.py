@@ -37,6 +37,20 @@ def describe_source_error(source: object) -> str | None:
     )
 
 
+def probe_reader(source: Any, batch_size: int) -> int | None:
+    """Open a reader now, so a bad path or empty dataset fails at start; returns the shard size.
+
+    Only for readers: an ExternalSource has nothing to open. The reader is opened with the loop's
+    own batch size, so its batch size stays what the capture loop will use.
+    """
+    if not is_reader(source):
+        return None
+    meta = source.get_metadata(batch_size=batch_size)
+    from nvidia.dali.experimental.dynamic._ops import _shard_size
+
+    return int(_shard_size(meta["epoch_size_padded"], source._shard_id, source._num_shards))
+
+
 def make_context(num_threads: int, device_id: int | None) -> Any:
     """The worker's one EvalContext, used for every epoch (rule 8)."""
     return ndd.EvalContext(num_threads=num_threads, device_id=device_id)  # type: ignore[no-untyped-call]

@@ -102,6 +102,12 @@ class Worker:
         problem = _dali.describe_source_error(source)
         if problem is not None:
             raise TypeError(problem)
+        shard_size = _dali.probe_reader(source, self.spec.batch_size)
+        if shard_size == 0:
+            raise ValueError(
+                f"{shard.describe()} has no samples: the dataset has fewer samples than "
+                f"shards ({shard.count}); use fewer workers or ranks, or more data"
+            )
         feeders: dict[str, Any] = {}
         if self.spec.feeders is not None:
             self.phase = "feeders"
