@@ -69,6 +69,7 @@ class Hello:
     pid: int
     num_threads: int
     device_id: int | None
+    steps_per_epoch: int | None  # None when the source cannot tell in advance
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 Runs in the trainer. Everything public is re-exported here; other modules are private.
 """
 
-from workers import Shard
+from workers import BatchedSamples, Shard, shard_indices, sharded_source, steps_per_epoch
 
 from ._errors import (
     AgreementError,
@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AgreementError",
     "BatchInfo",
+    "BatchedSamples",
     "LoadedBatch",
     "LoadedTuple",
     "Loader",
@@ -39,4 +40,7 @@ __all__ = [
     "WorkerStats",
     "WorkerTimeoutError",
     "__version__",
+    "shard_indices",
+    "sharded_source",
+    "steps_per_epoch",
 ]

@@ -41,6 +41,24 @@ logger = logging.getLogger("loader")
 
 NOTHING_CAPTURED = "no operators were captured"
 
+#: Known DALI messages, and what to change in the loader's terms.
+HINTS = (
+    (
+        "Checkpointing is currently not supported in capture mode",
+        "the loader runs DALI capture mode, which cannot checkpoint: build the reader in "
+        "source() without enable_checkpointing=True (or pass capture=False to Loader).",
+    ),
+    (
+        "Expected batch size",
+        "an ExternalSource root must yield full batches: build it with sharded_source(), which "
+        "pads (flagging padded rows) or drops the last partial batch.",
+    ),
+    (
+        "cannot switch to capture mode",
+        "source() must return a reader that was never iterated; the loader iterates it.",
+    ),
+)
+
 
 class Coordinator:
     """Receives from every worker; raises what goes wrong. See the module docstring."""
@@ -252,6 +270,9 @@ class Coordinator:
     def relay_failure(self, handle: WorkerHandle, failure: wire.WorkerFailure) -> BaseException:
         where = self.where(handle, failure.epoch, failure.step)
         message = f"{failure.message} [{where}, in {failure.phase}]"
+        for pattern, hint in HINTS:
+            if pattern in failure.message:
+                message += f" Hint: {hint}"
         error: BaseException | None = None
         if failure.type_module == "builtins":
             kind = getattr(builtins, failure.type_name, None)

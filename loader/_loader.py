@@ -119,6 +119,12 @@ class Loader:
         check_importable(source, "source")
         check_importable(step, "step")
         if feeders is not None:
+            if isinstance(feeders, Mapping):
+                raise TypeError(
+                    "feeders must be a module-level function feeders(shard) -> {name: "
+                    "ndd.ExternalSource}, not a dict of instances: every worker loop needs its "
+                    "own feeders (rule 4c), so the loader builds them in each worker"
+                )
             check_importable(feeders, "feeders")
         if self.output == "torch":
             try:
@@ -215,6 +221,18 @@ class Loader:
         coordinator.send_all(wire.StartEpoch(run.epoch))
         self._epoch += 1
         return run
+
+    def __len__(self) -> int:
+        """Batches this rank gets per epoch (known for readers with ``stick_to_shard=True`` and
+        for :func:`sharded_source`)."""
+        coordinator = self._require_open()
+        steps = [h.hello.steps_per_epoch if h.hello else None for h in coordinator.handles]
+        if any(s is None for s in steps):
+            raise TypeError(
+                "len(loader) is unknown for this source: use sharded_source() or a reader "
+                "with stick_to_shard=True"
+            )
+        return sum(s for s in steps if s is not None)
 
     def close(self) -> None:
         """Stop every worker and release all shared memory. Idempotent; bounded in time."""

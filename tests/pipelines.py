@@ -206,3 +206,159 @@ def file_root_reader(shard: Shard, root: str) -> Any:
 
 def decode_only_step(jpegs: Any, labels: Any) -> dict[str, Any]:
     return {"image": ndd.decoders.image(jpegs, device="cpu"), "label": labels}
+
+
+# ------------------------------------------------------------------- execution-model rules
+
+
+def sample_source(
+    shard: Shard, total: int = 30, batch_size: int = 4, drop_last: bool = False
+) -> Any:
+    """sharded_source over ``total`` ids: exactly-once epochs, padded rows flagged."""
+    from loader import sharded_source
+
+    return sharded_source(
+        shard,
+        total,
+        lambda index: np.array([index], dtype=np.int64),
+        batch_size,
+        drop_last=drop_last,
+    )
+
+
+_source_calls = 0
+
+
+class CountingIds:
+    def __iter__(self) -> Any:
+        global _source_calls
+        for i in range(6):
+            _source_calls += 1
+            yield ndd.batch([np.array([i], dtype=np.int64)] * 2)
+
+
+def counting_source(shard: Shard) -> Any:
+    return ndd.ExternalSource(CountingIds(), cycle="raise")
+
+
+def prefetch_probe_step(ids: Any) -> dict[str, Any]:
+    """Reports how many batches the source had produced when this step's body ran."""
+    polled = ndd.batch([np.array([_source_calls], dtype=np.int64)] * 2)
+    return {"id": ndd.cast(ids, dtype=ndd.int64), "polled": polled}
+
+
+def late_feeder_step(ids: Any, offset: Any) -> dict[str, Any]:
+    """Rule 4a: the feeder is first read on the second step."""
+    global _calls
+    _calls += 1
+    out = {"id": ndd.cast(ids, dtype=ndd.int64)}
+    if _calls >= 2:
+        out["offset"] = ndd.cast(offset(), dtype=ndd.int64)
+    return out
+
+
+def skipping_feeder_step(ids: Any, offset: Any) -> dict[str, Any]:
+    """Rule 4b: the feeder is read on the first step only."""
+    global _calls
+    _calls += 1
+    if _calls == 1:
+        offset()
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def double_feeder_step(ids: Any, offset: Any) -> dict[str, Any]:
+    """Rule 4b: the feeder is read twice in one step."""
+    offset()
+    offset()
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+_shared_root: Any = None
+
+
+def shared_root_source(shard: Shard) -> Any:
+    global _shared_root
+    _shared_root = id_source(shard)
+    return _shared_root
+
+
+def shared_feeders(shard: Shard) -> dict[str, Any]:
+    """Rule 4c: the loop's own root handed back as a feeder (one instance in two roles)."""
+    return {"offset": _shared_root}
+
+
+class FewOffsets:
+    def __iter__(self) -> Any:
+        for i in range(2):
+            yield ndd.batch([np.array([i], dtype=np.int64)] * 4)
+
+
+def short_feeders(shard: Shard) -> dict[str, Any]:
+    """Rule 4d: two items, while the root has eight batches per epoch."""
+    return {"offset": ndd.ExternalSource(FewOffsets())}
+
+
+def eagerly_used_source(shard: Shard) -> Any:
+    """Rule 5: the ExternalSource is called directly before it is returned."""
+    source = id_source(shard)
+    source(batch_size=4)
+    return source
+
+
+def batch_size_step(ids: Any) -> dict[str, Any]:
+    """Rule 6: from the second step on, an operator asks for another batch size than the loop's."""
+    global _calls
+    _calls += 1
+    return {"id": ndd.cast(ids, dtype=ndd.int64, batch_size=None if _calls == 1 else 7)}
+
+
+def device_switch_step(ids: Any) -> dict[str, Any]:
+    """Rule 7: the same call site switches to another device on the third step."""
+    global _calls
+    _calls += 1
+    return {"id": ndd.cast(ids, dtype=ndd.int64, device="gpu" if _calls == 3 else "cpu")}
+
+
+def eager_then_capture_reader(shard: Shard, root: str) -> Any:
+    """Rule 9: the reader is iterated eagerly before the loader captures it."""
+    reader = id_reader(shard, root)
+    for _ in reader.next_epoch(batch_size=4):
+        break
+    return reader
+
+
+def nested_loop_step(ids: Any) -> dict[str, Any]:
+    """Rule 10: the body starts a second capture loop on the worker's thread."""
+    inner = ndd.ExternalSource(
+        ShardIds(Shard.make(rank=0, world_size=1, worker=0, num_workers=1, seed=0), 8, 4)
+    )
+    for batch in inner.captured(batch_size=4):
+        ndd.cast(batch, dtype=ndd.int64)
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def checkpointing_reader(shard: Shard, root: str) -> Any:
+    """Rule 11: a reader built for checkpointing."""
+    files, _ = list_images(root)
+    return ndd.readers.File(
+        files=files,
+        labels=list(range(len(files))),
+        shard_id=shard.index,
+        num_shards=shard.count,
+        max_batch_size=4,
+        enable_checkpointing=True,
+    )
+
+
+def random_step(jpegs: Any, ids: Any) -> dict[str, Any]:
+    """A captured random operator: breaking out destroys the reader (rule 12)."""
+    flip = ndd.random.coin_flip(probability=0.5, batch_size=4)
+    return {"id": ndd.cast(ids, dtype=ndd.int64), "flip": ndd.cast(flip, dtype=ndd.int64)}
+
+
+def reader_feeder_step(jpegs: Any, ids: Any, offset: Any) -> dict[str, Any]:
+    return {"id": ndd.cast(ids, dtype=ndd.int64), "offset": ndd.cast(offset(), dtype=ndd.int64)}
+
+
+def plain_reader_step(jpegs: Any, ids: Any) -> dict[str, Any]:
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}

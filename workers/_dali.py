@@ -51,6 +51,11 @@ def probe_reader(source: Any, batch_size: int) -> int | None:
     return int(_shard_size(meta["epoch_size_padded"], source._shard_id, source._num_shards))
 
 
+def sticks_to_shard(reader: Any) -> bool:
+    """A reader that reads the same shard every epoch (``stick_to_shard=True``)."""
+    return bool(getattr(reader, "_stick_to_shard", False))
+
+
 def make_context(num_threads: int, device_id: int | None) -> Any:
     """The worker's one EvalContext, used for every epoch (rule 8)."""
     return ndd.EvalContext(num_threads=num_threads, device_id=device_id)  # type: ignore[no-untyped-call]

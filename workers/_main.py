@@ -35,7 +35,7 @@ from typing import Any
 from ipc import Arena, ChannelClosed, ControlChannel, SlotRing, place_outputs, round_up
 from ipc import _wire as wire
 
-from . import _dali
+from . import _dali, _sampling
 from ._spec import WorkerSpec
 
 logger = logging.getLogger("workers")
@@ -92,6 +92,7 @@ class Worker:
         self.rebuilds = 0
         self.last_epoch_done: int | None = None
         self._blocked_ns = 0
+        self.steps_per_epoch: int | None = None
 
     # ----------------------------------------------------------------------- sources
     def build_sources(self, epoch: int) -> None:
@@ -103,6 +104,12 @@ class Worker:
         if problem is not None:
             raise TypeError(problem)
         shard_size = _dali.probe_reader(source, self.spec.batch_size)
+        self.steps_per_epoch = None
+        sampled = _sampling.padding_of(source)
+        if sampled is not None:
+            self.steps_per_epoch = len(sampled)
+        elif shard_size is not None and _dali.sticks_to_shard(source):
+            self.steps_per_epoch = -(-shard_size // self.spec.batch_size)
         if shard_size == 0:
             raise ValueError(
                 f"{shard.describe()} has no samples: the dataset has fewer samples than "
@@ -201,6 +208,7 @@ class Worker:
         schema: tuple[tuple[wire.OutputSchema, ...], str] | None = None
         batch_size = 0
         iterator: Iterator[Any] | None = None
+        sampled = _sampling.padding_of(self.source)
         try:
             iterator = _dali.epoch_iterator(self.source, spec.batch_size, self.ctx, spec.capture)
             step_started = time.perf_counter_ns()
@@ -222,7 +230,8 @@ class Worker:
                 if schema is None:
                     schema = (describe_outputs(named), kind)
                     batch_size = next(iter(named.values())).batch_size
-                self.publish(epoch, self.step, named, step_started)
+                padded = sampled.padding.popleft() if sampled and sampled.padding else 0
+                self.publish(epoch, self.step, named, step_started, padded)
                 self.step += 1
                 self.drain()
                 step_started = time.perf_counter_ns()
@@ -315,7 +324,9 @@ class Worker:
             logger.debug("worker %d grew its slots to %d bytes", self.shard.worker, new.slot_size)
         return new
 
-    def publish(self, epoch: int, step: int, named: dict[str, Any], started_ns: int) -> None:
+    def publish(
+        self, epoch: int, step: int, named: dict[str, Any], started_ns: int, padded: int = 0
+    ) -> None:
         storages = []
         described = []
         for name, batch in named.items():
@@ -355,7 +366,7 @@ class Worker:
                 generation=generation,
                 outputs=placements,
                 nbytes=nbytes,
-                padded=0,
+                padded=padded,
                 blocked_ns=self._blocked_ns - blocked_before,
                 busy_ns=time.perf_counter_ns() - started_ns - (self._blocked_ns - blocked_before),
             )
@@ -482,7 +493,9 @@ def run_worker(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Con
     try:
         worker.ctx = _dali.make_context(spec.num_threads, spec.device_id)
         worker.build_sources(0)
-        channel.send(wire.Hello(os.getpid(), spec.num_threads, spec.device_id))
+        channel.send(
+            wire.Hello(os.getpid(), spec.num_threads, spec.device_id, worker.steps_per_epoch)
+        )
         worker.serve()
     except (_Stop, _ShutdownRequested, ChannelClosed):
         pass

@@ -85,3 +85,33 @@ def test_public_api_is_sorted() -> None:
     assert loader.__all__ == sorted(loader.__all__)
     for name in loader.__all__:
         assert hasattr(loader, name)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize(("total", "count"), [(30, 4), (7, 3), (64, 2), (5, 5)])
+def test_shard_indices_cover_each_epoch_exactly_once(
+    total: int, count: int, drop_last: bool
+) -> None:
+    from loader import shard_indices
+
+    for epoch in range(3):
+        parts = [
+            shard_indices(total, i, count, epoch=epoch, seed=3, shuffle=True, drop_last=drop_last)
+            for i in range(count)
+        ]
+        assert len({len(indices) for indices, _ in parts}) == 1  # equal steps everywhere
+        real = [int(x) for indices, pad in parts for x in indices[: len(indices) - pad]]
+        assert len(real) == len(set(real))
+        if drop_last:
+            assert len(real) == total - total % count
+        else:
+            assert sorted(real) == list(range(total))
+
+
+def test_shard_indices_are_deterministic_per_seed_and_epoch() -> None:
+    from loader import shard_indices
+
+    a = shard_indices(100, 1, 4, epoch=2, seed=9, shuffle=True, drop_last=False)[0]
+    b = shard_indices(100, 1, 4, epoch=2, seed=9, shuffle=True, drop_last=False)[0]
+    c = shard_indices(100, 1, 4, epoch=3, seed=9, shuffle=True, drop_last=False)[0]
+    assert a.tolist() == b.tolist() and a.tolist() != c.tolist()
