@@ -53,3 +53,19 @@ class RepeatDataset:
             sample = np.random.default_rng(0).random(self.shape).astype(self.dtype)
             self._batch = torch.from_numpy(np.stack([sample] * self.batch_size))
         return self._batch
+
+
+def _id_sample(index: int) -> Any:
+    return np.array([index], dtype=np.int64)
+
+
+def soak_source(shard: Shard, total: int, batch_size: int) -> Any:
+    from loader import sharded_source
+
+    return sharded_source(shard, total, _id_sample, batch_size, shuffle=True)
+
+
+def soak_step(ids: Any) -> dict[str, Any]:
+    import nvidia.dali.experimental.dynamic as ndd
+
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}

@@ -3,6 +3,7 @@
 Runs in the trainer. Everything public is re-exported here; other modules are private.
 """
 
+from ipc import SharedMemoryError
 from workers import BatchedSamples, Shard, shard_indices, sharded_source, steps_per_epoch
 
 from ._errors import (
@@ -33,6 +34,7 @@ __all__ = [
     "LoaderStats",
     "RemoteTraceback",
     "Shard",
+    "SharedMemoryError",
     "SlotsExhaustedError",
     "StartupError",
     "WorkerDiedError",

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from multiprocessing.connection import wait
 from typing import Any
 
-from ipc import Arena, ChannelClosed
+from ipc import Arena, ChannelClosed, SharedMemoryError
 from ipc import _wire as wire
 
 from ._errors import (
@@ -40,6 +40,11 @@ from ._views import ReleaseQueue
 logger = logging.getLogger("loader")
 
 NOTHING_CAPTURED = "no operators were captured"
+
+#: Non-builtin exception types a worker may raise that the trainer re-creates as they are.
+KNOWN_TYPES: dict[tuple[str, str], type[Exception]] = {
+    (SharedMemoryError.__module__, SharedMemoryError.__qualname__): SharedMemoryError,
+}
 
 #: Known DALI messages, and what to change in the loader's terms.
 HINTS = (
@@ -274,7 +279,10 @@ class Coordinator:
             if pattern in failure.message:
                 message += f" Hint: {hint}"
         error: BaseException | None = None
-        if failure.type_module == "builtins":
+        known = KNOWN_TYPES.get((failure.type_module, failure.type_name))
+        if known is not None:
+            error = known(message)
+        elif failure.type_module == "builtins":
             kind = getattr(builtins, failure.type_name, None)
             if isinstance(kind, type) and issubclass(kind, Exception):
                 try:

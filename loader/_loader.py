@@ -97,6 +97,7 @@ class Loader:
         rank: int | None = None,
         world_size: int | None = None,
         startup_timeout: float = 300.0,
+        shm_limit: int | None = None,
     ) -> None:
         self._closed = True  # until the pool is up; close() must work on a half-built loader
         self._coordinator: Coordinator | None = None
@@ -116,6 +117,8 @@ class Loader:
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
         if num_threads is not None:
             check_positive_int(num_threads, "num_threads")
+        if shm_limit is not None:
+            check_positive_int(shm_limit, "shm_limit")
         check_importable(source, "source")
         check_importable(step, "step")
         if feeders is not None:
@@ -172,6 +175,7 @@ class Loader:
                 parent_pid=os.getpid(),
                 parent_death_signal=on_main_thread,
                 log_level=logging.getLogger("loader").getEffectiveLevel(),
+                shm_limit=shm_limit,
             )
             for worker in range(self.num_workers)
         ]

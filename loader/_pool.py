@@ -24,7 +24,7 @@ from typing import Any
 
 from ipc import Arena, ChannelClosed, ControlChannel, SlotLedger
 from ipc import _wire as wire
-from workers import Shard, WorkerSpec, run_worker
+from workers import Shard, WorkerSpec
 
 logger = logging.getLogger("loader")
 
@@ -132,6 +132,8 @@ class WorkerPool:
 
     def start(self) -> None:
         """Start every process. Receiving their Hello is the coordinator's job."""
+        from workers._main import run_worker  # imports DALI: only once workers are wanted
+
         try:
             for index, spec in enumerate(self._specs):
                 parent_end, child_end = self._context.Pipe(duplex=True)

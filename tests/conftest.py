@@ -10,6 +10,8 @@ import pytest
 from loader._sample import write_sample_dataset
 from loader.testing import find_leaks, snapshot
 
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture(autouse=True)
 def _no_leaks() -> Iterator[None]:

@@ -362,3 +362,18 @@ def reader_feeder_step(jpegs: Any, ids: Any, offset: Any) -> dict[str, Any]:
 
 def plain_reader_step(jpegs: Any, ids: Any) -> dict[str, Any]:
     return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def big_source(shard: Shard) -> Any:
+    """Batches of 4 x 1 MiB."""
+
+    class Big:
+        def __iter__(self) -> Any:
+            for _ in range(3):
+                yield ndd.batch([np.zeros(2**20, dtype=np.uint8)] * 4)
+
+    return ndd.ExternalSource(Big(), cycle="raise")
+
+
+def leaky_test_body() -> None:
+    """Used by the plugin test: starts a process and forgets it."""

@@ -1,9 +1,9 @@
 """Worker side: the process that owns one shard's DALI source and capture loop.
 
-Imports ``ipc`` only; never ``loader``.
+Imports ``ipc`` only; never ``loader``. The process entry point is ``workers._main.run_worker``;
+it is not imported here, so importing the package does not import DALI.
 """
 
-from ._main import Worker, run_worker
 from ._sampling import BatchedSamples, shard_indices, sharded_source, steps_per_epoch
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
@@ -14,9 +14,7 @@ __all__ = [
     "Shard",
     "SourceFactory",
     "StepFunction",
-    "Worker",
     "WorkerSpec",
-    "run_worker",
     "shard_indices",
     "sharded_source",
     "steps_per_epoch",

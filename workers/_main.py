@@ -32,7 +32,17 @@ from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ipc import Arena, ChannelClosed, ControlChannel, SlotRing, place_outputs, round_up
+import psutil
+
+from ipc import (
+    Arena,
+    ChannelClosed,
+    ControlChannel,
+    SharedMemoryError,
+    SlotRing,
+    place_outputs,
+    round_up,
+)
 from ipc import _wire as wire
 
 from . import _dali, _sampling
@@ -300,9 +310,28 @@ class Worker:
         if arena is not None and nbytes <= arena.slot_size:
             return arena
         grow = arena is not None
+        num_slots = self.spec.num_slots
+        needed = round_up(max(nbytes, 1), 4096)
         slot_size = round_up(max(int(nbytes * SLOT_HEADROOM), 1), 4096)
         if arena is not None:
             slot_size = max(slot_size, 2 * arena.slot_size)
+        limit = self.spec.shm_limit
+        if limit is not None and slot_size * num_slots > limit:
+            slot_size = max(needed, (limit // num_slots) // 4096 * 4096)
+        total = slot_size * num_slots
+        available = psutil.virtual_memory().available
+        if (limit is not None and total > limit) or total > available:
+            why = (
+                f"shm_limit is {limit} bytes"
+                if limit is not None and total > limit
+                else f"only {available} bytes of memory are available"
+            )
+            raise SharedMemoryError(
+                f"worker {self.shard.worker} needs {needed * num_slots} bytes "
+                f"({needed * num_slots / 2**20:.1f} MiB: {num_slots} slots of {needed} bytes "
+                f"for batches of {nbytes} bytes) of shared memory, but {why}. Raise shm_limit, "
+                "lower prefetch or the batch size, or free memory"
+            )
         self.arena_id += 1
         new = Arena.create(
             self.arena_id,

@@ -30,3 +30,4 @@ class WorkerSpec:
     parent_pid: int
     parent_death_signal: bool
     log_level: int
+    shm_limit: int | None = None  # bytes of shared memory this worker's arena may use

@@ -133,3 +133,21 @@ def test_more_shards_than_files_fails_at_start(tmp_path: Path, image_root: Path)
     source = functools.partial(P.file_root_reader, root=str(tmp_path / "one"))
     with pytest.raises(RuntimeError, match=r"number of shards[\s\S]*before the first epoch"):
         Loader(source, P.decode_only_step, batch_size=2, num_workers=2)
+
+
+def test_too_little_shared_memory_names_the_size_needed() -> None:
+    from loader import SharedMemoryError
+
+    with Loader(P.big_source, P.copy_step, batch_size=4, num_workers=1, shm_limit=2**20) as loader:
+        with pytest.raises(SharedMemoryError, match=r"needs \d+ bytes .*shm_limit") as info:
+            next(iter(loader))
+    assert "step 0" in str(info.value)
+    assert isinstance(info.value, MemoryError)
+
+
+def test_close_of_eight_workers_is_quick() -> None:
+    loader = Loader(P.id_source, P.cast_step, batch_size=4, num_workers=8, num_threads=1)
+    next(iter(loader))
+    started = time.monotonic()
+    loader.close()
+    assert time.monotonic() - started < 5  # measured in bench/soak.py; ~tens of ms
