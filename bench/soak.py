@@ -57,7 +57,8 @@ def soak(epochs: int, batches: int, batch_size: int, workers: int) -> bool:
         elapsed = time.perf_counter() - started
     print(f"\n{epochs * batches} batches in {elapsed:.1f} s")
     print(f"{'process':<10} {'RSS after epoch 0':>18} {'RSS after last':>15} {'change':>8}")
-    for name, a, b in zip(["trainer"] + [f"worker {i}" for i in range(workers)], first, last):
+    names = ["trainer"] + [f"worker {i}" for i in range(workers)]
+    for name, a, b in zip(names, first, last, strict=True):
         print(f"{name:<10} {a:>15.1f} MiB {b:>11.1f} MiB {b - a:>+7.1f}")
     return ok
 

@@ -18,6 +18,7 @@ from ._errors import (
     WorkerTimeoutError,
 )
 from ._loader import Loader, LoaderStats, WorkerStats
+from ._sample import ensure_sample_dataset, list_images
 from ._views import BatchInfo, LoadedBatch, LoadedTuple
 
 __version__ = "0.1.0"
@@ -42,6 +43,8 @@ __all__ = [
     "WorkerStats",
     "WorkerTimeoutError",
     "__version__",
+    "ensure_sample_dataset",
+    "list_images",
     "shard_indices",
     "sharded_source",
     "steps_per_epoch",

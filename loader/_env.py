@@ -94,3 +94,14 @@ def default_num_threads(num_workers: int, local_world_size: int = 1) -> int:
     if xdist is not None and xdist > 1:
         sharers *= xdist
     return max(1, usable_cpus() // (sharers * max(1, num_workers)))
+
+
+def default_device_id(placement: Placement, visible_gpus: int) -> int:
+    """``LOCAL_RANK`` under a launcher; under pytest-xdist the xdist worker number modulo the
+    visible GPUs (ordinals are relative to ``CUDA_VISIBLE_DEVICES``); else 0."""
+    if os.environ.get("LOCAL_RANK"):
+        return placement.local_rank
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and visible_gpus > 0:
+        return int(worker[2:]) % visible_gpus
+    return placement.local_rank % max(1, visible_gpus)

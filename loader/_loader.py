@@ -24,7 +24,7 @@ from typing import Any
 from ipc import _wire as wire
 from workers import Shard, WorkerSpec
 
-from . import _env
+from . import _distributed, _env
 from ._coordinator import Coordinator
 from ._errors import LoaderClosedError
 from ._pool import WorkerPool
@@ -138,9 +138,9 @@ class Loader:
                 ) from error
         placement = _env.discover_placement(rank, world_size)
         if self.device == "gpu":
-            _require_gpu()
+            visible = _require_gpu()
             if device_id is None:
-                device_id = placement.local_rank
+                device_id = _env.default_device_id(placement, visible)
         elif device_id is not None:
             raise ValueError("device_id= is only meaningful with device='gpu'")
         self.copy = bool(copy)
@@ -191,12 +191,14 @@ class Loader:
         self._started = time.monotonic()
         self._first_batch: float | None = None
         self._kind: str | None = None
+        self._ranks_traced = False
         try:
             pool.start()
             coordinator.wait_startup(startup_timeout)
         except BaseException:
             self.close()
             raise
+        self._check_ranks_at_start()
         logger.info(
             "started %d workers (rank %d/%d, %d DALI threads each, capture=%s)",
             self.num_workers,
@@ -291,6 +293,43 @@ class Loader:
         )
 
     # ------------------------------------------------------------------------------ internals
+    def _check_ranks_at_start(self) -> None:
+        """Across ranks (when a process group is up): the same configuration and epoch length."""
+        coordinator = self._coordinator
+        assert coordinator is not None
+        steps = [h.hello.steps_per_epoch if h.hello else None for h in coordinator.handles]
+        payload = {
+            "batch_size": self.batch_size,
+            "num_workers": self.num_workers,
+            "seed": self.seed,
+            "capture": self.capture,
+            "device": self.device,
+            "num_threads": self.num_threads,
+            "prefetch": self.prefetch,
+            "loader_version": _version(),
+            "steps_per_epoch": None if None in steps else sum(s for s in steps if s is not None),
+        }
+        try:
+            _distributed.check_ranks("configuration", _distributed.gather(payload))
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_ranks_traced(self) -> None:
+        """Across ranks, once per loader: the traced signature (outputs, capture, DALI)."""
+        coordinator = self._coordinator
+        assert coordinator is not None
+        self._ranks_traced = True
+        reference = coordinator.reference
+        payload = {} if reference is None else dict(reference.agreement_fields())
+        payload.pop("device_id", None)  # each rank drives its own GPU
+        try:
+            _distributed.check_ranks("traced signature", _distributed.gather(payload))
+        except BaseException as error:
+            coordinator.failure = error
+            coordinator.close()
+            raise
+
     def _require_open(self) -> Coordinator:
         coordinator = self._coordinator
         if coordinator is not None and coordinator.failure is not None:
@@ -329,6 +368,8 @@ class Loader:
         while coordinator.pending_signatures:
             waiting = coordinator.handles[min(coordinator.pending_signatures)]
             coordinator.pump(waiting, self.timeout)
+        if not self._ranks_traced:
+            self._check_ranks_traced()
         handles = coordinator.handles
         count = len(handles)
         while True:
@@ -398,7 +439,14 @@ class _EpochIterator:
         return self._loader._next(self)
 
 
-def _require_gpu() -> None:
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _require_gpu() -> int:
+    """The number of GPUs CUDA can see; raises a clear error when there is none."""
     import ctypes
 
     try:
@@ -416,3 +464,4 @@ def _require_gpu() -> None:
             "device='gpu' needs an NVIDIA GPU, but CUDA sees none "
             "(check CUDA_VISIBLE_DEVICES); use device='cpu'"
         )
+    return int(count.value)

@@ -115,3 +115,18 @@ def test_shard_indices_are_deterministic_per_seed_and_epoch() -> None:
     b = shard_indices(100, 1, 4, epoch=2, seed=9, shuffle=True, drop_last=False)[0]
     c = shard_indices(100, 1, 4, epoch=3, seed=9, shuffle=True, drop_last=False)[0]
     assert a.tolist() == b.tolist() and a.tolist() != c.tolist()
+
+
+def test_default_gpu_under_xdist_and_launchers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loader._env import default_device_id
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PYTEST_XDIST_WORKER"):
+        monkeypatch.delenv(name, raising=False)
+    placed = discover_placement(None, None)
+    assert default_device_id(placed, 4) == 0
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw5")
+    assert default_device_id(placed, 4) == 1
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert default_device_id(discover_placement(None, None), 4) == 3
