@@ -69,3 +69,125 @@ def soak_step(ids: Any) -> dict[str, Any]:
     import nvidia.dali.experimental.dynamic as ndd
 
     return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+# ------------------------------------------------------------------- bench suite workloads
+PY_BATCH = 64
+PY_SAMPLE = 256
+
+
+def python_work(iteration: int) -> list[np.ndarray[Any, Any]]:
+    """About 5 ms of numpy work (single-threaded) that makes one batch of 64 samples."""
+    rng = np.random.default_rng(iteration)
+    data = rng.random(120_000)
+    data.sort()
+    base = data[: PY_BATCH * PY_SAMPLE].reshape(PY_BATCH, PY_SAMPLE).astype(np.float32)
+    return list(base)
+
+
+class PythonBatches:
+    """ExternalSource source: ``count`` batches per epoch, each from ``python_work``."""
+
+    def __init__(self, count: int, offset: int = 0) -> None:
+        self.count = count
+        self.offset = offset
+
+    def __iter__(self) -> Any:
+        import nvidia.dali.experimental.dynamic as ndd
+
+        for i in range(self.count):
+            yield ndd.batch(python_work(self.offset + i))
+
+
+def python_source(shard: Shard, batches: int) -> Any:
+    import nvidia.dali.experimental.dynamic as ndd
+
+    mine = batches // shard.count
+    return ndd.ExternalSource(PythonBatches(mine, shard.index * mine), cycle="raise")
+
+
+def light_step(batch: Any) -> dict[str, Any]:
+    import nvidia.dali.experimental.dynamic as ndd
+
+    return {"x": ndd.normalize(batch, axes=[0])}
+
+
+class ParallelCallback:
+    """DALI classic ``fn.external_source(parallel=True, batch=True, batch_info=True)`` callback."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __call__(self, info: Any) -> list[np.ndarray[Any, Any]]:
+        if info.iteration >= self.count:
+            raise StopIteration
+        return python_work(info.iteration)
+
+
+TINY_BATCH = 8
+
+
+class TinyBatches:
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.samples = [np.full((4, 4), i, dtype=np.uint8) for i in range(TINY_BATCH)]
+
+    def __iter__(self) -> Any:
+        import nvidia.dali.experimental.dynamic as ndd
+
+        for _ in range(self.count):
+            yield ndd.batch(self.samples)
+
+
+def tiny_source(shard: Shard, batches: int) -> Any:
+    import nvidia.dali.experimental.dynamic as ndd
+
+    return ndd.ExternalSource(TinyBatches(batches // shard.count), cycle="raise")
+
+
+def tiny_step(batch: Any) -> dict[str, Any]:
+    import nvidia.dali.experimental.dynamic as ndd
+
+    return {"x": ndd.cast(batch, dtype=ndd.uint8)}
+
+
+class DaliEagerDataset:
+    """torch map-style dataset: item i is batch i, made by the same DALI body run eagerly.
+
+    ``kind`` is ``images`` (files of batch i -> image_step), ``python`` or ``tiny``.
+    """
+
+    def __init__(self, kind: str, batches: int, root: str = "", batch_size: int = 64) -> None:
+        self.kind, self.batches, self.root, self.batch_size = kind, batches, root, batch_size
+        self._ctx: Any = None
+        self._files: list[str] = []
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray[Any, Any]]:
+        import nvidia.dali.experimental.dynamic as ndd
+
+        from loader import list_images
+        from loader._sample import image_step
+
+        if self._ctx is None:
+            self._ctx = ndd.EvalContext(num_threads=1)
+            if self.kind == "images":
+                self._files = list_images(self.root)[0]
+        with self._ctx:
+            if self.kind == "images":
+                start = index * self.batch_size
+                names = [
+                    self._files[(start + k) % len(self._files)] for k in range(self.batch_size)
+                ]
+                jpegs = ndd.batch([np.fromfile(name, dtype=np.uint8) for name in names])
+                labels = ndd.batch([np.array([k], dtype=np.int32) for k in range(self.batch_size)])
+                out = image_step(jpegs, labels)
+            elif self.kind == "python":
+                out = light_step(ndd.batch(python_work(index)))
+            else:
+                out = tiny_step(
+                    ndd.batch([np.full((4, 4), i, np.uint8) for i in range(TINY_BATCH)])
+                )
+            return {name: np.asarray(ndd.as_tensor(value)) for name, value in out.items()}

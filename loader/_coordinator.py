@@ -15,11 +15,11 @@ import builtins
 import gc
 import logging
 import os
+import select
 import signal
 import time
 import warnings
 from collections.abc import Iterable
-from multiprocessing.connection import wait
 from typing import Any
 
 from ipc import Arena, ChannelClosed, SharedMemoryError
@@ -78,6 +78,9 @@ class Coordinator:
         self.fallback_warned = False
         self.wait_ns = 0
         self.failure: BaseException | None = None
+        self._poller: tuple[select.poll, dict[int, WorkerHandle], dict[int, WorkerHandle]] | None
+        self._poller = None
+        self._poller_key: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------------------ waiting
     def wait_startup(self, timeout: float) -> None:
@@ -102,38 +105,59 @@ class Coordinator:
 
         Raises ``WorkerTimeoutError`` when ``timeout`` passes with nothing from anyone.
         """
-        self.flush_releases()
-        live = [h for h in self.handles if not h.exited]
-        channels = {h.channel.connection: h for h in live}
-        sentinels = {h.process.sentinel: h for h in live}
-        waitables: list[Any] = [*channels, *sentinels, self.releases.wakeup_fd]
-        started = time.perf_counter_ns()
-        ready = wait(waitables, timeout)
-        self.wait_ns += time.perf_counter_ns() - started
+        self.releases.waiting = True  # from here, a finalizer on this thread wakes the wait
+        try:
+            self.flush_releases()
+            poller, channels, sentinels = self._poller_for_live_handles()
+            started = time.perf_counter_ns()
+            ready = poller.poll(None if timeout is None else max(0, int(timeout * 1000)))
+            self.wait_ns += time.perf_counter_ns() - started
+        finally:
+            self.releases.waiting = False
         if not ready:
             assert wanted is not None
             if startup:
                 return
             raise self._timeout(wanted, timeout)
         died: list[WorkerHandle] = []
-        for item in ready:
-            if item in channels:
-                self._drain(channels[item])
-            elif item in sentinels:
-                died.append(sentinels[item])
+        for fd, _events in ready:
+            if fd in channels:
+                self._drain(channels[fd])
+            elif fd in sentinels:
+                died.append(sentinels[fd])
+            elif fd == self.releases.wakeup_fd:
+                self.releases.clear_wakeup()
         for handle in died:
             self._drain(handle)  # a failure record sent just before exiting explains the exit
             raise self._died(handle)
         self.flush_releases()
 
+    def _poller_for_live_handles(
+        self,
+    ) -> tuple[select.poll, dict[int, WorkerHandle], dict[int, WorkerHandle]]:
+        """One ``select.poll`` over live channels, sentinels and the wakeup pipe, rebuilt only
+        when the set of live workers changes (``multiprocessing.connection.wait`` would build a
+        selector on every call)."""
+        live = tuple(h.index for h in self.handles if not h.exited and not h.channel.closed)
+        if self._poller is None or self._poller_key != live:
+            poller = select.poll()
+            channels: dict[int, WorkerHandle] = {}
+            sentinels: dict[int, WorkerHandle] = {}
+            for index in live:
+                handle = self.handles[index]
+                channels[handle.channel.fileno()] = handle
+                sentinels[handle.process.sentinel] = handle
+            for fd in (*channels, *sentinels, self.releases.wakeup_fd):
+                poller.register(fd, select.POLLIN)
+            self._poller = (poller, channels, sentinels)
+            self._poller_key = live
+        return self._poller
+
     def take_ready(self, handle: WorkerHandle) -> bool:
         """Handle what ``handle`` already sent, without waiting; False when it sent nothing."""
         if handle.exited or handle.channel.closed:
             return False
-        try:
-            if not handle.channel.poll(0):
-                return False
-        except ChannelClosed:
+        if not handle.channel.ready():
             return False
         self._drain(handle)
         return True
@@ -141,7 +165,7 @@ class Coordinator:
     def _drain(self, handle: WorkerHandle) -> None:
         channel = handle.channel
         try:
-            while not channel.closed and channel.poll(0):
+            while channel.ready():
                 self.dispatch(handle, channel.recv())
         except ChannelClosed:
             return

@@ -30,6 +30,9 @@ class ReleaseQueue:
         self._lock = threading.Lock()
         self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._closed = False
+        self._signalled = False
+        #: Set by the trainer's thread from just before its last flush until its wait returns.
+        self.waiting = False
 
     @property
     def wakeup_fd(self) -> int:
@@ -37,15 +40,31 @@ class ReleaseQueue:
 
     def put(self, worker: int, slot: int, generation: int) -> None:
         self._items.append((worker, slot, generation))
-        # Always wake the trainer: a finalizer can run between its last flush and its wait.
+        # The trainer's thread flushes the queue before it waits; it needs waking only when it is
+        # waiting already (or about to), or when the release comes from another thread.
+        if not self.waiting and threading.current_thread() is threading.main_thread():
+            return
         with self._lock:
             if not self._closed:
+                self._signalled = True
                 with contextlib.suppress(BlockingIOError, OSError):
                     os.write(self._write_fd, b"\0")
 
+    def clear_wakeup(self) -> None:
+        """Empty the wakeup pipe (the trainer's wait reported it readable)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._signalled = False
+            with contextlib.suppress(BlockingIOError, OSError):
+                while os.read(self._read_fd, 4096):
+                    pass
+
     def take(self) -> list[tuple[int, int, int]]:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.read(self._read_fd, 4096)
+        if self._signalled:
+            self._signalled = False
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.read(self._read_fd, 4096)
         items = []
         while self._items:
             items.append(self._items.popleft())

@@ -182,7 +182,7 @@ class Worker:
         self.channel.send(wire.EpochAborted(epoch, rebuilt=True))
 
     def drain(self) -> None:
-        while self.channel.poll(0):
+        while self.channel.ready():
             self.handle(self.channel.recv(), in_epoch=True)
 
     def acquire_slot(self) -> int:

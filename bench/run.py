@@ -1,0 +1,483 @@
+"""Side-by-side benchmarks: ``python -m bench`` (``--quick`` for a short run).
+
+Workloads (same data for every contender, in one run):
+
+* ``images``: JPEG files -> decode -> random resized crop 224 -> flip -> normalize, batch 64;
+* ``python``: an ExternalSource whose Python callback does ~5 ms of numpy work per batch, then a
+  light DALI op (one process is GIL-bound here);
+* ``tiny``: 8 samples of 4x4 uint8 per batch, trivial body: the per-batch overhead.
+
+Contenders: in-process DALI capture and eager (same total threads); torch DataLoader with W
+workers each running the same DALI body eagerly; DALI's classic pipeline with
+``fn.external_source(parallel=True)`` (python workload only); this loader with W workers, capture
+on and off. Each contender runs ``repeats + 1`` epochs; the first is a warm-up (its start gives the
+time to the first batch) and the median of the others gives the throughput. The trainer's CPU
+time per 1,000 batches is measured over the timed epochs. Results go to
+``bench/results/latest.json`` and a plot to ``bench/results/throughput.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import _sources as S
+from loader import Loader, ensure_sample_dataset, list_images
+from loader._sample import image_source, image_step
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass
+class Result:
+    workload: str
+    contender: str
+    workers: int
+    batches_per_second: float
+    samples_per_second: float
+    first_batch_seconds: float
+    trainer_cpu_per_1000: float
+    repeats: list[float]
+
+
+def measure(
+    workload: str,
+    contender: str,
+    workers: int,
+    batch_size: int,
+    make_epochs: Callable[[], Iterator[Iterable[Any]]],
+    repeats: int,
+) -> Result:
+    """``make_epochs()`` yields one iterable per epoch (the first yield may build everything)."""
+    started = time.perf_counter()
+    epochs = make_epochs()
+    rates: list[float] = []
+    cpu = 0.0
+    timed_batches = 0
+    first_batch = 0.0
+    try:
+        for epoch in range(repeats + 1):
+            batches = next(epochs)
+            epoch_started = time.perf_counter()
+            cpu_started = time.process_time()
+            count = 0
+            for batch in batches:
+                if epoch == 0 and count == 0:
+                    first_batch = time.perf_counter() - started
+                count += 1
+                del batch
+            elapsed = time.perf_counter() - epoch_started
+            if epoch > 0:
+                rates.append(count / elapsed)
+                cpu += time.process_time() - cpu_started
+                timed_batches += count
+    finally:
+        epochs.close()
+    rate = statistics.median(rates)
+    return Result(
+        workload,
+        contender,
+        workers,
+        rate,
+        rate * batch_size,
+        first_batch,
+        1000 * cpu / max(timed_batches, 1),
+        rates,
+    )
+
+
+# ------------------------------------------------------------------------------- contenders
+def in_process(
+    source_factory: Callable[[], Any],
+    step: Callable[..., Any],
+    capture: bool,
+    batch_size: int,
+    threads: int,
+) -> Callable[[], Iterator[Iterable[Any]]]:
+    def epochs() -> Iterator[Iterable[Any]]:
+        import nvidia.dali.experimental.dynamic as ndd
+
+        ctx = ndd.EvalContext(num_threads=threads)
+        source = source_factory()
+
+        def one_epoch() -> Iterator[Any]:
+            if hasattr(source, "next_epoch"):
+                iterator = source.next_epoch(batch_size=batch_size, ctx=ctx, capture=capture)
+            elif capture:
+                iterator = source.captured(batch_size, ctx)
+            else:
+                iterator = _eager_es(source, batch_size, ctx)
+            for inputs in iterator:
+                out = step(*inputs) if isinstance(inputs, tuple) else step(inputs)
+                yield {k: ndd.as_tensor(v).evaluate() for k, v in out.items()}
+
+        while True:
+            yield one_epoch()
+
+    return epochs
+
+
+def _eager_es(source: Any, batch_size: int, ctx: Any) -> Iterator[Any]:
+    while True:
+        with ctx:
+            try:
+                yield source(batch_size=batch_size)
+            except StopIteration:
+                return
+
+
+def with_loader(
+    source: Any, step: Any, batch_size: int, workers: int, capture: bool, threads: int
+) -> Callable[[], Iterator[Iterable[Any]]]:
+    def epochs() -> Iterator[Iterable[Any]]:
+        with Loader(
+            source,
+            step,
+            batch_size=batch_size,
+            num_workers=workers,
+            capture=capture,
+            num_threads=max(1, threads // workers),
+        ) as loader:
+            while True:
+                yield loader
+
+    return epochs
+
+
+def with_torch(dataset: Any, workers: int) -> Callable[[], Iterator[Iterable[Any]]]:
+    def epochs() -> Iterator[Iterable[Any]]:
+        import torch.utils.data
+
+        data = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=workers,
+            persistent_workers=True,
+            multiprocessing_context="spawn",
+            prefetch_factor=2,
+        )
+        while True:
+            yield data
+
+    return epochs
+
+
+def with_dali_parallel(
+    batches: int, workers: int, threads: int
+) -> Callable[[], Iterator[Iterable[Any]]]:
+    def epochs() -> Iterator[Iterable[Any]]:
+        from nvidia.dali import fn, pipeline_def
+
+        @pipeline_def(
+            batch_size=S.PY_BATCH,
+            num_threads=threads,
+            device_id=None,
+            py_num_workers=workers,
+            py_start_method="spawn",
+        )
+        def pipe() -> Any:
+            data = fn.external_source(
+                source=S.ParallelCallback(batches), parallel=True, batch=True, batch_info=True
+            )
+            return fn.normalize(data, axes=[0])
+
+        pipeline = pipe()
+        pipeline.build()
+
+        def one_epoch() -> Iterator[Any]:
+            try:
+                while True:
+                    yield pipeline.run()
+            except StopIteration:
+                pipeline.reset()
+
+        while True:
+            yield one_epoch()
+
+    return epochs
+
+
+# ------------------------------------------------------------------------------- workloads
+def run(quick: bool, repeats: int, threads: int) -> list[Result]:
+    widths = [2] if quick else [1, 2, 4]
+    results: list[Result] = []
+    root = str(ensure_sample_dataset())
+    files = len(list_images(root)[0])
+    image_batches = files // 64
+    py_batches = 24 if quick else 48
+    tiny_batches = 400 if quick else 2000
+
+    def record(result: Result) -> None:
+        results.append(result)
+        print(
+            f"  {result.workload:<7} {result.contender:<24} W={result.workers} "
+            f"{result.batches_per_second:9.1f} batches/s",
+            flush=True,
+        )
+
+    # images ------------------------------------------------------------------------
+    reader = functools.partial(image_source, root=root, batch_size=64, shuffle=True)
+    for capture in (True, False):
+        record(
+            measure(
+                "images",
+                f"in-process {'capture' if capture else 'eager'}",
+                1,
+                64,
+                in_process(
+                    functools.partial(_single_shard, reader), image_step, capture, 64, threads
+                ),
+                repeats,
+            )
+        )
+    for w in widths:
+        record(
+            measure(
+                "images",
+                "torch DataLoader",
+                w,
+                64,
+                with_torch(S.DaliEagerDataset("images", image_batches, root), w),
+                repeats,
+            )
+        )
+        for capture in (True, False):
+            record(
+                measure(
+                    "images",
+                    f"loader {'capture' if capture else 'eager'}",
+                    w,
+                    64,
+                    with_loader(reader, image_step, 64, w, capture, threads),
+                    repeats,
+                )
+            )
+
+    # python source -----------------------------------------------------------------
+    for capture in (True, False):
+        record(
+            measure(
+                "python",
+                f"in-process {'capture' if capture else 'eager'}",
+                1,
+                S.PY_BATCH,
+                in_process(
+                    functools.partial(_python_es, py_batches),
+                    S.light_step,
+                    capture,
+                    S.PY_BATCH,
+                    threads,
+                ),
+                repeats,
+            )
+        )
+    for w in widths:
+        record(
+            measure(
+                "python",
+                "torch DataLoader",
+                w,
+                S.PY_BATCH,
+                with_torch(S.DaliEagerDataset("python", py_batches), w),
+                repeats,
+            )
+        )
+        record(
+            measure(
+                "python",
+                "DALI parallel ES",
+                w,
+                S.PY_BATCH,
+                with_dali_parallel(py_batches, w, threads),
+                repeats,
+            )
+        )
+        source = functools.partial(S.python_source, batches=py_batches)
+        for capture in (True, False):
+            record(
+                measure(
+                    "python",
+                    f"loader {'capture' if capture else 'eager'}",
+                    w,
+                    S.PY_BATCH,
+                    with_loader(source, S.light_step, S.PY_BATCH, w, capture, threads),
+                    repeats,
+                )
+            )
+
+    # tiny --------------------------------------------------------------------------
+    for capture in (True, False):
+        record(
+            measure(
+                "tiny",
+                f"in-process {'capture' if capture else 'eager'}",
+                1,
+                S.TINY_BATCH,
+                in_process(
+                    functools.partial(_tiny_es, tiny_batches),
+                    S.tiny_step,
+                    capture,
+                    S.TINY_BATCH,
+                    threads,
+                ),
+                repeats,
+            )
+        )
+    for w in widths:
+        record(
+            measure(
+                "tiny",
+                "torch DataLoader",
+                w,
+                S.TINY_BATCH,
+                with_torch(S.DaliEagerDataset("tiny", tiny_batches), w),
+                repeats,
+            )
+        )
+        source = functools.partial(S.tiny_source, batches=tiny_batches)
+        for capture in (True, False):
+            record(
+                measure(
+                    "tiny",
+                    f"loader {'capture' if capture else 'eager'}",
+                    w,
+                    S.TINY_BATCH,
+                    with_loader(source, S.tiny_step, S.TINY_BATCH, w, capture, threads),
+                    repeats,
+                )
+            )
+    return results
+
+
+def _single_shard(reader: Callable[..., Any]) -> Any:
+    from loader import Shard
+
+    return reader(Shard.make(rank=0, world_size=1, worker=0, num_workers=1, seed=0))
+
+
+def _python_es(batches: int) -> Any:
+    import nvidia.dali.experimental.dynamic as ndd
+
+    return ndd.ExternalSource(S.PythonBatches(batches), cycle="raise")
+
+
+def _tiny_es(batches: int) -> Any:
+    import nvidia.dali.experimental.dynamic as ndd
+
+    return ndd.ExternalSource(S.TinyBatches(batches), cycle="raise")
+
+
+# ------------------------------------------------------------------------------- output
+def render(results: list[Result]) -> str:
+    lines = [
+        f"{'workload':<8} {'contender':<22} {'W':>2} {'batches/s':>10} {'samples/s':>10} "
+        f"{'vs best':>8} {'1st batch s':>11} {'trainer CPU s/1k':>16}"
+    ]
+    for workload in dict.fromkeys(r.workload for r in results):
+        rows = [r for r in results if r.workload == workload]
+        best = max(r.batches_per_second for r in rows)
+        for r in rows:
+            lines.append(
+                f"{r.workload:<8} {r.contender:<22} {r.workers:>2} {r.batches_per_second:>10.1f} "
+                f"{r.samples_per_second:>10.0f} {r.batches_per_second / best:>7.2f}x "
+                f"{r.first_batch_seconds:>11.2f} {r.trainer_cpu_per_1000:>16.3f}"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def targets(results: list[Result]) -> list[str]:
+    def rate(workload: str, contender: str, workers: int = 2) -> float | None:
+        for r in results:
+            if (r.workload, r.contender) == (workload, contender) and (
+                r.workers == workers or contender.startswith("in-process")
+            ):
+                return r.batches_per_second
+        return None
+
+    lines = []
+    checks = [
+        ("images: loader(W=2) / in-process capture >= 0.95", "images", "in-process capture", 0.95),
+        ("images: loader(W=2) / torch DataLoader(W=2) >= 1.2", "images", "torch DataLoader", 1.2),
+        ("python: loader(W=2) / in-process capture >= 1.7", "python", "in-process capture", 1.7),
+    ]
+    for text, workload, other, goal in checks:
+        ours, theirs = rate(workload, "loader capture"), rate(workload, other)
+        if ours and theirs:
+            ratio = ours / theirs
+            lines.append(f"{text}: {ratio:.2f} {'met' if ratio >= goal else 'MISSED'}")
+    tiny = [r for r in results if r.workload == "tiny" and r.contender == "loader capture"]
+    for r in tiny:
+        per = r.trainer_cpu_per_1000 * 1000
+        lines.append(
+            f"tiny: trainer-side cost, W={r.workers}: {per:.1f} us per batch (target <= 30): "
+            f"{'met' if per <= 30 else 'MISSED'}"
+        )
+    return lines
+
+
+def plot(results: list[Result], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    figure, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4))
+    for axis, workload in zip(axes, workloads, strict=True):
+        rows = [r for r in results if r.workload == workload]
+        widths = sorted({r.workers for r in rows if not r.contender.startswith("in-process")})
+        for contender in dict.fromkeys(r.contender for r in rows):
+            points = sorted(
+                (r.workers, r.samples_per_second) for r in rows if r.contender == contender
+            )
+            if contender.startswith("in-process"):
+                axis.plot(widths or [1], [points[0][1]] * len(widths or [1]), "--", label=contender)
+            else:
+                axis.plot([p[0] for p in points], [p[1] for p in points], "o-", label=contender)
+        axis.set_title(workload)
+        axis.set_xlabel("worker processes (W)")
+        axis.set_ylabel("samples/s")
+        axis.set_xticks(widths or [1])
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="W=2 only, fewer batches (< 3 min)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed epochs per contender")
+    parser.add_argument("--threads", type=int, default=None, help="total DALI threads (CPUs)")
+    args = parser.parse_args(argv)
+    from loader._env import usable_cpus
+
+    threads = args.threads or usable_cpus()
+    started = time.perf_counter()
+    results = run(args.quick, args.repeats, threads)
+    print()
+    print(render(results))
+    for line in targets(results):
+        print(line)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(
+        json.dumps(
+            {"quick": args.quick, "threads": threads, "results": [asdict(r) for r in results]},
+            indent=2,
+        )
+    )
+    if plot(results, RESULTS / "throughput.png"):
+        print(f"\nplot: {RESULTS / 'throughput.png'}")
+    print(f"total: {time.perf_counter() - started:.0f} s")
