@@ -44,12 +44,12 @@ class AbortEpoch:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """The trainer no longer uses ``slot``; ``generation`` must match the slot's current fill."""
+    """The trainer no longer uses these fills: ``(slot, generation)`` pairs, each generation
+    matching that slot's current fill."""
 
     __reduce__ = _reduce
 
-    slot: int
-    generation: int
+    fills: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True, slots=True)

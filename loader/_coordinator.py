@@ -81,6 +81,7 @@ class Coordinator:
         self._poller: tuple[select.poll, dict[int, WorkerHandle], dict[int, WorkerHandle]] | None
         self._poller = None
         self._poller_key: tuple[int, ...] = ()
+        self._pending_releases: dict[int, list[tuple[int, int]]] = {}
 
     # ------------------------------------------------------------------------------ waiting
     def wait_startup(self, timeout: float) -> None:
@@ -170,15 +171,26 @@ class Coordinator:
         except ChannelClosed:
             return
 
-    def flush_releases(self) -> None:
+    def flush_releases(self, *, lazy: bool = False) -> None:
+        """Send queued releases, one record per worker. ``lazy`` keeps a worker's releases
+        queued while it still has at least half its slots (fewer, larger records)."""
+        pending = self._pending_releases
         for worker, slot, generation in self.releases.take():
+            if self.handles[worker].ledger.release(slot, generation):
+                pending.setdefault(worker, []).append((slot, generation))
+        for worker in list(pending):
             handle = self.handles[worker]
-            if handle.ledger.release(slot, generation):
-                handle.send(wire.Release(slot, generation))
+            fills = pending[worker]
+            if lazy and len(fills) < max(1, handle.ledger.num_slots // 2) and (
+                handle.ledger.held + len(fills) < handle.ledger.num_slots
+            ):
+                continue
+            del pending[worker]
+            handle.send(wire.Release(tuple(fills)))
 
     def release_now(self, handle: WorkerHandle, descriptor: wire.BatchReady) -> None:
         if handle.ledger.release(descriptor.slot, descriptor.generation):
-            handle.send(wire.Release(descriptor.slot, descriptor.generation))
+            handle.send(wire.Release(((descriptor.slot, descriptor.generation),)))
 
     def collect_views(self, handle: WorkerHandle) -> None:
         """Before declaring every slot held: collect dead views and send their releases."""

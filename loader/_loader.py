@@ -383,6 +383,7 @@ class Loader:
                 run.finished = True
                 raise StopIteration
             if chosen.queue:
+                coordinator.flush_releases(lazy=True)
                 descriptor = chosen.queue.popleft()
                 run.cursor = (chosen.index + 1) % count
                 return self._deliver(chosen, descriptor)

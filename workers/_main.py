@@ -163,7 +163,8 @@ class Worker:
     # ----------------------------------------------------------------------- messages
     def handle(self, message: Any, *, in_epoch: bool) -> None:
         if isinstance(message, wire.Release):
-            self.ring.release(message.slot, message.generation)
+            for slot, generation in message.fills:
+                self.ring.release(slot, generation)
         elif isinstance(message, wire.AbortEpoch):
             if in_epoch:
                 raise _AbortRequested
