@@ -53,6 +53,17 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
+class CudaFreeEvents:
+    """The trainer's interprocess "free" event handles for every slot of a CUDA ring (sent once,
+    before any release of that ring)."""
+
+    __reduce__ = _reduce
+
+    arena_id: int
+    handles: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     """Leave the command loop and exit."""
 
@@ -82,6 +93,19 @@ class ArenaReady:
     slot_size: int
     num_slots: int
     backend: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class CudaRingReady:
+    """A new CUDA slot ring: memory and "ready" event IPC handles, one per slot."""
+
+    __reduce__ = _reduce
+
+    arena_id: int
+    device_id: int
+    slot_size: int
+    memory_handles: tuple[bytes, ...]
+    ready_handles: tuple[bytes, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,10 +248,11 @@ class LogRelay:
     message: str
 
 
-TrainerMessage = StartEpoch | AbortEpoch | Release | Shutdown
+TrainerMessage = StartEpoch | AbortEpoch | Release | CudaFreeEvents | Shutdown
 WorkerMessage = (
     Hello
     | ArenaReady
+    | CudaRingReady
     | Signature
     | BatchReady
     | EpochEnd

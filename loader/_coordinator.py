@@ -19,7 +19,7 @@ import select
 import signal
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ipc import Arena, ChannelClosed, SharedMemoryError
@@ -82,6 +82,8 @@ class Coordinator:
         self._poller = None
         self._poller_key: tuple[int, ...] = ()
         self._pending_releases: dict[int, list[tuple[int, int]]] = {}
+        #: device id -> the trainer's current CUDA stream handle (set by the Loader for GPU).
+        self.cuda_stream: Callable[[int], int] | None = None
 
     # ------------------------------------------------------------------------------ waiting
     def wait_startup(self, timeout: float) -> None:
@@ -176,20 +178,34 @@ class Coordinator:
         queued while it still has at least half its slots (fewer, larger records)."""
         pending = self._pending_releases
         for worker, slot, generation in self.releases.take():
-            if self.handles[worker].ledger.release(slot, generation):
+            handle = self.handles[worker]
+            if handle.ledger.release(slot, generation):
+                self._mark_cuda_free(handle, slot)
                 pending.setdefault(worker, []).append((slot, generation))
         for worker in list(pending):
             handle = self.handles[worker]
             fills = pending[worker]
-            if lazy and len(fills) < max(1, handle.ledger.num_slots // 2) and (
-                handle.ledger.held + len(fills) < handle.ledger.num_slots
+            if (
+                lazy
+                and len(fills) < max(1, handle.ledger.num_slots // 2)
+                and (handle.ledger.held + len(fills) < handle.ledger.num_slots)
             ):
                 continue
             del pending[worker]
             handle.send(wire.Release(tuple(fills)))
 
+    def _mark_cuda_free(self, handle: WorkerHandle, slot: int) -> None:
+        """Record the slot's "free" event on the trainer's current stream (CUDA rings only)."""
+        arena_id = handle.fill_arena.pop(slot, None)
+        for importer in (handle.cuda, *handle.retired_cuda):
+            if importer is not None and importer.arena_id == arena_id:
+                assert self.cuda_stream is not None
+                importer.mark_free(slot, self.cuda_stream(importer.device_id))
+                return
+
     def release_now(self, handle: WorkerHandle, descriptor: wire.BatchReady) -> None:
         if handle.ledger.release(descriptor.slot, descriptor.generation):
+            self._mark_cuda_free(handle, descriptor.slot)
             handle.send(wire.Release(((descriptor.slot, descriptor.generation),)))
 
     def collect_views(self, handle: WorkerHandle) -> None:
@@ -210,7 +226,9 @@ class Coordinator:
     def dispatch(self, handle: WorkerHandle, message: Any) -> None:
         if isinstance(message, wire.BatchReady):
             handle.ledger.receive(message.slot, message.generation)
-            if handle.arena is None or message.arena_id != handle.arena.arena_id:
+            handle.fill_arena[message.slot] = message.arena_id
+            known = {a.arena_id for a in (handle.arena, handle.cuda) if a is not None}
+            if message.arena_id not in known:
                 raise self._fail(
                     RuntimeError(f"{handle.describe()} sent a batch for an unknown arena")
                 )
@@ -230,6 +248,21 @@ class Coordinator:
                 handle.arena.close()  # live views keep the old mapping until they die
             handle.arena = arena
             handle.ledger.resize(message.num_slots)
+        elif isinstance(message, wire.CudaRingReady):
+            from ipc._cuda import CudaImporter
+
+            importer = CudaImporter(
+                message.arena_id,
+                message.device_id,
+                message.slot_size,
+                message.memory_handles,
+                message.ready_handles,
+            )
+            if handle.cuda is not None:
+                handle.retired_cuda.append(handle.cuda)  # live views may still use it
+            handle.cuda = importer
+            handle.ledger.resize(len(message.memory_handles))
+            handle.send(wire.CudaFreeEvents(message.arena_id, importer.free_handles))
         elif isinstance(message, wire.Signature):
             handle.signature = message
             handle.trace_seconds.append(message.trace_seconds)

@@ -29,11 +29,11 @@ from ._coordinator import Coordinator
 from ._errors import LoaderClosedError
 from ._pool import WorkerPool
 from ._validate import check_choice, check_importable, check_positive_int
-from ._views import BatchInfo, build_batch
+from ._views import BatchInfo, build_batch, build_cuda_batch, current_stream
 
 logger = logging.getLogger("loader")
 
-OUTPUTS = ("numpy", "torch")
+OUTPUTS = ("numpy", "torch", "cupy")
 DEVICES = ("cpu", "gpu")
 
 
@@ -137,6 +137,20 @@ class Loader:
                     "output='torch' needs PyTorch: pip install 'dali-capture-loader[torch]'"
                 ) from error
         placement = _env.discover_placement(rank, world_size)
+        if self.device == "gpu" and self.output == "numpy":
+            raise ValueError(
+                "device='gpu' delivers batches in GPU memory: pass output='torch' or "
+                "output='cupy' (or use device='cpu' for numpy arrays)"
+            )
+        if self.device == "cpu" and self.output == "cupy":
+            raise ValueError("output='cupy' needs device='gpu'")
+        if self.output == "cupy":
+            try:
+                import cupy  # noqa: F401
+            except ImportError as error:
+                raise ImportError(
+                    "output='cupy' needs CuPy: pip install 'dali-capture-loader[gpu]'"
+                ) from error
         if self.device == "gpu":
             visible = _require_gpu()
             if device_id is None:
@@ -182,6 +196,8 @@ class Loader:
         self.shards = tuple(spec.shard for spec in specs)
         pool = WorkerPool(specs, start_method)
         coordinator = Coordinator(pool, timeout=timeout)
+        if self.device == "gpu":
+            coordinator.cuda_stream = current_stream(self.output)
         self._coordinator = coordinator
         self._finalizer = weakref.finalize(self, coordinator.close)
         self._closed = False
@@ -396,7 +412,7 @@ class Loader:
 
     def _deliver(self, handle: Any, descriptor: wire.BatchReady) -> Any:
         coordinator = self._coordinator
-        assert coordinator is not None and handle.arena is not None
+        assert coordinator is not None
         if self._kind is None:
             reference = coordinator.reference or handle.signature
             self._kind = reference.output_kind if reference is not None else "dict"
@@ -407,15 +423,30 @@ class Loader:
             shard=handle.shard.index,
             padded=descriptor.padded,
         )
-        batch, release = build_batch(
-            descriptor,
-            handle.arena,
-            self._kind,
-            info,
-            output=self.output,
-            copy=self.copy,
-            releases=coordinator.releases,
-        )
+        cuda = handle.cuda
+        if cuda is not None and descriptor.arena_id == cuda.arena_id:
+            assert coordinator.cuda_stream is not None
+            batch, release = build_cuda_batch(
+                descriptor,
+                cuda,
+                self._kind,
+                info,
+                output=self.output,
+                copy=self.copy,
+                releases=coordinator.releases,
+                stream=coordinator.cuda_stream(cuda.device_id),
+            )
+        else:
+            assert handle.arena is not None
+            batch, release = build_batch(
+                descriptor,
+                handle.arena,
+                self._kind,
+                info,
+                output=self.output,
+                copy=self.copy,
+                releases=coordinator.releases,
+            )
         if release:
             coordinator.release_now(handle, descriptor)
         self._batches += 1

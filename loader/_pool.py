@@ -52,6 +52,9 @@ class WorkerHandle:
         self.alive = alive
         self.ledger = SlotLedger(spec.num_slots)
         self.arena: Arena | None = None
+        self.cuda: Any = None  # ipc CudaImporter of the worker's current CUDA ring
+        self.retired_cuda: list[Any] = []
+        self.fill_arena: dict[int, int] = {}  # slot -> arena id of the fill the trainer holds
         self.queue: deque[wire.BatchReady] = deque()
         self.hello: wire.Hello | None = None
         self.signature: wire.Signature | None = None
@@ -190,6 +193,11 @@ class WorkerPool:
             if handle.arena is not None:
                 handle.arena.close()
                 handle.arena = None
+            for importer in [*handle.retired_cuda, handle.cuda]:
+                if importer is not None:
+                    importer.close()
+            handle.cuda = None
+            handle.retired_cuda = []
             handle.queue.clear()
         stuck = [h.index for h in started if _alive(h.process)]
         for handle in started:

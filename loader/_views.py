@@ -168,3 +168,91 @@ def build_batch(
     else:
         result = values[0]
     return result, copy
+
+
+class _CudaLease:
+    """Owner of one CUDA slot fill's arrays; its finalizer queues the slot's release."""
+
+    __slots__ = ("__weakref__",)
+
+
+def current_stream(output: str) -> Any:
+    """``device_id -> handle`` of the trainer's current CUDA stream for the output library."""
+    if output == "torch":
+        import torch
+
+        return lambda device_id: int(torch.cuda.current_stream(device_id).cuda_stream)
+    import cupy
+
+    def cupy_stream(device_id: int) -> int:
+        with cupy.cuda.Device(device_id):
+            return int(cupy.cuda.get_current_stream().ptr)
+
+    return cupy_stream
+
+
+def build_cuda_batch(
+    descriptor: wire.BatchReady,
+    importer: Any,
+    kind: str,
+    info: BatchInfo,
+    *,
+    output: str,
+    copy: bool,
+    releases: ReleaseQueue,
+    stream: int,
+) -> tuple[Any, bool]:
+    """Device views (or device copies) of a CUDA slot fill, ordered after the worker's copy on
+    ``stream`` (the trainer's current stream) without a host synchronisation."""
+    import cupy
+
+    importer.wait_ready(descriptor.slot, stream)
+    owner = _CudaLease()
+    values: list[Any] = []
+    with cupy.cuda.Device(importer.device_id), cupy.cuda.ExternalStream(stream):
+        for placement in descriptor.outputs:
+            dtype = np.dtype(placement.dtype)
+            if placement.dense:
+                count = len(placement.shapes)
+                shape = (count, *(placement.shapes[0] if count else ()))
+                arrays: Any = importer.array(descriptor.slot, placement.offset, shape, dtype, owner)
+            else:
+                arrays = []
+                offset = placement.offset
+                for sample_shape in placement.shapes:
+                    arrays.append(
+                        importer.array(descriptor.slot, offset, sample_shape, dtype, owner)
+                    )
+                    size = dtype.itemsize
+                    for dim in sample_shape:
+                        size *= dim
+                    offset += size
+            if copy:
+                arrays = [a.copy() for a in arrays] if isinstance(arrays, list) else arrays.copy()
+            values.append(_to_output(arrays, output))
+    if not copy:
+        finalizer = weakref.finalize(
+            owner, releases.put, info.worker, descriptor.slot, descriptor.generation
+        )
+        finalizer.atexit = False
+    del owner
+    result: Any
+    if kind == "dict":
+        result = LoadedBatch(zip((p.name for p in descriptor.outputs), values, strict=False))
+        result.info = info
+    elif kind == "tuple":
+        result = LoadedTuple(values)
+        result.info = info
+    else:
+        result = values[0]
+    return result, copy
+
+
+def _to_output(value: Any, output: str) -> Any:
+    if isinstance(value, list):
+        return [_to_output(item, output) for item in value]
+    if output == "torch":
+        import torch
+
+        return torch.from_dlpack(value)  # type: ignore[attr-defined]
+    return value

@@ -377,3 +377,9 @@ def big_source(shard: Shard) -> Any:
 
 def leaky_test_body() -> None:
     """Used by the plugin test: starts a process and forgets it."""
+
+
+def gpu_decode_step(jpegs: Any, ids: Any) -> dict[str, Any]:
+    images = ndd.decoders.image(jpegs, device="mixed")
+    images = ndd.resize(images, size=[16, 16])
+    return {"image": ndd.crop_mirror_normalize(images, dtype=ndd.float32), "id": ids.gpu()}

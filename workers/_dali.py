@@ -149,3 +149,24 @@ def layout_of(storage: Any) -> str:
 def copy_packed(storage: Any, address: int) -> None:
     """Copy every sample of a CPU batch back to back to ``address`` in one call."""
     storage.copy_to_external(ctypes.c_void_p(address))
+
+
+def context_stream(ctx: Any) -> int | None:
+    """The CUDA stream handle of an EvalContext (DALI's work for this worker is ordered on it)."""
+    stream = getattr(ctx, "_cuda_stream", None)
+    if stream is None:
+        return None
+    handle = getattr(stream, "handle", None)
+    return None if handle is None else int(handle)
+
+
+def gpu_storage(batch: Any) -> Any:
+    """The evaluated ``TensorListGPU`` behind a GPU batch."""
+    return batch.evaluate()._storage
+
+
+def copy_packed_gpu(storage: Any, address: int, stream: int) -> None:
+    """Copy every sample of a GPU batch back to back to device ``address``, on ``stream``."""
+    storage.copy_to_external(
+        ctypes.c_void_p(address), cuda_stream=ctypes.c_void_p(stream), non_blocking=True
+    )

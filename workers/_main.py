@@ -103,6 +103,8 @@ class Worker:
         self.last_epoch_done: int | None = None
         self._blocked_ns = 0
         self.steps_per_epoch: int | None = None
+        self.cuda: Any = None  # ipc CudaExporter, once a GPU batch was published
+        self._retired_cuda: list[Any] = []
 
     # ----------------------------------------------------------------------- sources
     def build_sources(self, epoch: int) -> None:
@@ -169,6 +171,10 @@ class Worker:
             if in_epoch:
                 raise _AbortRequested
             self.abort_idle(message.epoch)
+        elif isinstance(message, wire.CudaFreeEvents):
+            exporter = self.cuda
+            if exporter is not None and exporter.arena_id == message.arena_id:
+                exporter.set_free_events(message.handles)
         elif isinstance(message, wire.Shutdown):
             raise _ShutdownRequested
         elif isinstance(message, wire.StartEpoch):
@@ -354,9 +360,88 @@ class Worker:
             logger.debug("worker %d grew its slots to %d bytes", self.shard.worker, new.slot_size)
         return new
 
+    def ensure_cuda(self, nbytes: int) -> Any:
+        """The worker's CUDA slot ring, (re)made large enough for ``nbytes``."""
+        from ipc._cuda import CudaExporter
+
+        exporter = self.cuda
+        if exporter is not None and nbytes <= exporter.slot_size:
+            return exporter
+        assert self.spec.device_id is not None
+        self.arena_id += 1
+        new = CudaExporter(
+            self.arena_id, self.spec.device_id, int(nbytes * SLOT_HEADROOM), self.spec.num_slots
+        )
+        stream = _dali.context_stream(self.ctx)
+        if stream is not None:
+            # copy on DALI's own stream of this worker: ordered after the batch was produced
+            new.stream = _StreamHandle(stream)
+        self.channel.send(
+            wire.CudaRingReady(
+                new.arena_id, new.device_id, new.slot_size, new.memory_handles, new.ready_handles
+            )
+        )
+        if exporter is not None:
+            self._retired_cuda.append(exporter)  # slots may still be in the trainer's hands
+        self.cuda = new
+        return new
+
+    def publish_cuda(
+        self, epoch: int, step: int, named: dict[str, Any], started_ns: int, padded: int
+    ) -> None:
+        storages = []
+        described = []
+        for name, batch in named.items():
+            if _dali.batch_device(batch) != "gpu":
+                batch = batch.gpu()
+            storage = _dali.gpu_storage(batch)
+            dtype = _dali.numpy_dtype(storage, name)
+            storages.append(storage)
+            described.append(
+                (
+                    name,
+                    dtype.str,
+                    dtype.itemsize,
+                    _dali.sample_shapes(storage),
+                    _dali.layout_of(storage),
+                )
+            )
+        placements, nbytes = place_outputs(described)
+        blocked_before = self._blocked_ns
+        slot = self.acquire_slot()
+        try:
+            exporter = self.ensure_cuda(nbytes)
+            base = exporter.begin_write(slot)
+            for storage, placement in zip(storages, placements, strict=True):
+                if placement.nbytes:
+                    _dali.copy_packed_gpu(storage, base + placement.offset, exporter.stream.ptr)
+            exporter.finish_write(slot)
+        except BaseException:
+            self.ring.abandon(slot)
+            raise
+        generation = self.ring.publish(slot)
+        blocked = self._blocked_ns - blocked_before
+        self.channel.send(
+            wire.BatchReady(
+                epoch,
+                step,
+                exporter.arena_id,
+                slot,
+                generation,
+                placements,
+                nbytes,
+                padded,
+                blocked,
+                time.perf_counter_ns() - started_ns - blocked,
+            )
+        )
+
     def publish(
         self, epoch: int, step: int, named: dict[str, Any], started_ns: int, padded: int = 0
     ) -> None:
+        if self.spec.device == "gpu":
+            self.publish_cuda(epoch, step, named, started_ns, padded)
+            return
         storages = []
         described = []
         for name, batch in named.items():
@@ -439,10 +524,27 @@ class Worker:
     def close(self) -> None:
         self.source = None
         self.feeders = {}
+        for exporter in [*self._retired_cuda, self.cuda]:
+            if exporter is not None:
+                exporter.close()
+        self.cuda = None
+        self._retired_cuda = []
         if self.arena is not None:
             self.arena.close()
             self.arena = None
         self.channel.close()
+
+
+class _StreamHandle:
+    """A raw CUDA stream handle with the ``.ptr`` attribute cupy's API expects."""
+
+    def __init__(self, pointer: int) -> None:
+        self.ptr = pointer
+
+    def synchronize(self) -> None:
+        import cupy
+
+        cupy.cuda.runtime.streamSynchronize(self.ptr)
 
 
 def normalize_outputs(outputs: Any) -> tuple[dict[str, Any], str]:

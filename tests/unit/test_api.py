@@ -130,3 +130,32 @@ def test_default_gpu_under_xdist_and_launchers(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert default_device_id(discover_placement(None, None), 4) == 3
+
+
+def test_gpu_paths_fail_clearly_without_a_gpu() -> None:
+    from ipc._cuda import SLOT_ALIGN, cuda_slot_size
+    from loader import Loader
+
+    assert cuda_slot_size(1) == SLOT_ALIGN and cuda_slot_size(SLOT_ALIGN + 1) == 2 * SLOT_ALIGN
+    with pytest.raises(ValueError, match="output='torch'"):
+        Loader(P.id_source, P.cast_step, batch_size=4, device="gpu")
+    with pytest.raises(ValueError, match="needs device='gpu'"):
+        Loader(P.id_source, P.cast_step, batch_size=4, output="cupy")
+    try:
+        import cupy  # noqa: F401
+
+        have_cupy = True
+    except ImportError:
+        have_cupy = False
+    if not have_cupy:
+        with pytest.raises(ImportError, match="CuPy"):
+            Loader(P.id_source, P.cast_step, batch_size=4, device="gpu", output="cupy")
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("a CUDA driver is present")
+    except OSError:
+        pass
+    with pytest.raises(RuntimeError, match="needs an NVIDIA GPU"):
+        Loader(P.id_source, P.cast_step, batch_size=4, device="gpu", output="torch")
