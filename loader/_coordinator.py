@@ -106,8 +106,17 @@ class Coordinator:
     ) -> None:
         """Wait until something arrives, then handle everything that did.
 
-        Raises ``WorkerTimeoutError`` when ``timeout`` passes with nothing from anyone.
+        Raises ``WorkerTimeoutError`` when ``timeout`` passes with nothing from anyone. Anything
+        that escapes (a failure, a torn record, an interrupt) closes the pool first.
         """
+        try:
+            self._pump(wanted, timeout, startup=startup)
+        except BaseException as error:
+            if self.failure is None:
+                self._fail(error)
+            raise
+
+    def _pump(self, wanted: WorkerHandle | None, timeout: float | None, *, startup: bool) -> None:
         self.releases.waiting = True  # from here, a finalizer on this thread wakes the wait
         try:
             self.flush_releases()
@@ -162,7 +171,12 @@ class Coordinator:
             return False
         if not handle.channel.ready():
             return False
-        self._drain(handle)
+        try:
+            self._drain(handle)
+        except BaseException as error:
+            if self.failure is None:
+                self._fail(error)
+            raise
         return True
 
     def _drain(self, handle: WorkerHandle) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from ipc import Arena, ChannelClosed, ControlChannel, SlotLedger
 from ipc import _wire as wire
 from workers import Shard, WorkerSpec
+from workers._entry import run_worker
 
 logger = logging.getLogger("loader")
 
@@ -135,8 +136,6 @@ class WorkerPool:
 
     def start(self) -> None:
         """Start every process. Receiving their Hello is the coordinator's job."""
-        from workers._main import run_worker  # imports DALI: only once workers are wanted
-
         try:
             for index, spec in enumerate(self._specs):
                 parent_end, child_end = self._context.Pipe(duplex=True)
