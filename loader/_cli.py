@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from ._errors import LoaderError
 from ._loader import Loader, LoaderStats
-from ._sample import ensure_sample_dataset, image_source, image_step, list_images
+from ._sample import ensure_sample_dataset, image_file_source, image_step, list_images
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(files)} images in {root}; {args.workers} workers, batch {args.batch_size}, "
         f"capture={'on' if args.capture else 'off'}"
     )
-    source = functools.partial(image_source, root=str(root), batch_size=args.batch_size)
+    source = functools.partial(image_file_source, root=str(root), batch_size=args.batch_size)
     samples = 0
     try:
         with Loader(

@@ -1,0 +1,45 @@
+"""The main job, ``python -m loader``, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "loader", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+
+
+@pytest.mark.parametrize("capture", ["--capture", "--no-capture"])
+def test_main_job_prints_a_summary(image_root: Path, capture: str) -> None:
+    result = run_cli(
+        "--data", str(image_root), "--epochs", "2", "--workers", "2", "--batch-size", "8", capture
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "summary" in out and "samples/s" in out and "MB/s moved" in out
+    # 48 images, 2 epochs, exactly once each (padding is not counted)
+    assert "samples            96" in out
+    assert "epoch 1" in out  # the progress bar of the second epoch
+
+
+def test_main_job_rejects_a_missing_directory(tmp_path: Path) -> None:
+    result = run_cli("--data", str(tmp_path / "missing"), "--epochs", "1")
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr
