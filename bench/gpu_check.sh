@@ -7,5 +7,6 @@ PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$PYTHON" -c "import cupy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"
-timeout 240 "$PYTHON" -m pytest tests/gpu -q -p no:cacheprovider -p no:randomly -o addopts="" -rs
+# the package is not installed there, so load its pytest plugin (leak_check) by module name
+timeout 240 "$PYTHON" -m pytest tests/gpu -q -p no:cacheprovider -p loader.testing -rs
 timeout 120 "$PYTHON" -m bench.gpu_transport

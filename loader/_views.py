@@ -107,6 +107,19 @@ class LoadedTuple(tuple[Any, ...]):
     info: BatchInfo
 
 
+def wrap_outputs(kind: str, descriptor: wire.BatchReady, values: list[Any], info: BatchInfo) -> Any:
+    """The user's batch: a LoadedBatch, a LoadedTuple, or the one output of a ``single`` step."""
+    if kind == "dict":
+        batch = LoadedBatch(zip((p.name for p in descriptor.outputs), values, strict=True))
+        batch.info = info
+        return batch
+    if kind == "tuple":
+        batch_tuple = LoadedTuple(values)
+        batch_tuple.info = info
+        return batch_tuple
+    return values[0]
+
+
 def _output_arrays(base: np.ndarray[Any, Any], placement: wire.OutputPlacement) -> Any:
     dtype = np.dtype(placement.dtype)
     raw = base[placement.offset : placement.offset + placement.nbytes]
@@ -158,16 +171,7 @@ def build_batch(
         )
         finalizer.atexit = False
     del base, slot_view
-    result: Any
-    if kind == "dict":
-        result = LoadedBatch(zip((p.name for p in descriptor.outputs), values, strict=False))
-        result.info = info
-    elif kind == "tuple":
-        result = LoadedTuple(values)
-        result.info = info
-    else:
-        result = values[0]
-    return result, copy
+    return wrap_outputs(kind, descriptor, values, info), copy
 
 
 class _CudaLease:
@@ -236,16 +240,7 @@ def build_cuda_batch(
         )
         finalizer.atexit = False
     del owner
-    result: Any
-    if kind == "dict":
-        result = LoadedBatch(zip((p.name for p in descriptor.outputs), values, strict=False))
-        result.info = info
-    elif kind == "tuple":
-        result = LoadedTuple(values)
-        result.info = info
-    else:
-        result = values[0]
-    return result, copy
+    return wrap_outputs(kind, descriptor, values, info), copy
 
 
 def _to_output(value: Any, output: str) -> Any:

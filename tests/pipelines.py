@@ -12,6 +12,21 @@ import nvidia.dali.experimental.dynamic as ndd
 from loader import Shard
 from loader._sample import list_images
 
+# ------------------------------------------------------------------- helpers for the tests
+
+
+def ids_of(batch: Any) -> list[int]:
+    """The sample ids of a delivered batch (its ``id`` output)."""
+    return [int(v) for v in np.asarray(batch["id"]).ravel()]
+
+
+def reader(root: Any, **kwargs: Any) -> Any:
+    """A ``source`` for the Loader: :func:`id_reader` over ``root``."""
+    import functools
+
+    return functools.partial(id_reader, root=str(root), **kwargs)
+
+
 # ------------------------------------------------------------------- readers over sample images
 
 

@@ -123,8 +123,8 @@ def batch_device(batch: Any) -> str:
     return str(batch.device.device_type)
 
 
-def cpu_storage(batch: Any) -> Any:
-    """The evaluated ``TensorListCPU`` behind a CPU batch."""
+def storage_of(batch: Any) -> Any:
+    """The evaluated ``TensorListCPU``/``TensorListGPU`` behind a batch."""
     return batch.evaluate()._storage
 
 
@@ -158,11 +158,6 @@ def context_stream(ctx: Any) -> int | None:
         return None
     handle = getattr(stream, "handle", None)
     return None if handle is None else int(handle)
-
-
-def gpu_storage(batch: Any) -> Any:
-    """The evaluated ``TensorListGPU`` behind a GPU batch."""
-    return batch.evaluate()._storage
 
 
 def copy_packed_gpu(storage: Any, address: int, stream: int) -> None:

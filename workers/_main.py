@@ -386,36 +386,41 @@ class Worker:
         self.cuda = new
         return new
 
-    def publish_cuda(
-        self, epoch: int, step: int, named: dict[str, Any], started_ns: int, padded: int
+    def publish(
+        self, epoch: int, step: int, named: dict[str, Any], started_ns: int, padded: int = 0
     ) -> None:
+        """Copy one batch into a free slot (shared memory, or the CUDA ring with device='gpu'),
+        one packed copy per output, then send its descriptor."""
+        gpu = self.spec.device == "gpu"
+        device = "gpu" if gpu else "cpu"
         storages = []
         described = []
         for name, batch in named.items():
-            if _dali.batch_device(batch) != "gpu":
-                batch = batch.gpu()
-            storage = _dali.gpu_storage(batch)
+            if _dali.batch_device(batch) != device:
+                batch = batch.gpu() if gpu else batch.cpu()
+            storage = _dali.storage_of(batch)
             dtype = _dali.numpy_dtype(storage, name)
             storages.append(storage)
-            described.append(
-                (
-                    name,
-                    dtype.str,
-                    dtype.itemsize,
-                    _dali.sample_shapes(storage),
-                    _dali.layout_of(storage),
-                )
-            )
+            shapes = _dali.sample_shapes(storage)
+            described.append((name, dtype.str, dtype.itemsize, shapes, _dali.layout_of(storage)))
         placements, nbytes = place_outputs(described)
         blocked_before = self._blocked_ns
         slot = self.acquire_slot()
         try:
-            exporter = self.ensure_cuda(nbytes)
-            base = exporter.begin_write(slot)
-            for storage, placement in zip(storages, placements, strict=True):
-                if placement.nbytes:
-                    _dali.copy_packed_gpu(storage, base + placement.offset, exporter.stream.ptr)
-            exporter.finish_write(slot)
+            if gpu:
+                exporter = self.ensure_cuda(nbytes)
+                arena_id, base = exporter.arena_id, exporter.begin_write(slot)
+                for storage, placement in zip(storages, placements, strict=True):
+                    if placement.nbytes:
+                        address = base + placement.offset
+                        _dali.copy_packed_gpu(storage, address, exporter.stream.ptr)
+                exporter.finish_write(slot)
+            else:
+                arena = self.ensure_arena(nbytes)
+                arena_id, base = arena.arena_id, arena.slot_address(slot)
+                for storage, placement in zip(storages, placements, strict=True):
+                    if placement.nbytes:
+                        _dali.copy_packed(storage, base + placement.offset)
         except BaseException:
             self.ring.abandon(slot)
             raise
@@ -423,67 +428,16 @@ class Worker:
         blocked = self._blocked_ns - blocked_before
         self.channel.send(
             wire.BatchReady(
-                epoch,
-                step,
-                exporter.arena_id,
-                slot,
-                generation,
-                placements,
-                nbytes,
-                padded,
-                blocked,
-                time.perf_counter_ns() - started_ns - blocked,
-            )
-        )
-
-    def publish(
-        self, epoch: int, step: int, named: dict[str, Any], started_ns: int, padded: int = 0
-    ) -> None:
-        if self.spec.device == "gpu":
-            self.publish_cuda(epoch, step, named, started_ns, padded)
-            return
-        storages = []
-        described = []
-        for name, batch in named.items():
-            if _dali.batch_device(batch) != "cpu":
-                batch = batch.cpu()
-            storage = _dali.cpu_storage(batch)
-            dtype = _dali.numpy_dtype(storage, name)
-            storages.append(storage)
-            described.append(
-                (
-                    name,
-                    dtype.str,
-                    dtype.itemsize,
-                    _dali.sample_shapes(storage),
-                    _dali.layout_of(storage),
-                )
-            )
-        placements, nbytes = place_outputs(described)
-        blocked_before = self._blocked_ns
-        slot = self.acquire_slot()
-        try:
-            arena = self.ensure_arena(nbytes)
-            base = arena.slot_address(slot)
-            for storage, placement in zip(storages, placements, strict=False):
-                if placement.nbytes:
-                    _dali.copy_packed(storage, base + placement.offset)
-        except BaseException:
-            self.ring.abandon(slot)
-            raise
-        generation = self.ring.publish(slot)
-        self.channel.send(
-            wire.BatchReady(
                 epoch=epoch,
                 step=step,
-                arena_id=arena.arena_id,
+                arena_id=arena_id,
                 slot=slot,
                 generation=generation,
                 outputs=placements,
                 nbytes=nbytes,
                 padded=padded,
-                blocked_ns=self._blocked_ns - blocked_before,
-                busy_ns=time.perf_counter_ns() - started_ns - (self._blocked_ns - blocked_before),
+                blocked_ns=blocked,
+                busy_ns=time.perf_counter_ns() - started_ns - blocked,
             )
         )
 

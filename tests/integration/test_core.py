@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import gc
 import time
 import warnings
@@ -23,16 +22,9 @@ from loader import (
     WorkerError,
 )
 from tests import pipelines as P
+from tests.pipelines import ids_of, reader
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def ids_of(batch: LoadedBatch) -> list[int]:
-    return [int(v) for v in np.asarray(batch["id"]).ravel()]
-
-
-def reader(root: Path, **kwargs: object) -> functools.partial[object]:
-    return functools.partial(P.id_reader, root=str(root), **kwargs)
 
 
 def test_one_epoch_covers_every_file_exactly_once_and_replays(image_root: Path) -> None:

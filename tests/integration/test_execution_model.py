@@ -14,18 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from loader import LoadedBatch, Loader
+from loader import Loader
 from tests import pipelines as P
+from tests.pipelines import ids_of, reader
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def ids_of(batch: LoadedBatch) -> list[int]:
-    return [int(v) for v in np.asarray(batch["id"]).ravel()]
-
-
-def reader(root: Path, **kwargs: Any) -> functools.partial[Any]:
-    return functools.partial(P.id_reader, root=str(root), **kwargs)
 
 
 # ------------------------------------------------------------------------------------- rule 1
