@@ -38,12 +38,15 @@ def test_segfault_is_reported_with_signal_and_stack() -> None:
 
 def test_stuck_worker_times_out_with_its_stack() -> None:
     with _started_loader(P.stuck_step, timeout=2) as loader:
+        batches = iter(loader)
+        next(batches), next(batches)  # both traced; each worker's second step never returns
         started = time.monotonic()
         with pytest.raises(WorkerTimeoutError, match="timeout") as info:
-            list(loader)
+            next(batches)
         elapsed = time.monotonic() - started
     assert elapsed <= 2 + 2  # timeout + 2 s, the matrix's bound
     assert "stuck_step" in info.value.stack
+    assert info.value.worker == 0
 
 
 def test_feeder_callback_exception_keeps_its_type() -> None:
