@@ -153,6 +153,7 @@ class Worker:
         gc.collect()  # lets DALI shut the torn-down pipeline's threads down now
         self.build_sources(epoch)
         self.rebuilds += 1
+        self.last_epoch_done = None  # the next epoch sends a signature again, even when eager
         logger.info(
             "worker %d (%s) rebuilt its source for epoch %d: %s%s",
             self.shard.worker,

@@ -274,3 +274,13 @@ def test_bad_arguments_fail_before_workers_start() -> None:
         Loader(P.id_source, lambda ids: ids, batch_size=4)
     with pytest.raises(ValueError, match="output"):
         Loader(P.id_source, P.cast_step, batch_size=4, output="jax")
+
+
+def test_breaking_out_in_eager_mode_starts_a_complete_next_epoch() -> None:
+    with Loader(P.id_source, P.cast_step, batch_size=4, capture=False, copy=True) as loader:
+        for i, batch in enumerate(loader):
+            assert batch.info.epoch == 0
+            if i == 1:
+                break
+        assert sorted(i for b in loader for i in ids_of(b)) == list(range(64))
+        assert [w.traces for w in loader.stats().workers] == [0, 0]
