@@ -179,10 +179,11 @@ def feeder_step(ids: Any, offset: Any) -> dict[str, Any]:
 
 
 def segfault_step(ids: Any) -> dict[str, Any]:
-    """Dereferences NULL on its second call."""
+    """Dereferences NULL on its sixth call: with the default 4 slots per worker, the worker can
+    only get there after the trainer has taken (and dropped) at least one of its batches."""
     global _calls
     _calls += 1
-    if _calls == 2:
+    if _calls == 6:
         import ctypes
 
         ctypes.string_at(0)

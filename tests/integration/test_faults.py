@@ -27,7 +27,7 @@ def _started_loader(step: object, **kwargs: object) -> Loader:
 def test_segfault_is_reported_with_signal_and_stack() -> None:
     with _started_loader(P.segfault_step) as loader:
         batches = iter(loader)
-        next(batches)  # worker 0's first batch; its second step crashes
+        next(batches)  # the crash comes after this: worker 0 needs a slot back to reach it
         started = time.monotonic()
         with pytest.raises(WorkerDiedError, match="SIGSEGV") as info:
             for _ in batches:
