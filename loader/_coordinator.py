@@ -432,7 +432,7 @@ class Coordinator:
         if handle.pid is not None and not handle.exited:
             try:
                 os.kill(handle.pid, signal.SIGUSR1)
-                stack = handle.read_stack(2.0)
+                stack = handle.read_stack(1.5)
             except (ProcessLookupError, OSError):
                 stack = ""
         message = (
