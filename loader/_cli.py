@@ -13,7 +13,13 @@ from tqdm import tqdm
 
 from ._errors import LoaderError
 from ._loader import Loader, LoaderStats
-from ._sample import ensure_sample_dataset, image_file_source, image_step, list_images
+from ._sample import (
+    ensure_sample_dataset,
+    image_source,
+    image_step,
+    list_images,
+    sample_dataset_ready,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {name} must be at least 1, got {value}", file=sys.stderr)
             return 2
     if args.data is None:
-        print("preparing the sample dataset (first run only)...", file=sys.stderr)
+        if not sample_dataset_ready():
+            print("generating the sample dataset (first run only)...", file=sys.stderr)
         root = ensure_sample_dataset()
     else:
         root = args.data
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(files)} images in {root}; {args.workers} workers, batch {args.batch_size}, "
         f"capture={'on' if args.capture else 'off'}"
     )
-    source = functools.partial(image_file_source, root=str(root), batch_size=args.batch_size)
+    source = functools.partial(image_source, root=str(root), batch_size=args.batch_size)
     samples = 0
     try:
         with Loader(

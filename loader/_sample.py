@@ -48,6 +48,10 @@ def write_sample_dataset(
     return root
 
 
+def sample_dataset_ready(cache_dir: Path | None = None) -> bool:
+    return ((cache_dir or default_cache_dir()) / ".complete").exists()
+
+
 def ensure_sample_dataset(cache_dir: Path | None = None) -> Path:
     """The sample dataset's root, generating it on first use (atomically, safe in parallel)."""
     root = cache_dir or default_cache_dir()
@@ -112,22 +116,6 @@ def image_source(shard: Shard, root: str, batch_size: int, shuffle: bool = True)
         pad_last_batch=True,
         stick_to_shard=True,
     )
-
-
-def _read_file(files: list[str], labels: list[int], index: int) -> tuple[Any, Any]:
-    return np.fromfile(files[index], dtype=np.uint8), np.array([labels[index]], dtype=np.int32)
-
-
-def image_file_source(shard: Shard, root: str, batch_size: int, shuffle: bool = True) -> Any:
-    """This shard's part of an ImageFolder, read as file bytes, exactly once per epoch across all
-    shards (padding flagged in ``batch.info.padded``); the order changes every epoch."""
-    import functools
-
-    from workers import sharded_source
-
-    files, labels = list_images(root)
-    load = functools.partial(_read_file, files, labels)
-    return sharded_source(shard, len(files), load, batch_size, num_outputs=2, shuffle=shuffle)
 
 
 def image_step(jpegs: Any, labels: Any) -> dict[str, Any]:

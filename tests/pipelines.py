@@ -30,7 +30,9 @@ def reader(root: Any, **kwargs: Any) -> Any:
 # ------------------------------------------------------------------- readers over sample images
 
 
-def id_reader(shard: Shard, root: str, batch_size: int = 4, shuffle: bool = False) -> Any:
+def id_reader(
+    shard: Shard, root: str, batch_size: int = 4, shuffle: bool = False, pad: bool = False
+) -> Any:
     """A File reader whose label is the file's global index (a sample id)."""
     files, _labels = list_images(root)
     return ndd.readers.File(
@@ -42,6 +44,7 @@ def id_reader(shard: Shard, root: str, batch_size: int = 4, shuffle: bool = Fals
         seed=shard.seed,
         max_batch_size=batch_size,
         stick_to_shard=True,
+        pad_last_batch=pad,
     )
 
 

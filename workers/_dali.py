@@ -51,6 +51,11 @@ def probe_reader(source: Any, batch_size: int) -> int | None:
     return int(_shard_size(meta["epoch_size_padded"], source._shard_id, source._num_shards))
 
 
+def pads_last_batch(reader: Any) -> bool:
+    """A reader built with ``pad_last_batch=True`` (it repeats the last sample to fill a batch)."""
+    return bool(getattr(reader, "_init_args", {}).get("pad_last_batch", False))
+
+
 def sticks_to_shard(reader: Any) -> bool:
     """A reader that reads the same shard every epoch (``stick_to_shard=True``)."""
     return bool(getattr(reader, "_stick_to_shard", False))

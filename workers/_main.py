@@ -103,6 +103,7 @@ class Worker:
         self.last_epoch_done: int | None = None
         self._blocked_ns = 0
         self.steps_per_epoch: int | None = None
+        self.reader_shard_size: int | None = None
         self.cuda: Any = None  # ipc CudaExporter, once a GPU batch was published
         self._retired_cuda: list[Any] = []
 
@@ -122,6 +123,15 @@ class Worker:
             self.steps_per_epoch = len(sampled)
         elif shard_size is not None and _dali.sticks_to_shard(source):
             self.steps_per_epoch = -(-shard_size // self.spec.batch_size)
+        # A reader that sticks to its shard and pads its last batch repeats the shard's last
+        # sample: those rows are flagged as padding like sharded_source's.
+        self.reader_shard_size = (
+            shard_size
+            if shard_size is not None
+            and _dali.sticks_to_shard(source)
+            and _dali.pads_last_batch(source)
+            else None
+        )
         if shard_size == 0:
             raise ValueError(
                 f"{shard.describe()} has no samples: the dataset has fewer samples than "
@@ -249,6 +259,9 @@ class Worker:
                     schema = (describe_outputs(named), kind)
                     batch_size = next(iter(named.values())).batch_size
                 padded = sampled.padding.popleft() if sampled and sampled.padding else 0
+                if self.reader_shard_size is not None:
+                    rows = (self.step + 1) * batch_size
+                    padded = max(0, min(batch_size, rows - self.reader_shard_size))
                 self.publish(epoch, self.step, named, step_started, padded)
                 self.step += 1
                 self.drain()

@@ -29,12 +29,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("capture", ["--capture", "--no-capture"])
 def test_main_job_prints_a_summary(image_root: Path, capture: str) -> None:
     result = run_cli(
-        "--data", str(image_root), "--epochs", "2", "--workers", "2", "--batch-size", "8", capture
+        "--data", str(image_root), "--epochs", "2", "--workers", "2", "--batch-size", "10", capture
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "summary" in out and "samples/s" in out and "MB/s moved" in out
-    # 48 images, 2 epochs, exactly once each (padding is not counted)
+    # 48 images, 2 epochs, exactly once each: 24 per shard in batches of 10, the 6 padded rows of
+    # each shard's last batch are flagged and not counted
     assert "samples            96" in out
     assert "epoch 1" in out  # the progress bar of the second epoch
 

@@ -284,3 +284,16 @@ def test_breaking_out_in_eager_mode_starts_a_complete_next_epoch() -> None:
                 break
         assert sorted(i for b in loader for i in ids_of(b)) == list(range(64))
         assert [w.traces for w in loader.stats().workers] == [0, 0]
+
+
+def test_padded_rows_of_a_padding_reader_are_flagged(image_root: Path) -> None:
+    """48 files, 2 shards of 24, batches of 5: each shard's last batch has 1 padded row."""
+    source = reader(image_root, batch_size=5, pad=True)
+    with Loader(source, P.decode_step, batch_size=5, copy=True) as loader:
+        assert len(loader) == 10
+        for _ in range(2):
+            real = []
+            for batch in loader:
+                ids = ids_of(batch)
+                real += ids[: len(ids) - batch.info.padded]
+            assert sorted(real) == list(range(48))
