@@ -271,8 +271,7 @@ class Worker:
                 self.send_signature(schema, batch_size, trace_seconds)
         except _AbortRequested:
             self.close_iterator(iterator)
-            self.rebuild_sources(epoch + 1, f"the trainer left epoch {epoch} early")
-            self.channel.send(wire.EpochAborted(epoch, rebuilt=True))
+            self.abort_idle(epoch)
             self.epoch = self.step = None
             self.phase = "idle"
             return
