@@ -166,7 +166,11 @@ def context_stream(ctx: Any) -> int | None:
 
 
 def copy_packed_gpu(storage: Any, address: int, stream: int) -> None:
-    """Copy every sample of a GPU batch back to back to device ``address``, on ``stream``."""
+    """Copy every sample of a GPU batch back to back to device ``address``, on ``stream``.
+
+    Blocking for the worker's host thread: DALI may reuse a pipeline's output buffer on its next
+    run, so the copy must be done before the loop goes on. (The trainer never waits on the host.)
+    """
     storage.copy_to_external(
-        ctypes.c_void_p(address), cuda_stream=ctypes.c_void_p(stream), non_blocking=True
+        ctypes.c_void_p(address), cuda_stream=ctypes.c_void_p(stream), non_blocking=False
     )
