@@ -161,6 +161,7 @@ class Loader:
         self.capture = bool(capture)
         self.seed = seed
         self.timeout = timeout
+        self._trace_timeout = None if timeout is None else max(timeout, startup_timeout)
         self.rank, self.world_size = placement.rank, placement.world_size
         self.num_threads = num_threads or _env.default_num_threads(
             self.num_workers, placement.local_world_size
@@ -368,7 +369,7 @@ class Loader:
         coordinator.send_all(wire.AbortEpoch(run.epoch))
         for handle in coordinator.handles:
             while handle.aborted_epoch != run.epoch:
-                coordinator.pump(handle, self.timeout)
+                coordinator.pump(handle, self._trace_timeout)  # includes rebuilding the source
         coordinator.pending_signatures = {h.index for h in coordinator.handles}
         logger.info("epoch %d was left early; workers rebuilt their sources", run.epoch)
 
@@ -382,8 +383,10 @@ class Loader:
                 "iterate one epoch at a time"
             )
         while coordinator.pending_signatures:
+            # A worker's first step traces (and may parse source files): it is bounded by
+            # startup_timeout, not by the per-batch timeout.
             waiting = coordinator.handles[min(coordinator.pending_signatures)]
-            coordinator.pump(waiting, self.timeout)
+            coordinator.pump(waiting, self._trace_timeout)
         if not self._ranks_traced:
             self._check_ranks_traced()
         handles = coordinator.handles
