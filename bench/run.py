@@ -205,16 +205,57 @@ def with_dali_parallel(
 
 
 # ------------------------------------------------------------------------------- workloads
+@dataclass
+class Workload:
+    """One workload as every contender runs it."""
+
+    name: str
+    batch_size: int
+    in_process_source: Callable[[], Any]  # builds the in-process reader/ExternalSource
+    step: Callable[..., Any]
+    loader_source: Any  # the Loader's source(shard)
+    dataset: Any  # the torch DataLoader contender's dataset
+    parallel_batches: int | None = None  # DALI parallel external source, when it applies
+
+
 def run(quick: bool, repeats: int, threads: int) -> list[Result]:
     widths = [2] if quick else [1, 2, 4]
     results: list[Result] = []
     root = str(ensure_sample_dataset())
-    files = len(list_images(root)[0])
-    image_batches = files // 64
+    image_batches = len(list_images(root)[0]) // 64
     py_batches = 24 if quick else 48
     tiny_batches = 400 if quick else 2000
+    reader = functools.partial(image_source, root=root, batch_size=64, shuffle=True)
+    workloads = [
+        Workload(
+            "images",
+            64,
+            functools.partial(_single_shard, reader),
+            image_step,
+            reader,
+            S.DaliEagerDataset("images", image_batches, root),
+        ),
+        Workload(
+            "python",
+            S.PY_BATCH,
+            functools.partial(_python_es, py_batches),
+            S.light_step,
+            functools.partial(S.python_source, batches=py_batches),
+            S.DaliEagerDataset("python", py_batches),
+            parallel_batches=py_batches,
+        ),
+        Workload(
+            "tiny",
+            S.TINY_BATCH,
+            functools.partial(_tiny_es, tiny_batches),
+            S.tiny_step,
+            functools.partial(S.tiny_source, batches=tiny_batches),
+            S.DaliEagerDataset("tiny", tiny_batches),
+        ),
+    ]
 
-    def record(result: Result) -> None:
+    def record(workload: Workload, contender: str, workers: int, epochs: Any) -> None:
+        result = measure(workload.name, contender, workers, workload.batch_size, epochs, repeats)
         results.append(result)
         print(
             f"  {result.workload:<7} {result.contender:<24} W={result.workers} "
@@ -222,137 +263,33 @@ def run(quick: bool, repeats: int, threads: int) -> list[Result]:
             flush=True,
         )
 
-    # images ------------------------------------------------------------------------
-    reader = functools.partial(image_source, root=root, batch_size=64, shuffle=True)
-    for capture in (True, False):
-        record(
-            measure(
-                "images",
-                f"in-process {'capture' if capture else 'eager'}",
-                1,
-                64,
-                in_process(
-                    functools.partial(_single_shard, reader), image_step, capture, 64, threads
-                ),
-                repeats,
-            )
-        )
-    for w in widths:
-        record(
-            measure(
-                "images",
-                "torch DataLoader",
-                w,
-                64,
-                with_torch(S.DaliEagerDataset("images", image_batches, root), w),
-                repeats,
-            )
-        )
+    for workload in workloads:
+        batch = workload.batch_size
         for capture in (True, False):
+            mode = "capture" if capture else "eager"
             record(
-                measure(
-                    "images",
-                    f"loader {'capture' if capture else 'eager'}",
-                    w,
-                    64,
-                    with_loader(reader, image_step, 64, w, capture, threads),
-                    repeats,
-                )
-            )
-
-    # python source -----------------------------------------------------------------
-    for capture in (True, False):
-        record(
-            measure(
-                "python",
-                f"in-process {'capture' if capture else 'eager'}",
+                workload,
+                f"in-process {mode}",
                 1,
-                S.PY_BATCH,
-                in_process(
-                    functools.partial(_python_es, py_batches),
-                    S.light_step,
-                    capture,
-                    S.PY_BATCH,
-                    threads,
-                ),
-                repeats,
+                in_process(workload.in_process_source, workload.step, capture, batch, threads),
             )
-        )
-    for w in widths:
-        record(
-            measure(
-                "python",
-                "torch DataLoader",
-                w,
-                S.PY_BATCH,
-                with_torch(S.DaliEagerDataset("python", py_batches), w),
-                repeats,
-            )
-        )
-        record(
-            measure(
-                "python",
-                "DALI parallel ES",
-                w,
-                S.PY_BATCH,
-                with_dali_parallel(py_batches, w, threads),
-                repeats,
-            )
-        )
-        source = functools.partial(S.python_source, batches=py_batches)
-        for capture in (True, False):
-            record(
-                measure(
-                    "python",
-                    f"loader {'capture' if capture else 'eager'}",
+        for w in widths:
+            record(workload, "torch DataLoader", w, with_torch(workload.dataset, w))
+            if workload.parallel_batches is not None:
+                record(
+                    workload,
+                    "DALI parallel ES",
                     w,
-                    S.PY_BATCH,
-                    with_loader(source, S.light_step, S.PY_BATCH, w, capture, threads),
-                    repeats,
+                    with_dali_parallel(workload.parallel_batches, w, threads),
                 )
-            )
-
-    # tiny --------------------------------------------------------------------------
-    for capture in (True, False):
-        record(
-            measure(
-                "tiny",
-                f"in-process {'capture' if capture else 'eager'}",
-                1,
-                S.TINY_BATCH,
-                in_process(
-                    functools.partial(_tiny_es, tiny_batches),
-                    S.tiny_step,
-                    capture,
-                    S.TINY_BATCH,
-                    threads,
-                ),
-                repeats,
-            )
-        )
-    for w in widths:
-        record(
-            measure(
-                "tiny",
-                "torch DataLoader",
-                w,
-                S.TINY_BATCH,
-                with_torch(S.DaliEagerDataset("tiny", tiny_batches), w),
-                repeats,
-            )
-        )
-        source = functools.partial(S.tiny_source, batches=tiny_batches)
-        for capture in (True, False):
-            record(
-                measure(
-                    "tiny",
-                    f"loader {'capture' if capture else 'eager'}",
+            for capture in (True, False):
+                mode = "capture" if capture else "eager"
+                record(
+                    workload,
+                    f"loader {mode}",
                     w,
-                    S.TINY_BATCH,
-                    with_loader(source, S.tiny_step, S.TINY_BATCH, w, capture, threads),
-                    repeats,
+                    with_loader(workload.loader_source, workload.step, batch, w, capture, threads),
                 )
-            )
     for w in widths:
         overhead = trainer_overhead(w, 600 if quick else 2000)
         OVERHEAD[w] = overhead

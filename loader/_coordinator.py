@@ -12,6 +12,7 @@ before the exception leaves, so nothing is left running behind an error.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import gc
 import logging
 import os
@@ -19,7 +20,7 @@ import select
 import signal
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ipc import Arena, ChannelClosed, SharedMemoryError
@@ -109,12 +110,8 @@ class Coordinator:
         Raises ``WorkerTimeoutError`` when ``timeout`` passes with nothing from anyone. Anything
         that escapes (a failure, a torn record, an interrupt) closes the pool first.
         """
-        try:
+        with self._closing_on_error():
             self._pump(wanted, timeout, startup=startup)
-        except BaseException as error:
-            if self.failure is None:
-                self._fail(error)
-            raise
 
     def _pump(self, wanted: WorkerHandle | None, timeout: float | None, *, startup: bool) -> None:
         self.releases.waiting = True  # from here, a finalizer on this thread wakes the wait
@@ -171,13 +168,19 @@ class Coordinator:
             return False
         if not handle.channel.ready():
             return False
-        try:
+        with self._closing_on_error():
             self._drain(handle)
+        return True
+
+    @contextlib.contextmanager
+    def _closing_on_error(self) -> Iterator[None]:
+        """Anything escaping the block (a failure, a torn record, an interrupt) closes the pool."""
+        try:
+            yield
         except BaseException as error:
             if self.failure is None:
                 self._fail(error)
             raise
-        return True
 
     def _drain(self, handle: WorkerHandle) -> None:
         channel = handle.channel

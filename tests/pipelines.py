@@ -113,28 +113,29 @@ def copy_step(ids: Any) -> dict[str, Any]:
 _calls = 0
 
 
-def failing_step(ids: Any) -> dict[str, Any]:
-    """Raises ValueError on its third call."""
+def _nth_call() -> int:
+    """How many times a counting step has been called in this worker process (1 on the first)."""
     global _calls
     _calls += 1
-    if _calls == 3:
+    return _calls
+
+
+def failing_step(ids: Any) -> dict[str, Any]:
+    """Raises ValueError on its third call."""
+    if _nth_call() == 3:
         raise ValueError("step failed on purpose")
     return {"id": ndd.cast(ids, dtype=ndd.int64)}
 
 
 def killing_step(ids: Any) -> dict[str, Any]:
     """The worker kills itself with SIGKILL on its third call."""
-    global _calls
-    _calls += 1
-    if _calls == 3:
+    if _nth_call() == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     return {"id": ndd.cast(ids, dtype=ndd.int64)}
 
 
 def exiting_step(ids: Any) -> dict[str, Any]:
-    global _calls
-    _calls += 1
-    if _calls == 2:
+    if _nth_call() == 2:
         os._exit(3)
     return {"id": ndd.cast(ids, dtype=ndd.int64)}
 
@@ -184,9 +185,7 @@ def feeder_step(ids: Any, offset: Any) -> dict[str, Any]:
 def segfault_step(ids: Any) -> dict[str, Any]:
     """Dereferences NULL on its sixth call: with the default 4 slots per worker, the worker can
     only get there after the trainer has taken (and dropped) at least one of its batches."""
-    global _calls
-    _calls += 1
-    if _calls == 6:
+    if _nth_call() == 6:
         import ctypes
 
         ctypes.string_at(0)
@@ -195,9 +194,7 @@ def segfault_step(ids: Any) -> dict[str, Any]:
 
 def stuck_step(ids: Any) -> dict[str, Any]:
     """Never returns from its second call."""
-    global _calls
-    _calls += 1
-    if _calls == 2:
+    if _nth_call() == 2:
         import time
 
         time.sleep(1e6)
@@ -278,9 +275,7 @@ def late_feeder_step(ids: Any, offset: Any) -> dict[str, Any]:
 
 def skipping_feeder_step(ids: Any, offset: Any) -> dict[str, Any]:
     """Rule 4b: the feeder is read on the first step only."""
-    global _calls
-    _calls += 1
-    if _calls == 1:
+    if _nth_call() == 1:
         offset()
     return {"id": ndd.cast(ids, dtype=ndd.int64)}
 
@@ -326,16 +321,14 @@ def eagerly_used_source(shard: Shard) -> Any:
 
 def batch_size_step(ids: Any) -> dict[str, Any]:
     """Rule 6: from the second step on, an operator asks for another batch size than the loop's."""
-    global _calls
-    _calls += 1
-    return {"id": ndd.cast(ids, dtype=ndd.int64, batch_size=None if _calls == 1 else 7)}
+    first = _nth_call() == 1
+    return {"id": ndd.cast(ids, dtype=ndd.int64, batch_size=None if first else 7)}
 
 
 def device_switch_step(ids: Any) -> dict[str, Any]:
     """Rule 7: the same call site switches to another device on the third step."""
-    global _calls
-    _calls += 1
-    return {"id": ndd.cast(ids, dtype=ndd.int64, device="gpu" if _calls == 3 else "cpu")}
+    third = _nth_call() == 3
+    return {"id": ndd.cast(ids, dtype=ndd.int64, device="gpu" if third else "cpu")}
 
 
 def eager_then_capture_reader(shard: Shard, root: str) -> Any:

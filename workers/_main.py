@@ -258,10 +258,7 @@ class Worker:
                 if schema is None:
                     schema = (describe_outputs(named), kind)
                     batch_size = next(iter(named.values())).batch_size
-                padded = sampled.padding.popleft() if sampled and sampled.padding else 0
-                if self.reader_shard_size is not None:
-                    rows = (self.step + 1) * batch_size
-                    padded = max(0, min(batch_size, rows - self.reader_shard_size))
+                padded = self.padded_rows(sampled, batch_size)
                 self.publish(epoch, self.step, named, step_started, padded)
                 self.step += 1
                 self.drain()
@@ -286,6 +283,16 @@ class Worker:
         self.channel.send(wire.EpochEnd(epoch, self.step, self.traces, self.rebuilds))
         self.epoch = self.step = None
         self.phase = "idle"
+
+    def padded_rows(self, sampled: _sampling.BatchedSamples | None, batch_size: int) -> int:
+        """Rows of the current step's batch that are padding: counted by ``sharded_source``, or
+        past the shard's end for a reader that sticks to its shard and pads its last batch."""
+        if sampled is not None and sampled.padding:
+            return sampled.padding.popleft()
+        if self.reader_shard_size is not None and self.step is not None:
+            rows = (self.step + 1) * batch_size
+            return max(0, min(batch_size, rows - self.reader_shard_size))
+        return 0
 
     def call_step(self, inputs: Any) -> Any:
         if isinstance(inputs, Mapping):
