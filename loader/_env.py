@@ -41,7 +41,8 @@ def _torch_group() -> tuple[int, int] | None:
 def discover_placement(rank: int | None, world_size: int | None) -> Placement:
     """An initialised torch.distributed group wins, then RANK/WORLD_SIZE, then the arguments.
 
-    Explicit arguments that contradict the group or the environment raise ``ValueError``.
+    Explicit arguments that contradict the group or the environment raise ``ValueError``, and so
+    does only one of RANK and WORLD_SIZE set when neither a group nor the arguments place us.
     """
     if (rank is None) != (world_size is None):
         raise ValueError("pass both rank= and world_size=, or neither")
@@ -58,6 +59,13 @@ def discover_placement(rank: int | None, world_size: int | None) -> Placement:
         env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
         if env_rank is not None and env_world is not None:
             found, how = (env_rank, env_world), "environment"
+        elif (env_rank is None) != (env_world is None) and rank is None:
+            given, missing = ("RANK", "WORLD_SIZE") if env_world is None else ("WORLD_SIZE", "RANK")
+            raise ValueError(
+                f"environment variable {given}={os.environ[given]!r} is set but {missing} is "
+                f"not: a launcher sets both (torchrun does); set {missing}, unset {given}, or "
+                "pass rank= and world_size="
+            )
     if found is not None:
         if rank is not None and (rank, world_size) != found:
             raise ValueError(

@@ -5,8 +5,9 @@ available to any test suite. Runs in the test process (the trainer side).
 
 What counts as a leak: a child process of the test process that is still alive after the test
 (multiprocessing's own long-lived helpers, the resource tracker and the forkserver, are not
-ours and are ignored), a new file descriptor to shared memory, a socket or a pipe, and a new
-entry in ``/dev/shm``.
+ours and are ignored), a new file descriptor to shared memory (a memfd or a ``/dev/shm`` file),
+a socket, a pipe or an anonymous inode (eventfd, epoll), and a new entry in ``/dev/shm``. A leak
+report names the kinds it found.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ import psutil
 import pytest
 
 _HELPER_MARKERS = ("resource_tracker", "forkserver")
-_WATCHED_FD_KINDS = ("memfd:", "socket:", "pipe:", "/dev/shm/", "anon_inode:")
+# What a watched descriptor's /proc/self/fd link starts with, and the kind a leak report names.
+# A memfd's link reads "/memfd:NAME (deleted)" (older kernels drop the leading slash).
+_WATCHED_FD_KINDS = (
+    ("/memfd:", "memfd"),
+    ("memfd:", "memfd"),
+    ("socket:", "socket"),
+    ("pipe:", "pipe"),
+    ("/dev/shm/", "/dev/shm file"),
+    ("anon_inode:", "anon_inode"),
+)
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,14 @@ def _live_children() -> set[int]:
     return alive
 
 
+def fd_kind(target: str) -> str | None:
+    """The kind of a watched descriptor from its /proc/self/fd link, or None when not watched."""
+    for prefix, kind in _WATCHED_FD_KINDS:
+        if target.startswith(prefix):
+            return kind
+    return None
+
+
 def _watched_fds() -> set[tuple[int, str]]:
     found = set()
     skip = _helper_fds()
@@ -90,7 +108,7 @@ def _watched_fds() -> set[tuple[int, str]]:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        if target.startswith(_WATCHED_FD_KINDS):
+        if fd_kind(target) is not None:
             found.add((fd, target))
     return found
 
@@ -128,7 +146,8 @@ def find_leaks(before: Snapshot, *, grace: float = 5.0) -> list[str]:
     if children:
         problems.append(f"child processes still alive: {children}")
     if fds:
-        problems.append(f"file descriptors left open: {fds}")
+        kinds = sorted({str(fd_kind(target)) for _, target in fds})
+        problems.append(f"file descriptors left open ({', '.join(kinds)}): {fds}")
     if shm:
         problems.append(f"/dev/shm entries left behind: {shm}")
     return problems
