@@ -169,7 +169,7 @@ class DaliEagerDataset:
         import nvidia.dali.experimental.dynamic as ndd
 
         from loader import list_images
-        from loader._sample import image_step
+        from loader.sample import image_step
 
         if self._ctx is None:
             self._ctx = ndd.EvalContext(num_threads=1)

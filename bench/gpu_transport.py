@@ -26,7 +26,7 @@ def device_copy(nbytes: int, repeats: int) -> float:
 
 
 def main() -> None:
-    from tests.gpu.test_cuda_ipc import run_ring
+    from tests.gpu._exporter import run_ring
 
     nbytes = 50 * 10**6
     copies = [device_copy(nbytes, 50) for _ in range(3)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -30,7 +31,7 @@ from typing import Any
 
 from bench import _sources as S
 from loader import Loader, ensure_sample_dataset, list_images
-from loader._sample import image_source, image_step
+from loader.sample import image_source, image_step
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -104,17 +105,14 @@ def in_process(
     def epochs() -> Iterator[Iterable[Any]]:
         import nvidia.dali.experimental.dynamic as ndd
 
-        ctx = ndd.EvalContext(num_threads=threads)
+        import workers
+
+        ctx = workers.make_context(threads, None)
         source = source_factory()
 
         def one_epoch() -> Iterator[Any]:
-            if hasattr(source, "next_epoch"):
-                iterator = source.next_epoch(batch_size=batch_size, ctx=ctx, capture=capture)
-            elif capture:
-                iterator = source.captured(batch_size, ctx)
-            else:
-                iterator = _eager_es(source, batch_size, ctx)
-            for inputs in iterator:
+            # the worker's own epoch iterator, without the process and the transport around it
+            for inputs in workers.epoch_iterator(source, batch_size, ctx, capture):
                 out = step(*inputs) if isinstance(inputs, tuple) else step(inputs)
                 yield {k: ndd.as_tensor(v).evaluate() for k, v in out.items()}
 
@@ -122,15 +120,6 @@ def in_process(
             yield one_epoch()
 
     return epochs
-
-
-def _eager_es(source: Any, batch_size: int, ctx: Any) -> Iterator[Any]:
-    while True:
-        with ctx:
-            try:
-                yield source(batch_size=batch_size)
-            except StopIteration:
-                return
 
 
 def with_loader(
@@ -438,9 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed epochs per contender")
     parser.add_argument("--threads", type=int, default=None, help="total DALI threads (CPUs)")
     args = parser.parse_args(argv)
-    from loader._env import usable_cpus
-
-    threads = args.threads or usable_cpus()
+    threads = args.threads or len(os.sched_getaffinity(0))
     started = time.perf_counter()
     results = run(args.quick, args.repeats, threads)
     print()

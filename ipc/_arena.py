@@ -19,6 +19,15 @@ import ctypes
 import errno
 import mmap
 import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .wire import ArenaReady, OutputPlacement
+
+if TYPE_CHECKING:
+    from ._channel import ControlChannel
 
 PAGE = mmap.PAGESIZE
 #: Every output inside a slot starts on this boundary.
@@ -110,6 +119,34 @@ class Arena:
             raise IndexError(f"slot {slot} out of range for {self.num_slots} slots")
         return self._address + slot * self.slot_size
 
+    # ---------------------------------------------------------------- the writer region protocol
+    def address(self, slot: int) -> int:
+        return self.slot_address(slot)
+
+    def finish_write(self, slot: int) -> None:
+        """Host memory: the copy is done when ``copy_packed`` returns; nothing to record."""
+
+    def copy_stream(self) -> int | None:
+        return None
+
+    def announce(self, channel: ControlChannel) -> None:
+        """Send ``ArenaReady`` and the memfd; this side then closes its descriptor."""
+        try:
+            channel.send(ArenaReady(self.arena_id, self.slot_size, self.num_slots))
+            channel.send_fd(self.fd)
+        finally:
+            self.close_fd()
+
+    # ---------------------------------------------------------------- the reader region protocol
+    def arrays(self, slot: int, placements: Sequence[OutputPlacement]) -> tuple[list[Any], object]:
+        """numpy views of every output of ``slot``; all hang off the returned :class:`SlotView`."""
+        slot_view = self.slot_view(slot)
+        base = np.asarray(slot_view)
+        return [_output_arrays(base, p) for p in placements], slot_view
+
+    def released(self, slot: int) -> None:
+        """Host memory: nothing to fence."""
+
     def slot_view(self, slot: int) -> SlotView:
         """A buffer over one slot that keeps this arena's mapping alive while referenced."""
         address = self.slot_address(slot)
@@ -138,6 +175,49 @@ class Arena:
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:
             self.close_fd()
+
+
+def _output_arrays(base: np.ndarray[Any, Any], placement: OutputPlacement) -> Any:
+    """One ``(B, ...)`` array for a dense output, else a list of per-sample arrays."""
+    dtype = np.dtype(placement.dtype)
+    raw = base[placement.offset : placement.offset + placement.nbytes]
+    flat = raw.view(dtype) if placement.nbytes else np.empty(0, dtype)
+    if placement.dense:
+        count = len(placement.shapes)
+        return flat.reshape((count, *(placement.shapes[0] if count else ())))
+    arrays = []
+    position = 0
+    for shape in placement.shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        arrays.append(flat[position : position + size].reshape(shape))
+        position += size
+    return arrays
+
+
+def memfd_regions(name: str, owner: str, num_slots: int, limit: int | None) -> Any:
+    """A region factory for :class:`ipc.SlotWriter`: memfd arenas named ``name``, together at
+    most ``limit`` bytes (and never more than the memory available now); errors name ``owner``."""
+    import psutil
+
+    def create(arena_id: int, slot_size: int, needed: int) -> Arena:
+        if limit is not None and slot_size * num_slots > limit:
+            slot_size = max(needed, (limit // num_slots) // PAGE * PAGE)
+        total = slot_size * num_slots
+        available = psutil.virtual_memory().available
+        if (limit is not None and total > limit) or total > available:
+            why = (
+                f"shm_limit is {limit} bytes"
+                if limit is not None and total > limit
+                else f"only {available} bytes of memory are available"
+            )
+            raise SharedMemoryError(
+                f"{owner} needs {needed * num_slots} bytes ({needed * num_slots / 2**20:.1f} MiB: "
+                f"{num_slots} slots of {needed} bytes) of shared memory, but {why}. Raise "
+                "shm_limit, lower prefetch or the batch size, or free memory"
+            )
+        return Arena.create(arena_id, slot_size, num_slots, label=name)
+
+    return create
 
 
 class SlotView:

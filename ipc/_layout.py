@@ -1,6 +1,7 @@
 """Packing a batch's outputs into one slot: where each output starts and how big it is.
 
-Runs in the worker (to place outputs) and the trainer (to check a descriptor fits its slot).
+Runs in the worker (to place outputs) and the trainer (to check a descriptor fits its slot, and
+to cut a slot's bytes back into per-output arrays).
 """
 
 from __future__ import annotations
@@ -8,11 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from ._arena import OUTPUT_ALIGN, round_up
-from ._wire import OutputPlacement, Shape
+from .wire import OutputPlacement, ProtocolError, Shape
 
 
 def nbytes_of(shapes: Sequence[Shape], itemsize: int) -> int:
+    """Bytes of samples of ``shapes`` with ``itemsize``-byte elements, back to back."""
     return sum(math.prod(shape) for shape in shapes) * itemsize
 
 
@@ -35,9 +39,37 @@ def place_outputs(
 
 
 def check_fits(placements: Sequence[OutputPlacement], slot_size: int) -> None:
+    """Raise :class:`ProtocolError` unless every placement lies inside a ``slot_size`` slot and
+    its byte count matches its dtype and shapes."""
     for placement in placements:
+        try:
+            itemsize = np.dtype(placement.dtype).itemsize
+        except TypeError as error:
+            raise ProtocolError(
+                f"output {placement.name!r} has dtype {placement.dtype!r}"
+            ) from error
         if placement.offset < 0 or placement.offset + placement.nbytes > slot_size:
-            raise RuntimeError(
+            raise ProtocolError(
                 f"output {placement.name!r} ({placement.offset}+{placement.nbytes} bytes) "
                 f"does not fit a slot of {slot_size} bytes"
             )
+        if any(d < 0 for shape in placement.shapes for d in shape):
+            raise ProtocolError(f"output {placement.name!r} has a negative dimension")
+        expected = nbytes_of(placement.shapes, itemsize)
+        if expected != placement.nbytes:
+            raise ProtocolError(
+                f"output {placement.name!r} claims {placement.nbytes} bytes but its shapes "
+                f"hold {expected}"
+            )
+        if placement.dense and len(set(placement.shapes)) > 1:
+            raise ProtocolError(f"output {placement.name!r} is marked dense with ragged shapes")
+
+
+def sample_offsets(placement: OutputPlacement, itemsize: int) -> list[int]:
+    """Byte offset (inside the slot) of every sample of a placement."""
+    offsets = []
+    position = placement.offset
+    for shape in placement.shapes:
+        offsets.append(position)
+        position += math.prod(shape) * itemsize
+    return offsets

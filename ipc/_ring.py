@@ -1,4 +1,4 @@
-"""Slot bookkeeping shared by every memory backend (CPU arena today, CUDA ring later).
+"""Slot bookkeeping shared by every memory backend (memfd arena, CUDA ring).
 
 Runs in both processes, and touches no memory: it only counts. The worker owns a
 :class:`SlotRing` (which of its slots it may write); the trainer owns a :class:`SlotLedger` per
@@ -103,16 +103,12 @@ class SlotLedger:
     def all_held(self) -> bool:
         return len(self._held) >= self.num_slots
 
-    def receive(self, slot: int, generation: int) -> None:
-        """Record a descriptor; rejects a slot whose previous fill the trainer still holds."""
-        if not 0 <= slot < self.num_slots:
-            raise RuntimeError(f"descriptor for slot {slot}, but the worker has {self.num_slots}")
+    def receive(self, slot: int, generation: int) -> bool:
+        """Hold a fill; False (nothing recorded) when the slot's previous fill is still held."""
         if slot in self._held:
-            raise RuntimeError(
-                f"descriptor for slot {slot} generation {generation} while generation "
-                f"{self._held[slot]} of that slot is still held"
-            )
+            return False
         self._held[slot] = generation
+        return True
 
     def release(self, slot: int, generation: int) -> bool:
         """Forget a fill. False when that fill is not held (already released: stale)."""
@@ -123,6 +119,3 @@ class SlotLedger:
 
     def resize(self, num_slots: int) -> None:
         self.num_slots = num_slots
-
-    def clear(self) -> None:
-        self._held.clear()

@@ -3,14 +3,15 @@
 Runs in the trainer. Everything public is re-exported here; other modules are private.
 """
 
-from ipc import SharedMemoryError
 from workers import BatchedSamples, Shard, shard_indices, sharded_source, steps_per_epoch
 
+from ._config import LoaderConfig
 from ._errors import (
     AgreementError,
     LoaderClosedError,
     LoaderError,
     RemoteTraceback,
+    SharedMemoryError,
     SlotsExhaustedError,
     StartupError,
     WorkerDiedError,
@@ -18,8 +19,8 @@ from ._errors import (
     WorkerTimeoutError,
 )
 from ._loader import Loader, LoaderStats, WorkerStats
-from ._sample import ensure_sample_dataset, list_images
-from ._views import BatchInfo, LoadedBatch, LoadedTuple
+from ._views import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple
+from .sample import ensure_sample_dataset, list_images
 
 __version__ = "0.1.0"
 
@@ -27,10 +28,13 @@ __all__ = [
     "AgreementError",
     "BatchInfo",
     "BatchedSamples",
+    "LoadedArray",
     "LoadedBatch",
+    "LoadedList",
     "LoadedTuple",
     "Loader",
     "LoaderClosedError",
+    "LoaderConfig",
     "LoaderError",
     "LoaderStats",
     "RemoteTraceback",

@@ -1,9 +1,11 @@
 """The coordinator: the trainer's end of every worker's control channel. Runs in the trainer.
 
-It waits on all channels, all process sentinels and the release queue's wakeup pipe at once, so
-a message, a dead worker or a released slot each wake it immediately; there is no polling. It
-turns what workers send into state (queued batches, signatures, epoch ends) and every failure into
-one exception with the worker, shard, epoch and step in its message.
+It owns every worker's session (:mod:`loader._session`) and is the only code that moves a worker
+through its lifecycle: start an epoch, abort it, take the next batch in order, fail. It waits on
+all channels, all process sentinels and the release queue's wakeup pipe at once, so a message, a
+dead worker or a released slot each wake it immediately; there is no polling. It turns what
+workers send into state (queued batches, signatures, epoch ends) and every failure into one
+exception with the worker, shard, epoch and step in its message.
 
 Invariants: only the trainer's thread that iterates calls into it; a failure closes the pool
 before the exception leaves, so nothing is left running behind an error.
@@ -18,33 +20,35 @@ import logging
 import os
 import select
 import signal
+import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from ipc import Arena, ChannelClosed, SharedMemoryError
-from ipc import _wire as wire
+from ipc import ChannelClosed, ProtocolError, open_region, wire
 
 from ._errors import (
     AgreementError,
     RemoteTraceback,
+    SharedMemoryError,
     SlotsExhaustedError,
     StartupError,
     WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
 )
-from ._pool import WorkerHandle, WorkerPool, describe_exit
+from ._pool import WorkerPool, describe_exit
+from ._session import WorkerSession, WorkerState, choose_worker
 from ._views import ReleaseQueue
 
 logger = logging.getLogger("loader")
 
 NOTHING_CAPTURED = "no operators were captured"
 
-#: Non-builtin exception types a worker may raise that the trainer re-creates as they are.
+#: Exception types of ``ipc`` a worker may raise, and the loader's class the trainer raises.
 KNOWN_TYPES: dict[tuple[str, str], type[Exception]] = {
-    (SharedMemoryError.__module__, SharedMemoryError.__qualname__): SharedMemoryError,
+    ("ipc._arena", "SharedMemoryError"): SharedMemoryError,
 }
 
 #: Known DALI messages, and what to change in the loader's terms.
@@ -67,43 +71,121 @@ HINTS = (
 
 
 class Coordinator:
-    """Receives from every worker; raises what goes wrong. See the module docstring."""
+    """Receives from every worker, drives their lifecycles; raises what goes wrong."""
 
-    def __init__(self, pool: WorkerPool, *, timeout: float | None) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        *,
+        timeout: float | None,
+        trace_timeout: float | None,
+        stream_of: Callable[[int], int] | None = None,
+    ) -> None:
+        """``timeout``: per batch once a worker's loop runs; ``trace_timeout``: for a worker's
+        traced first batch (and after a rebuild); ``stream_of(device_id)``: the trainer's
+        current CUDA stream (GPU only)."""
         self.pool = pool
-        self.handles = pool.handles
+        self.sessions: list[WorkerSession] = []
         self.timeout = timeout
+        self.trace_timeout = trace_timeout
+        self.stream_of = stream_of
         self.releases = ReleaseQueue()
-        self.pending_signatures: set[int] = set()
         self.reference: wire.Signature | None = None
         self.fallback_warned = False
         self.wait_ns = 0
         self.failure: BaseException | None = None
-        self._poller: tuple[select.poll, dict[int, WorkerHandle], dict[int, WorkerHandle]] | None
-        self._poller = None
-        self._poller_key: tuple[int, ...] = ()
+        self._poller: tuple[select.poll, dict[int, WorkerSession], dict[int, WorkerSession]]
+        self._poller = None  # type: ignore[assignment]
+        self._poller_key: tuple[int, ...] | None = None
         self._pending_releases: dict[int, list[tuple[int, int]]] = {}
-        #: device id -> the trainer's current CUDA stream handle (set by the Loader for GPU).
-        self.cuda_stream: Callable[[int], int] | None = None
+        self._closed = False
 
-    # ------------------------------------------------------------------------------ waiting
+    # ------------------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float) -> None:
+        """Start every worker (all before waiting for any), then wait until each said Hello."""
+        self.pool.start()
+        self.sessions = [WorkerSession(handle) for handle in self.pool.handles]
+        self.wait_startup(timeout)
+
     def wait_startup(self, timeout: float) -> None:
+        """Wait until every worker said Hello (each is then READY)."""
         deadline = time.monotonic() + timeout
-        while any(h.hello is None for h in self.handles):
-            waiting_for = next(h for h in self.handles if h.hello is None)
+        while True:
+            starting = [s for s in self.sessions if s.state == WorkerState.STARTING]
+            if not starting:
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._fail(
                     StartupError(
-                        f"{waiting_for.describe()} did not start within {timeout:.0f} s "
+                        f"{starting[0].describe()} did not start within {timeout:g} s "
                         "(startup_timeout); the machine may be overloaded"
                     )
                 )
-            self.pump(waiting_for, remaining, startup=True)
-        self.pending_signatures = {h.index for h in self.handles}
+            self.pump(starting[0], remaining, startup=True)
+        for session in self.sessions:
+            session.signature_pending = True
 
+    def start_epoch(self, epoch: int) -> None:
+        """Every worker runs ``epoch`` (each is READY, or ENDED with the last epoch drained)."""
+        for session in self.sessions:
+            assert not session.queue, "an epoch starts with batches of the last one queued"
+            session.move(WorkerState.RUNNING, epoch)
+            session.received = 0
+            session.last_step = None
+            session.handle.send(wire.StartEpoch(epoch))
+
+    def abort_epoch(self, epoch: int) -> None:
+        """Stop ``epoch`` everywhere and wait until every worker rebuilt its sources (READY)."""
+        for session in self.sessions:
+            while session.queue:
+                self.release_now(session, session.queue.popleft())
+            session.move(WorkerState.ABORTING, epoch)
+            session.handle.send(wire.AbortEpoch(epoch))
+        for session in self.sessions:
+            while session.state == WorkerState.ABORTING:
+                self.pump(session, self.trace_timeout)  # includes rebuilding the source
+            session.signature_pending = True
+
+    def wait_signatures(self) -> None:
+        """Wait until every worker whose loop traced sent its signature; checks agreement.
+
+        A worker's traced first batch is bounded by ``trace_timeout``; once it delivered a batch,
+        the ordinary per-batch ``timeout`` applies to the rest.
+        """
+        while True:
+            pending = [s for s in self.sessions if s.signature_pending]
+            if not pending:
+                return
+            waiting = pending[0]
+            if waiting.received == 0 and not waiting.queue:
+                self.pump(waiting, self.trace_timeout)
+            else:
+                self.pump(waiting, self.timeout)
+
+    def next_batch(self, cursor: int) -> tuple[WorkerSession, wire.BatchReady] | None:
+        """The next batch in round-robin order from ``cursor``; None when the epoch is over."""
+        sessions = self.sessions
+        while True:
+            index = choose_worker(
+                cursor, [bool(s.queue) for s in sessions], [s.open_in_epoch for s in sessions]
+            )
+            if index is None:
+                return None
+            chosen = sessions[index]
+            if chosen.queue:
+                self.flush_releases(lazy=True)
+                return chosen, chosen.queue.popleft()
+            if chosen.reader.all_held:
+                self.flush_releases()
+                if chosen.reader.all_held:
+                    self.collect_views(chosen)
+            if not self.take_ready(chosen):
+                self.pump(chosen, self.timeout)
+
+    # ------------------------------------------------------------------------------ waiting
     def pump(
-        self, wanted: WorkerHandle | None, timeout: float | None, *, startup: bool = False
+        self, wanted: WorkerSession | None, timeout: float | None, *, startup: bool = False
     ) -> None:
         """Wait until something arrives, then handle everything that did.
 
@@ -113,11 +195,11 @@ class Coordinator:
         with self._closing_on_error():
             self._pump(wanted, timeout, startup=startup)
 
-    def _pump(self, wanted: WorkerHandle | None, timeout: float | None, *, startup: bool) -> None:
+    def _pump(self, wanted: WorkerSession | None, timeout: float | None, *, startup: bool) -> None:
         self.releases.waiting = True  # from here, a finalizer on this thread wakes the wait
         try:
             self.flush_releases()
-            poller, channels, sentinels = self._poller_for_live_handles()
+            poller, channels, sentinels = self._poller_for_live_sessions()
             started = time.perf_counter_ns()
             ready = poller.poll(None if timeout is None else max(0, int(timeout * 1000)))
             self.wait_ns += time.perf_counter_ns() - started
@@ -128,7 +210,7 @@ class Coordinator:
             if startup:
                 return
             raise self._timeout(wanted, timeout)
-        died: list[WorkerHandle] = []
+        died: list[WorkerSession] = []
         for fd, _events in ready:
             if fd in channels:
                 self._drain(channels[fd])
@@ -136,40 +218,41 @@ class Coordinator:
                 died.append(sentinels[fd])
             elif fd == self.releases.wakeup_fd:
                 self.releases.clear_wakeup()
-        for handle in died:
-            self._drain(handle)  # a failure record sent just before exiting explains the exit
-            raise self._died(handle)
+        for session in died:
+            self._drain(session)  # a failure record sent just before exiting explains the exit
+            raise self._died(session)
         self.flush_releases()
 
-    def _poller_for_live_handles(
+    def _poller_for_live_sessions(
         self,
-    ) -> tuple[select.poll, dict[int, WorkerHandle], dict[int, WorkerHandle]]:
+    ) -> tuple[select.poll, dict[int, WorkerSession], dict[int, WorkerSession]]:
         """One ``select.poll`` over live channels, sentinels and the wakeup pipe, rebuilt only
         when the set of live workers changes (``multiprocessing.connection.wait`` would build a
         selector on every call)."""
-        live = tuple(h.index for h in self.handles if not h.exited and not h.channel.closed)
+        live = tuple(
+            s.index for s in self.sessions if not s.handle.exited and not s.handle.channel.closed
+        )
         if self._poller is None or self._poller_key != live:
             poller = select.poll()
-            channels: dict[int, WorkerHandle] = {}
-            sentinels: dict[int, WorkerHandle] = {}
+            channels: dict[int, WorkerSession] = {}
+            sentinels: dict[int, WorkerSession] = {}
             for index in live:
-                handle = self.handles[index]
-                channels[handle.channel.fileno()] = handle
-                sentinels[handle.process.sentinel] = handle
+                session = self.sessions[index]
+                channels[session.handle.channel.fileno()] = session
+                sentinels[session.handle.process.sentinel] = session
             for fd in (*channels, *sentinels, self.releases.wakeup_fd):
                 poller.register(fd, select.POLLIN)
             self._poller = (poller, channels, sentinels)
             self._poller_key = live
         return self._poller
 
-    def take_ready(self, handle: WorkerHandle) -> bool:
-        """Handle what ``handle`` already sent, without waiting; False when it sent nothing."""
-        if handle.exited or handle.channel.closed:
-            return False
-        if not handle.channel.ready():
+    def take_ready(self, session: WorkerSession) -> bool:
+        """Handle what ``session``'s worker already sent, without waiting; False when nothing."""
+        channel = session.handle.channel
+        if session.handle.exited or channel.closed or not channel.ready():
             return False
         with self._closing_on_error():
-            self._drain(handle)
+            self._drain(session)
         return True
 
     @contextlib.contextmanager
@@ -182,152 +265,136 @@ class Coordinator:
                 self._fail(error)
             raise
 
-    def _drain(self, handle: WorkerHandle) -> None:
-        channel = handle.channel
+    def _drain(self, session: WorkerSession) -> None:
+        channel = session.handle.channel
         try:
             while channel.ready():
-                self.dispatch(handle, channel.recv())
+                self.dispatch(session, channel.recv())
         except ChannelClosed:
             return
 
+    # ------------------------------------------------------------------------------ releases
     def flush_releases(self, *, lazy: bool = False) -> None:
         """Send queued releases, one record per worker. ``lazy`` keeps a worker's releases
         queued while it still has at least half its slots (fewer, larger records)."""
         pending = self._pending_releases
         for worker, slot, generation in self.releases.take():
-            handle = self.handles[worker]
-            if handle.ledger.release(slot, generation):
-                self._mark_cuda_free(handle, slot)
+            if self.sessions[worker].reader.release(slot, generation):
                 pending.setdefault(worker, []).append((slot, generation))
         for worker in list(pending):
-            handle = self.handles[worker]
+            session = self.sessions[worker]
             fills = pending[worker]
+            reader = session.reader
             if (
                 lazy
-                and len(fills) < max(1, handle.ledger.num_slots // 2)
-                and (handle.ledger.held + len(fills) < handle.ledger.num_slots)
+                and len(fills) < max(1, reader.num_slots // 2)
+                and (reader.held + len(fills) < reader.num_slots)
             ):
                 continue
             del pending[worker]
-            handle.send(wire.Release(tuple(fills)))
+            session.handle.send(wire.Release(tuple(fills)))
 
-    def _mark_cuda_free(self, handle: WorkerHandle, slot: int) -> None:
-        """Record the slot's "free" event on the trainer's current stream (CUDA rings only)."""
-        arena_id = handle.fill_arena.pop(slot, None)
-        for importer in (handle.cuda, *handle.retired_cuda):
-            if importer is not None and importer.arena_id == arena_id:
-                assert self.cuda_stream is not None
-                importer.mark_free(slot, self.cuda_stream(importer.device_id))
-                return
+    def release_now(self, session: WorkerSession, descriptor: wire.BatchReady) -> None:
+        if session.reader.release(descriptor.slot, descriptor.generation):
+            session.handle.send(wire.Release(((descriptor.slot, descriptor.generation),)))
 
-    def release_now(self, handle: WorkerHandle, descriptor: wire.BatchReady) -> None:
-        if handle.ledger.release(descriptor.slot, descriptor.generation):
-            self._mark_cuda_free(handle, descriptor.slot)
-            handle.send(wire.Release(((descriptor.slot, descriptor.generation),)))
-
-    def collect_views(self, handle: WorkerHandle) -> None:
+    def collect_views(self, session: WorkerSession) -> None:
         """Before declaring every slot held: collect dead views and send their releases."""
         gc.collect()
         self.flush_releases()
-        if handle.ledger.all_held and not handle.queue:
+        if session.reader.all_held and not session.queue:
             raise self._fail(
                 SlotsExhaustedError(
-                    f"the trainer holds all {handle.ledger.num_slots} shared-memory slots of "
-                    f"{handle.describe()} through live batch views, so it cannot produce the next "
-                    "batch. Drop references to old batches (or their arrays/tensors), pass "
+                    f"the trainer holds all {session.reader.num_slots} shared-memory slots of "
+                    f"{session.describe()} through live batch views, so it cannot produce the "
+                    "next batch. Drop references to old batches (or their arrays/tensors), pass "
                     "copy=True to get private copies, or raise prefetch="
                 )
             )
 
     # ------------------------------------------------------------------------------ messages
-    def dispatch(self, handle: WorkerHandle, message: Any) -> None:
+    def dispatch(self, session: WorkerSession, message: Any) -> None:
         if isinstance(message, wire.BatchReady):
-            handle.ledger.receive(message.slot, message.generation)
-            handle.fill_arena[message.slot] = message.arena_id
-            known = {a.arena_id for a in (handle.arena, handle.cuda) if a is not None}
-            if message.arena_id not in known:
-                raise self._fail(
-                    RuntimeError(f"{handle.describe()} sent a batch for an unknown arena")
-                )
-            if message.epoch != handle.epoch:
-                self.release_now(handle, message)  # a batch of an epoch the trainer left
-                return
-            handle.queue.append(message)
-            handle.last_step = message.step
-            handle.steps += 1
-            handle.bytes += message.nbytes
-            handle.blocked_ns += message.blocked_ns
-            handle.busy_ns += message.busy_ns
-        elif isinstance(message, wire.ArenaReady):
-            fd = handle.channel.recv_fd()
-            arena = Arena.attach(fd, message.arena_id, message.slot_size, message.num_slots)
-            if handle.arena is not None:
-                handle.arena.close()  # live views keep the old mapping until they die
-            handle.arena = arena
-            handle.ledger.resize(message.num_slots)
-        elif isinstance(message, wire.CudaRingReady):
-            from ipc._cuda import CudaImporter
-
-            importer = CudaImporter(
-                message.arena_id,
-                message.device_id,
-                message.slot_size,
-                message.memory_handles,
-                message.ready_handles,
-            )
-            if handle.cuda is not None:
-                handle.retired_cuda.append(handle.cuda)  # live views may still use it
-            handle.cuda = importer
-            handle.ledger.resize(len(message.memory_handles))
-            handle.send(wire.CudaFreeEvents(message.arena_id, importer.free_handles))
+            self._batch_ready(session, message)
+        elif isinstance(message, (wire.ArenaReady, wire.CudaRingReady)):
+            session.reader.attach(open_region(message, session.handle.channel, self.stream_of))
         elif isinstance(message, wire.Signature):
-            handle.signature = message
-            handle.trace_seconds.append(message.trace_seconds)
-            self.pending_signatures.discard(handle.index)
-            if not self.pending_signatures:
-                self.check_agreement()
+            session.signature = message
+            session.counters.trace_seconds.append(message.trace_seconds)
+            self._signed(session)
         elif isinstance(message, wire.EpochEnd):
-            handle.ended_epoch = message.epoch
-            handle.traces = message.traces
-            handle.rebuilds = message.rebuilds
-            if handle.index in self.pending_signatures:
-                self.pending_signatures.discard(handle.index)
-                if not self.pending_signatures:
-                    self.check_agreement()
+            if session.state == WorkerState.RUNNING and session.epoch == message.epoch:
+                session.move(WorkerState.ENDED)
+            session.counters.traces = message.traces
+            session.counters.rebuilds = message.rebuilds
+            self._signed(session)
         elif isinstance(message, wire.EpochAborted):
-            handle.aborted_epoch = message.epoch
+            if session.state == WorkerState.ABORTING and session.epoch == message.epoch:
+                session.move(WorkerState.READY)
         elif isinstance(message, wire.WorkerFailure):
-            raise self._fail(self.relay_failure(handle, message))
+            raise self._fail(self.relay_failure(session, message))
         elif isinstance(message, wire.WarningRelay):
-            self.relay_warning(handle, message)
+            self.relay_warning(session, message)
         elif isinstance(message, wire.LogRelay):
-            logger.log(message.level, "worker %d: %s", handle.index, message.message)
+            logger.log(message.level, "worker %d: %s", session.index, message.message)
         elif isinstance(message, wire.Hello):
-            handle.hello = message
+            session.hello = message
+            session.move(WorkerState.READY)
         else:
             raise self._fail(
-                RuntimeError(f"{handle.describe()} sent an unknown record {type(message).__name__}")
+                ProtocolError(
+                    f"{session.describe()} sent an unknown record {type(message).__name__}"
+                )
             )
+
+    def _batch_ready(self, session: WorkerSession, message: wire.BatchReady) -> None:
+        try:
+            session.reader.receive(message)
+        except ProtocolError as error:
+            raise self._fail(ProtocolError(f"{session.describe()}: {error}")) from None
+        if session.state != WorkerState.RUNNING or message.epoch != session.epoch:
+            self.release_now(session, message)  # a batch of an epoch the trainer left
+            return
+        if message.step != session.received:
+            raise self._fail(
+                ProtocolError(
+                    f"{session.describe()} sent step {message.step} of epoch {message.epoch}, "
+                    f"expected step {session.received}"
+                )
+            )
+        session.queue.append(message)
+        session.received += 1
+        session.last_step = message.step
+        counters = session.counters
+        counters.steps += 1
+        counters.bytes += message.nbytes
+        counters.blocked_ns += message.blocked_ns
+        counters.busy_ns += message.busy_ns
+
+    def _signed(self, session: WorkerSession) -> None:
+        if session.signature_pending:
+            session.signature_pending = False
+            if not any(s.signature_pending for s in self.sessions):
+                self.check_agreement()
 
     # ------------------------------------------------------------------------------ agreement
     def check_agreement(self) -> None:
         """Every worker's signature must match worker 0's (or the first one seen)."""
-        signed = [h for h in self.handles if h.signature is not None]
+        signed = [s for s in self.sessions if s.signature is not None]
         if not signed:
             return
-        reference_handle = signed[0]
-        reference = reference_handle.signature
+        reference_session = signed[0]
+        reference = reference_session.signature
         assert reference is not None
-        for handle in signed[1:]:
-            signature = handle.signature
-            assert signature is not None
-            expected = reference.agreement_fields()
-            for field, value in signature.agreement_fields().items():
+        expected = reference.agreement_fields()
+        for session in signed[1:]:
+            assert session.signature is not None
+            for field, value in session.signature.agreement_fields().items():
                 if value != expected[field]:
                     raise self._fail(
                         AgreementError(
-                            f"{handle.describe()} disagrees with worker "
-                            f"{reference_handle.index} on {field}: "
+                            f"{session.describe()} disagrees with worker "
+                            f"{reference_session.index} on {field}: "
                             f"{_short(value)} != {_short(expected[field])}. Every worker must "
                             "trace the same loop: make source(shard) and step() give the same "
                             "batch size, device and outputs on every shard"
@@ -335,63 +402,54 @@ class Coordinator:
                     )
         self.reference = reference
         fell_back = [
-            h
-            for h in signed
-            if h.signature and h.signature.capture_requested and not h.signature.captured
+            s
+            for s in signed
+            if s.signature and s.signature.capture_requested and not s.signature.captured
         ]
         if fell_back and not self.fallback_warned:
             self.fallback_warned = True
-            names = ", ".join(f"{h.index} ({h.shard.describe()})" for h in fell_back)
+            names = ", ".join(f"{s.index} ({s.shard.describe()})" for s in fell_back)
             warnings.warn(
                 f"capture=True was specified but no operators were captured during tracing in "
                 f"worker(s) {names}; they run step() eagerly. Make step() call DALI operators "
                 "(arithmetic, slicing and ndd.math are not captured), or pass capture=False",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
 
     # ------------------------------------------------------------------------------ failures
-    def where(self, handle: WorkerHandle, epoch: int | None, step: int | None) -> str:
-        parts = [f"worker {handle.index}", handle.shard.describe()]
+    @staticmethod
+    def where(session: WorkerSession, epoch: int | None, step: int | None) -> str:
+        parts = [f"worker {session.index}", session.shard.describe()]
         parts.append(f"epoch {epoch}" if epoch is not None else "before the first epoch")
         if step is not None:
             parts.append(f"step {step}")
         return ", ".join(parts)
 
-    def relay_failure(self, handle: WorkerHandle, failure: wire.WorkerFailure) -> BaseException:
-        where = self.where(handle, failure.epoch, failure.step)
+    def relay_failure(self, session: WorkerSession, failure: wire.WorkerFailure) -> BaseException:
+        where = self.where(session, failure.epoch, failure.step)
         message = f"{failure.message} [{where}, in {failure.phase}]"
         for pattern, hint in HINTS:
             if pattern in failure.message:
                 message += f" Hint: {hint}"
-        error: BaseException | None = None
-        known = KNOWN_TYPES.get((failure.type_module, failure.type_name))
-        if known is not None:
-            error = known(message)
-        elif failure.type_module == "builtins":
-            kind = getattr(builtins, failure.type_name, None)
-            if isinstance(kind, type) and issubclass(kind, Exception):
-                try:
-                    error = kind(message)
-                except Exception:
-                    error = None
+        error, why_not = _rebuild_exception(failure.type_module, failure.type_name, message)
         if error is None:
-            error = WorkerError(
-                f"{failure.type_module}.{failure.type_name}: {message}",
-                remote_type=f"{failure.type_module}.{failure.type_name}",
-            )
+            remote = f"{failure.type_module}.{failure.type_name}"
+            error = WorkerError(f"{remote}: {message}{why_not}", remote_type=remote)
         for name, value in (
-            ("worker", handle.index),
-            ("shard", handle.shard.index),
+            ("worker", session.index),
+            ("shard", session.shard.index),
             ("epoch", failure.epoch),
             ("step", failure.step),
+            ("phase", failure.phase),
             ("remote_traceback", failure.traceback),
         ):
-            setattr(error, name, value)
+            with contextlib.suppress(AttributeError):
+                setattr(error, name, value)
         error.__cause__ = RemoteTraceback(failure.traceback)
         return error
 
-    def relay_warning(self, handle: WorkerHandle, relay: wire.WarningRelay) -> None:
+    def relay_warning(self, session: WorkerSession, relay: wire.WarningRelay) -> None:
         if NOTHING_CAPTURED in relay.message:
             return  # reported once, for all workers, by check_agreement
         category: type[Warning] = UserWarning
@@ -400,37 +458,41 @@ class Coordinator:
             if isinstance(found, type) and issubclass(found, Warning):
                 category = found
         warnings.warn_explicit(
-            f"[worker {handle.index}] {relay.message}",
+            f"[worker {session.index}] {relay.message}",
             category,
             relay.filename,
             relay.lineno,
-            module=f"worker{handle.index}",
+            module=f"worker{session.index}",
         )
 
-    def _died(self, handle: WorkerHandle) -> BaseException:
+    def _died(self, session: WorkerSession) -> BaseException:
+        handle = session.handle
         handle.process.join(0.5)
         exitcode = handle.process.exitcode
         text, signal_name = describe_exit(exitcode)
         stack = handle.read_stack(0.2)
         handle.exited = True
-        last = "no batch yet" if handle.last_step is None else f"last step sent {handle.last_step}"
-        epoch = handle.epoch
+        last = (
+            "no batch yet" if session.last_step is None else f"last step sent {session.last_step}"
+        )
         message = (
-            f"{handle.describe()} {text} unexpectedly [{self.where(handle, epoch, None)}, {last}]"
+            f"{session.describe()} {text} unexpectedly "
+            f"[{self.where(session, session.epoch, None)}, {last}]"
         )
         if stack.strip():
             message += f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
         return self._fail(
             WorkerDiedError(
                 message,
-                worker=handle.index,
+                worker=session.index,
                 pid=handle.pid,
                 exitcode=exitcode,
                 signal_name=signal_name,
             )
         )
 
-    def _timeout(self, handle: WorkerHandle, timeout: float | None) -> BaseException:
+    def _timeout(self, session: WorkerSession, timeout: float | None) -> BaseException:
+        handle = session.handle
         stack = ""
         if handle.pid is not None and not handle.exited:
             try:
@@ -438,31 +500,79 @@ class Coordinator:
                 stack = handle.read_stack(1.5)
             except (ProcessLookupError, OSError):
                 stack = ""
+        waiting_for = "its first batch" if session.received == 0 else "a batch"
         message = (
-            f"{handle.describe()} sent nothing for {timeout} s (timeout=) "
-            f"[{self.where(handle, handle.epoch, handle.last_step)}]"
+            f"{session.describe()} sent nothing for {timeout:g} s while the trainer waited for "
+            f"{waiting_for} (timeout=) "
+            f"[{self.where(session, session.epoch, session.next_step)}]"
         )
         message += (
             f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
             if stack.strip()
             else "\n(the worker's stack could not be read)"
         )
-        return self._fail(WorkerTimeoutError(message, worker=handle.index, stack=stack))
+        error = WorkerTimeoutError(message, worker=session.index, stack=stack)
+        error.step = session.next_step
+        error.epoch = session.epoch
+        return self._fail(error)
 
     def _fail(self, error: BaseException) -> BaseException:
         """Record the failure and stop the pool; returns the error for the caller to raise."""
         if self.failure is None:
             self.failure = error
+        for session in self.sessions:
+            session.move(WorkerState.FAILED)
         self.close()
         return error
 
     def close(self) -> None:
+        """Close the trainer's side of every region first (CUDA: imports are closed before the
+        exporting worker frees them), then stop the workers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for session in self.sessions:
+            session.queue.clear()
+            session.reader.close()
+            if session.state != WorkerState.FAILED:
+                session.move(WorkerState.CLOSED)
         self.pool.close()
         self.releases.close()
 
-    def send_all(self, message: Any, handles: Iterable[WorkerHandle] | None = None) -> None:
-        for handle in self.handles if handles is None else handles:
-            handle.send(message)
+
+def _rebuild_exception(
+    module_name: str, type_name: str, message: str
+) -> tuple[BaseException | None, str]:
+    """The worker's exception as the same class in the trainer, when the trainer knows it.
+
+    Builtins and the loader's own errors always; a user's class when its module is already
+    imported in the trainer (a class of the main script arrives as ``__mp_main__`` and is looked
+    up in ``__main__``). Returns ``(None, why)`` when it cannot be re-created.
+    """
+    known = KNOWN_TYPES.get((module_name, type_name))
+    if known is not None:
+        return known(message), ""
+    if module_name == "builtins":
+        module: Any = builtins
+    else:
+        module = sys.modules.get("__main__" if module_name == "__mp_main__" else module_name)
+        if module is None:
+            return None, (
+                f" (the trainer has not imported {module_name!r}, so the exception arrives as "
+                "WorkerError; import that module in the trainer to catch its class)"
+            )
+    kind: Any = module
+    for part in type_name.split("."):
+        kind = getattr(kind, part, None)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        return None, f" (the trainer's {module_name} has no exception class {type_name})"
+    try:
+        return kind(message), ""
+    except Exception:
+        return None, (
+            f" ({module_name}.{type_name} cannot be re-created from a message alone, so it "
+            "arrives as WorkerError)"
+        )
 
 
 def _short(value: Any) -> str:

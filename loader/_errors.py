@@ -7,6 +7,8 @@ multiprocess loader can go through.
 
 from __future__ import annotations
 
+import ipc
+
 
 class LoaderError(RuntimeError):
     """Base class of the loader's own errors."""
@@ -46,6 +48,8 @@ class WorkerTimeoutError(LoaderError):
         super().__init__(message)
         self.worker = worker
         self.stack = stack
+        self.epoch: int | None = None
+        self.step: int | None = None  # the step the trainer was waiting for
 
 
 class StartupError(LoaderError):
@@ -58,6 +62,10 @@ class AgreementError(LoaderError):
 
 class SlotsExhaustedError(LoaderError):
     """The trainer holds every shared-memory slot of the worker it waits on."""
+
+
+class SharedMemoryError(LoaderError, ipc.SharedMemoryError):
+    """Shared memory for a worker's slots could not be reserved (also a ``MemoryError``)."""
 
 
 class LoaderClosedError(LoaderError):

@@ -8,33 +8,31 @@ Epochs: ``iter(loader)`` starts the next epoch in every worker. Leaving an epoch
 ``iter`` again aborts it everywhere first: every worker stops its loop, rebuilds its source and
 feeders for the next epoch (so DALI re-traces), and acknowledges; only then does the next epoch
 start, complete and from the start of every shard.
+
+The Loader holds no worker state: it asks the coordinator (:mod:`loader._coordinator`), which
+owns every worker's lifecycle.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ipc import _wire as wire
-from workers import Shard, WorkerSpec
+from workers import Shard
 
-from . import _distributed, _env
+from . import _distributed
+from ._config import LoaderConfig
 from ._coordinator import Coordinator
 from ._errors import LoaderClosedError
 from ._pool import WorkerPool
-from ._validate import check_choice, check_importable, check_positive_int
-from ._views import BatchInfo, build_batch, build_cuda_batch, current_stream
+from ._session import WorkerSession
+from ._views import BatchInfo, build_batch, current_stream
 
 logger = logging.getLogger("loader")
-
-OUTPUTS = ("numpy", "torch", "cupy")
-DEVICES = ("cpu", "gpu")
 
 
 @dataclass(frozen=True)
@@ -48,23 +46,33 @@ class WorkerStats:
     trace_seconds: tuple[float, ...]
     busy_seconds: float
     blocked_seconds: float
-    batches_per_second: float
+    batches_per_second: float  # batches per second of the worker's busy time
     bytes: int
 
 
 @dataclass(frozen=True)
 class LoaderStats:
+    """Counters of one loader. ``startup_seconds`` (construction until every worker is ready)
+    is kept apart from ``iteration_seconds`` (the first ``iter(loader)`` until the latest
+    delivered batch or epoch end), which the rates are computed over."""
+
     workers: tuple[WorkerStats, ...]
     batches: int
+    samples: int  # real samples delivered (padded rows are not counted)
     bytes_moved: int
-    wait_seconds: float
+    wait_seconds: float  # the trainer's time waiting for workers after startup
     slots_in_use: int
-    elapsed_seconds: float
-    time_to_first_batch: float | None
+    startup_seconds: float
+    iteration_seconds: float
+    time_to_first_batch: float | None  # from the first iter(loader)
 
     @property
     def samples_per_second(self) -> float:
-        return 0.0 if self.elapsed_seconds <= 0 else self.batches / self.elapsed_seconds
+        return 0.0 if self.iteration_seconds <= 0 else self.samples / self.iteration_seconds
+
+    @property
+    def batches_per_second(self) -> float:
+        return 0.0 if self.iteration_seconds <= 0 else self.batches / self.iteration_seconds
 
 
 class Loader:
@@ -102,128 +110,85 @@ class Loader:
         self._closed = True  # until the pool is up; close() must work on a half-built loader
         self._coordinator: Coordinator | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        if isinstance(batch_size, float) and not isinstance(batch_size, bool):
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        self.batch_size = check_positive_int(batch_size, "batch_size")
-        self.num_workers = check_positive_int(num_workers, "num_workers")
-        self.prefetch = check_positive_int(prefetch, "prefetch")
-        self.output = check_choice(output, "output", OUTPUTS)
-        self.device = check_choice(device, "device", DEVICES)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
-        if num_threads is not None:
-            check_positive_int(num_threads, "num_threads")
-        if shm_limit is not None:
-            check_positive_int(shm_limit, "shm_limit")
-        check_importable(source, "source")
-        check_importable(step, "step")
-        if feeders is not None:
-            if isinstance(feeders, Mapping):
-                raise TypeError(
-                    "feeders must be a module-level function feeders(shard) -> {name: "
-                    "ndd.ExternalSource}, not a dict of instances: every worker loop needs its "
-                    "own feeders (rule 4c), so the loader builds them in each worker"
-                )
-            check_importable(feeders, "feeders")
-        if self.output == "torch":
-            try:
-                import torch  # noqa: F401
-            except ImportError as error:
-                raise ImportError(
-                    "output='torch' needs PyTorch: pip install 'dali-capture-loader[torch]'"
-                ) from error
-        placement = _env.discover_placement(rank, world_size)
-        if self.device == "gpu" and self.output == "numpy":
-            raise ValueError(
-                "device='gpu' delivers batches in GPU memory: pass output='torch' or "
-                "output='cupy' (or use device='cpu' for numpy arrays)"
-            )
-        if self.device == "cpu" and self.output == "cupy":
-            raise ValueError("output='cupy' needs device='gpu'")
-        if self.output == "cupy":
-            try:
-                import cupy  # noqa: F401
-            except ImportError as error:
-                raise ImportError(
-                    "output='cupy' needs CuPy: pip install 'dali-capture-loader[gpu]'"
-                ) from error
-        if self.device == "gpu":
-            visible = _require_gpu()
-            if device_id is None:
-                device_id = _env.default_device_id(placement, visible)
-        elif device_id is not None:
-            raise ValueError("device_id= is only meaningful with device='gpu'")
-        self.copy = bool(copy)
-        self.capture = bool(capture)
-        self.seed = seed
-        self.timeout = timeout
-        self._trace_timeout = None if timeout is None else max(timeout, startup_timeout)
-        self.rank, self.world_size = placement.rank, placement.world_size
-        self.num_threads = num_threads or _env.default_num_threads(
-            self.num_workers, placement.local_world_size
+        config = LoaderConfig.build(
+            source,
+            step,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            feeders=feeders,
+            device=device,
+            device_id=device_id,
+            num_threads=num_threads,
+            prefetch=prefetch,
+            output=output,
+            copy=copy,
+            capture=capture,
+            seed=seed,
+            timeout=timeout,
+            start_method=start_method,
+            rank=rank,
+            world_size=world_size,
+            startup_timeout=startup_timeout,
+            shm_limit=shm_limit,
         )
-        self.device_id = device_id
-        self.num_slots = self.prefetch + 2  # prefetch ahead, one in the user's hands, one spare
-        on_main_thread = threading.current_thread() is threading.main_thread()
-        specs = [
-            WorkerSpec(
-                source=source,
-                step=step,
-                feeders=feeders,
-                shard=Shard.make(
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    worker=worker,
-                    num_workers=self.num_workers,
-                    seed=seed,
-                ),
-                batch_size=self.batch_size,
-                capture=self.capture,
-                device=self.device,
-                device_id=device_id,
-                num_threads=self.num_threads,
-                num_slots=self.num_slots,
-                parent_pid=os.getpid(),
-                parent_death_signal=on_main_thread,
-                log_level=logging.getLogger("loader").getEffectiveLevel(),
-                shm_limit=shm_limit,
-            )
-            for worker in range(self.num_workers)
-        ]
-        self.shards = tuple(spec.shard for spec in specs)
-        pool = WorkerPool(specs, start_method)
-        coordinator = Coordinator(pool, timeout=timeout)
-        if self.device == "gpu":
-            coordinator.cuda_stream = current_stream(self.output)
+        self.config = config
+        pool = WorkerPool(config.worker_specs(), config.start_method)
+        trace_timeout = None if config.timeout is None else config.startup_timeout
+        coordinator = Coordinator(
+            pool,
+            timeout=config.timeout,
+            trace_timeout=trace_timeout,
+            stream_of=current_stream(config.output) if config.device == "gpu" else None,
+        )
         self._coordinator = coordinator
         self._finalizer = weakref.finalize(self, coordinator.close)
         self._closed = False
         self._epoch = 0
         self._current: _EpochIterator | None = None
         self._batches = 0
-        self._started = time.monotonic()
-        self._first_batch: float | None = None
+        self._samples = 0
         self._kind: str | None = None
         self._ranks_traced = False
+        self._created = time.monotonic()
+        self._ready_at: float | None = None
+        self._iterating_since: float | None = None
+        self._last_batch_at: float | None = None
+        self._first_batch: float | None = None
+        self._startup_wait_ns = 0
         try:
-            pool.start()
-            coordinator.wait_startup(startup_timeout)
+            coordinator.start(config.startup_timeout)
         except BaseException:
             self.close()
             raise
+        self._ready_at = time.monotonic()
+        self._startup_wait_ns = coordinator.wait_ns
         self._check_ranks_at_start()
         logger.info(
             "started %d workers (rank %d/%d, %d DALI threads each, capture=%s)",
-            self.num_workers,
-            self.rank,
-            self.world_size,
-            self.num_threads,
-            self.capture,
+            config.num_workers,
+            config.rank,
+            config.world_size,
+            config.num_threads,
+            config.capture,
         )
+
+    # ------------------------------------------------------------------------------ settings
+    # Read-only views of ``config`` (a frozen LoaderConfig), for the user's convenience.
+    batch_size = property(lambda self: self.config.batch_size, doc="Samples per batch.")
+    num_workers = property(lambda self: self.config.num_workers, doc="Workers of this rank.")
+    num_slots = property(lambda self: self.config.num_slots, doc="Slots per worker.")
+    num_threads = property(lambda self: self.config.num_threads, doc="DALI threads per worker.")
+    prefetch = property(lambda self: self.config.prefetch, doc="Batches ahead per worker.")
+    device = property(lambda self: self.config.device, doc="'cpu' or 'gpu'.")
+    device_id = property(lambda self: self.config.device_id, doc="The GPU, with device='gpu'.")
+    output = property(lambda self: self.config.output, doc="'numpy', 'torch' or 'cupy'.")
+    copy = property(lambda self: self.config.copy, doc="Private copies instead of views.")
+    capture = property(lambda self: self.config.capture, doc="DALI capture mode in workers.")
+    seed = property(lambda self: self.config.seed, doc="The loader's seed.")
+    timeout = property(lambda self: self.config.timeout, doc="Seconds per batch, or None.")
+    rank = property(lambda self: self.config.rank, doc="This trainer's rank.")
+    world_size = property(lambda self: self.config.world_size, doc="Ranks in the job.")
+    shards = property(lambda self: self.config.shards, doc="This rank's shards, per worker.")
 
     # ------------------------------------------------------------------------------ public
     @property
@@ -237,23 +202,22 @@ class Loader:
             self._abort(self._current)
         run = _EpochIterator(self, self._epoch)
         self._current = run
-        for handle in coordinator.handles:
-            handle.epoch = run.epoch
-            handle.ended_epoch = None
-            handle.queue.clear()
-        coordinator.send_all(wire.StartEpoch(run.epoch))
+        coordinator.start_epoch(run.epoch)
         self._epoch += 1
+        if self._iterating_since is None:
+            self._iterating_since = time.monotonic()
         return run
 
     def __len__(self) -> int:
-        """Batches this rank gets per epoch (known for readers with ``stick_to_shard=True`` and
-        for :func:`sharded_source`)."""
+        """Batches this rank gets per epoch (known for :func:`sharded_source` and for readers
+        that stick to their shard)."""
         coordinator = self._require_open()
-        steps = [h.hello.steps_per_epoch if h.hello else None for h in coordinator.handles]
+        steps = [s.hello.steps_per_epoch if s.hello else None for s in coordinator.sessions]
         if any(s is None for s in steps):
             raise TypeError(
-                "len(loader) is unknown for this source: use sharded_source() or a reader "
-                "with stick_to_shard=True"
+                "len(loader) is unknown for this source: use sharded_source(), or a reader built "
+                "with stick_to_shard=True and pad_last_batch=True (every sample once per epoch, "
+                "padded rows flagged in batch.info.padded)"
             )
         return sum(s for s in steps if s is not None)
 
@@ -275,37 +239,44 @@ class Loader:
 
     def worker_pids(self) -> list[int]:
         coordinator = self._require_open()
-        return [h.pid for h in coordinator.handles if h.pid is not None]
+        return [s.handle.pid for s in coordinator.sessions if s.handle.pid is not None]
 
     def stats(self) -> LoaderStats:
         """A snapshot of per-worker and trainer-side counters."""
         coordinator = self._coordinator
         assert coordinator is not None
         workers = []
-        for h in coordinator.handles:
-            busy = h.busy_ns / 1e9
+        for session in coordinator.sessions:
+            counters = session.counters
+            busy = counters.busy_ns / 1e9
             workers.append(
                 WorkerStats(
-                    worker=h.index,
-                    shard=h.shard.index,
-                    pid=h.pid,
-                    steps=h.steps,
-                    traces=h.traces,
-                    rebuilds=h.rebuilds,
-                    trace_seconds=tuple(h.trace_seconds),
+                    worker=session.index,
+                    shard=session.shard.index,
+                    pid=session.handle.pid,
+                    steps=counters.steps,
+                    traces=counters.traces,
+                    rebuilds=counters.rebuilds,
+                    trace_seconds=tuple(counters.trace_seconds),
                     busy_seconds=busy,
-                    blocked_seconds=h.blocked_ns / 1e9,
-                    batches_per_second=h.steps / busy if busy > 0 else 0.0,
-                    bytes=h.bytes,
+                    blocked_seconds=counters.blocked_ns / 1e9,
+                    batches_per_second=counters.steps / busy if busy > 0 else 0.0,
+                    bytes=counters.bytes,
                 )
             )
+        ready = self._ready_at if self._ready_at is not None else time.monotonic()
+        iterating = 0.0
+        if self._iterating_since is not None and self._last_batch_at is not None:
+            iterating = self._last_batch_at - self._iterating_since
         return LoaderStats(
             workers=tuple(workers),
             batches=self._batches,
+            samples=self._samples,
             bytes_moved=sum(w.bytes for w in workers),
-            wait_seconds=coordinator.wait_ns / 1e9,
-            slots_in_use=sum(h.ledger.held for h in coordinator.handles),
-            elapsed_seconds=time.monotonic() - self._started,
+            wait_seconds=(coordinator.wait_ns - self._startup_wait_ns) / 1e9,
+            slots_in_use=sum(s.reader.held for s in coordinator.sessions),
+            startup_seconds=ready - self._created,
+            iteration_seconds=iterating,
             time_to_first_batch=self._first_batch,
         )
 
@@ -314,15 +285,9 @@ class Loader:
         """Across ranks (when a process group is up): the same configuration and epoch length."""
         coordinator = self._coordinator
         assert coordinator is not None
-        steps = [h.hello.steps_per_epoch if h.hello else None for h in coordinator.handles]
+        steps = [s.hello.steps_per_epoch if s.hello else None for s in coordinator.sessions]
         payload = {
-            "batch_size": self.batch_size,
-            "num_workers": self.num_workers,
-            "seed": self.seed,
-            "capture": self.capture,
-            "device": self.device,
-            "num_threads": self.num_threads,
-            "prefetch": self.prefetch,
+            **self.config.agreement_payload(),
             "loader_version": _version(),
             "steps_per_epoch": None if None in steps else sum(s for s in steps if s is not None),
         }
@@ -361,100 +326,63 @@ class Loader:
         """Stop ``run`` in every worker and wait until each has rebuilt its sources."""
         coordinator = self._require_open()
         run.finished = True
-        for handle in coordinator.handles:
-            handle.epoch = None
-            while handle.queue:
-                coordinator.release_now(handle, handle.queue.popleft())
-            handle.aborted_epoch = None
-        coordinator.send_all(wire.AbortEpoch(run.epoch))
-        for handle in coordinator.handles:
-            while handle.aborted_epoch != run.epoch:
-                coordinator.pump(handle, self._trace_timeout)  # includes rebuilding the source
-        coordinator.pending_signatures = {h.index for h in coordinator.handles}
+        run.replaced = True
+        coordinator.abort_epoch(run.epoch)
         logger.info("epoch %d was left early; workers rebuilt their sources", run.epoch)
 
     def _next(self, run: _EpochIterator) -> Any:
         coordinator = self._require_open()
+        if run.replaced:
+            raise RuntimeError(
+                f"this iterator of epoch {run.epoch} was replaced by a newer iter(loader), which "
+                "ended that epoch early; iterate one epoch at a time"
+            )
         if run.finished:
             raise StopIteration
-        if self._current is not run:
-            raise RuntimeError(
-                "this epoch iterator was replaced by a newer iter(loader); "
-                "iterate one epoch at a time"
-            )
-        while coordinator.pending_signatures:
-            # A worker's first step traces (and may parse source files): it is bounded by
-            # startup_timeout, not by the per-batch timeout.
-            waiting = coordinator.handles[min(coordinator.pending_signatures)]
-            coordinator.pump(waiting, self._trace_timeout)
+        coordinator.wait_signatures()
         if not self._ranks_traced:
             self._check_ranks_traced()
-        handles = coordinator.handles
-        count = len(handles)
-        while True:
-            chosen = None
-            for offset in range(count):
-                handle = handles[(run.cursor + offset) % count]
-                if handle.queue or handle.ended_epoch != run.epoch:
-                    chosen = handle
-                    break
-            if chosen is None:
-                run.finished = True
-                raise StopIteration
-            if chosen.queue:
-                coordinator.flush_releases(lazy=True)
-                descriptor = chosen.queue.popleft()
-                run.cursor = (chosen.index + 1) % count
-                return self._deliver(chosen, descriptor)
-            if chosen.ledger.all_held:
-                coordinator.flush_releases()
-                if chosen.ledger.all_held:
-                    coordinator.collect_views(chosen)
-            if not coordinator.take_ready(chosen):
-                coordinator.pump(chosen, self.timeout)
+        found = coordinator.next_batch(run.cursor)
+        if found is None:
+            run.finished = True
+            self._last_batch_at = time.monotonic()  # iteration lasts until the epoch's end
+            raise StopIteration
+        session, descriptor = found
+        run.cursor = (session.index + 1) % len(coordinator.sessions)
+        return self._deliver(coordinator, session, descriptor)
 
-    def _deliver(self, handle: Any, descriptor: wire.BatchReady) -> Any:
-        coordinator = self._coordinator
-        assert coordinator is not None
+    def _deliver(self, coordinator: Coordinator, session: WorkerSession, descriptor: Any) -> Any:
         if self._kind is None:
-            reference = coordinator.reference or handle.signature
+            reference = coordinator.reference or session.signature
             self._kind = reference.output_kind if reference is not None else "dict"
         info = BatchInfo(
             epoch=descriptor.epoch,
             step=descriptor.step,
-            worker=handle.index,
-            shard=handle.shard.index,
+            worker=session.index,
+            shard=session.shard.index,
             padded=descriptor.padded,
         )
-        cuda = handle.cuda
-        if cuda is not None and descriptor.arena_id == cuda.arena_id:
-            assert coordinator.cuda_stream is not None
-            batch, release = build_cuda_batch(
-                descriptor,
-                cuda,
-                self._kind,
-                info,
-                output=self.output,
-                copy=self.copy,
-                releases=coordinator.releases,
-                stream=coordinator.cuda_stream(cuda.device_id),
-            )
-        else:
-            assert handle.arena is not None
-            batch, release = build_batch(
-                descriptor,
-                handle.arena,
-                self._kind,
-                info,
-                output=self.output,
-                copy=self.copy,
-                releases=coordinator.releases,
-            )
-        if release:
-            coordinator.release_now(handle, descriptor)
+        arrays, lease = session.reader.arrays(descriptor)
+        copy = self.config.copy
+        batch = build_batch(
+            arrays,
+            lease,
+            descriptor,
+            self._kind,
+            info,
+            output=self.config.output,
+            copy=copy,
+            releases=coordinator.releases,
+        )
+        del arrays, lease
+        if copy:
+            coordinator.release_now(session, descriptor)
         self._batches += 1
-        if self._first_batch is None:
-            self._first_batch = time.monotonic() - self._started
+        self._samples += self.config.batch_size - descriptor.padded
+        now = time.monotonic()
+        self._last_batch_at = now
+        if self._first_batch is None and self._iterating_since is not None:
+            self._first_batch = now - self._iterating_since
         return batch
 
 
@@ -466,6 +394,7 @@ class _EpochIterator:
         self.epoch = epoch
         self.cursor = 0
         self.finished = False
+        self.replaced = False
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -478,25 +407,3 @@ def _version() -> str:
     from . import __version__
 
     return __version__
-
-
-def _require_gpu() -> int:
-    """The number of GPUs CUDA can see; raises a clear error when there is none."""
-    import ctypes
-
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        count = ctypes.c_int(0)
-        if libcuda.cuInit(0) != 0 or libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-            raise OSError("cuInit failed")
-    except OSError:
-        raise RuntimeError(
-            "device='gpu' needs an NVIDIA GPU and its driver, and none was found "
-            "(check nvidia-smi and CUDA_VISIBLE_DEVICES); use device='cpu'"
-        ) from None
-    if count.value < 1:
-        raise RuntimeError(
-            "device='gpu' needs an NVIDIA GPU, but CUDA sees none "
-            "(check CUDA_VISIBLE_DEVICES); use device='cpu'"
-        )
-    return int(count.value)

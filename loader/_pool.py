@@ -1,9 +1,10 @@
 """The worker pool: spawning, watching and stopping worker processes. Runs in the trainer.
 
 The pool owns, per worker: the process, its control channel, its stack pipe (faulthandler output,
-for hangs and crashes), the write end of its liveness pipe (closing it makes the worker exit), and
-the arena the worker shared. ``close()`` is idempotent, bounded by one deadline for the whole pool
-(ask -> join -> SIGTERM -> SIGKILL), and releases every descriptor whatever happened before.
+for hangs and crashes) and the write end of its liveness pipe (closing it makes the worker exit).
+``close()`` is idempotent and releases every process and descriptor whatever happened before. It
+is bounded: asking (Shutdown and the liveness pipe) gets half of ``timeout`` for the whole pool,
+SIGTERM the other half, and SIGKILL at most :data:`KILL_WAIT` seconds more.
 """
 
 from __future__ import annotations
@@ -16,24 +17,23 @@ import select
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from ipc import Arena, ChannelClosed, ControlChannel, SlotLedger
-from ipc import _wire as wire
-from workers import Shard, WorkerSpec
-from workers._entry import run_worker
+from ipc import ChannelClosed, ControlChannel, wire
+from workers import Shard, WorkerSpec, run_worker
 
 logger = logging.getLogger("loader")
 
-SUPPORTED_START_METHODS = ("spawn", "forkserver")
+#: How long close() waits for the kernel to reap workers after SIGKILL.
+KILL_WAIT = 5.0
 
 
 class WorkerHandle:
-    """The trainer's side of one worker."""
+    """What the pool owns of one worker: its process and the pipes to it. Nothing else: the
+    worker's session state is the coordinator's (:mod:`loader._session`)."""
 
     def __init__(
         self,
@@ -51,28 +51,8 @@ class WorkerHandle:
         self.channel = channel
         self.stack = stack
         self.alive = alive
-        self.ledger = SlotLedger(spec.num_slots)
-        self.arena: Arena | None = None
-        self.cuda: Any = None  # ipc CudaImporter of the worker's current CUDA ring
-        self.retired_cuda: list[Any] = []
-        self.fill_arena: dict[int, int] = {}  # slot -> arena id of the fill the trainer holds
-        self.queue: deque[wire.BatchReady] = deque()
-        self.hello: wire.Hello | None = None
-        self.signature: wire.Signature | None = None
-        self.ended_epoch: int | None = None
-        self.aborted_epoch: int | None = None
-        self.last_step: int | None = None
-        self.epoch: int | None = None
         self.exited = False
         self.pid: int | None = None
-        # statistics
-        self.steps = 0
-        self.bytes = 0
-        self.blocked_ns = 0
-        self.busy_ns = 0
-        self.traces = 0
-        self.rebuilds = 0
-        self.trace_seconds: list[float] = []
 
     def describe(self) -> str:
         return f"worker {self.index} ({self.shard.describe()}, pid {self.pid})"
@@ -112,18 +92,10 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    """Spawns one worker per spec and stops them all, always within one deadline."""
+    """Spawns one worker per spec and stops them all, bounded in time (module docstring)."""
 
     def __init__(self, specs: Sequence[WorkerSpec], start_method: str) -> None:
-        if start_method == "fork":
-            raise ValueError(
-                "start_method='fork' is refused: a process forked after DALI ran hangs on its "
-                "first operator. Use 'spawn' (the default) or 'forkserver'"
-            )
-        if start_method not in SUPPORTED_START_METHODS:
-            raise ValueError(
-                f"start_method must be one of {SUPPORTED_START_METHODS}, got {start_method!r}"
-            )
+        """``start_method`` is ``spawn`` or ``forkserver`` (checked by LoaderConfig)."""
         self._context: Any = multiprocessing.get_context(start_method)
         self._specs = list(specs)
         self.handles: list[WorkerHandle] = []
@@ -163,7 +135,8 @@ class WorkerPool:
             raise
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop every worker and release everything. Idempotent; bounded by ``timeout``."""
+        """Stop every worker and release every process and pipe. Idempotent; bounded by
+        ``timeout`` plus at most ``KILL_WAIT`` for workers that need SIGKILL."""
         with self._lock:
             if self._closed:
                 return
@@ -183,21 +156,14 @@ class WorkerPool:
             for handle in survivors:
                 with contextlib.suppress(ProcessLookupError, OSError):
                     os.kill(handle.pid, sig)  # type: ignore[arg-type]
-            self._join(survivors, deadline if sig == signal.SIGTERM else time.monotonic() + 5.0)
+            self._join(
+                survivors, deadline if sig == signal.SIGTERM else time.monotonic() + KILL_WAIT
+            )
         for handle in self.handles:
             handle.exited = True
             for resource in (handle.channel, handle.stack, handle.alive):
                 with contextlib.suppress(OSError):
                     resource.close()
-            if handle.arena is not None:
-                handle.arena.close()
-                handle.arena = None
-            for importer in [*handle.retired_cuda, handle.cuda]:
-                if importer is not None:
-                    importer.close()
-            handle.cuda = None
-            handle.retired_cuda = []
-            handle.queue.clear()
         stuck = [h.index for h in started if _alive(h.process)]
         for handle in started:
             if handle.process.exitcode is not None:

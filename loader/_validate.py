@@ -6,7 +6,6 @@ import functools
 import importlib
 import pickle
 import sys
-from collections.abc import Callable
 from typing import Any
 
 
@@ -78,6 +77,10 @@ def _is_external_source_instance(obj: object) -> bool:
 
 
 def check_positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
+    """``value`` as an int ``>= minimum``: a float (even 2.0) is a ``ValueError``, another type
+    a ``TypeError``."""
+    if isinstance(value, float):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value < minimum:
@@ -89,8 +92,3 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
     return str(value)
-
-
-def check_optional_callable(fn: Callable[..., Any] | None, what: str) -> None:
-    if fn is not None:
-        check_importable(fn, what)

@@ -13,13 +13,13 @@ import os
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ipc import Arena
-from ipc import _wire as wire
+from ipc import wire
 
 
 class ReleaseQueue:
@@ -107,80 +107,87 @@ class LoadedTuple(tuple[Any, ...]):
     info: BatchInfo
 
 
-def wrap_outputs(kind: str, descriptor: wire.BatchReady, values: list[Any], info: BatchInfo) -> Any:
-    """The user's batch: a LoadedBatch, a LoadedTuple, or the one output of a ``single`` step."""
+class LoadedArray(np.ndarray):
+    """The one output of a ``step`` that returned a single batch: a numpy array with ``info``."""
+
+    info: BatchInfo
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.info = getattr(obj, "info", None)  # type: ignore[assignment]
+
+
+def with_info(value: Any, info: BatchInfo) -> Any:
+    """``value`` with ``.info`` set: a numpy array becomes a :class:`LoadedArray` view (same
+    memory); a torch tensor or cupy array takes the attribute; a list of per-sample arrays
+    becomes a :class:`LoadedList`."""
+    if isinstance(value, np.ndarray):
+        value = value.view(LoadedArray)
+    elif isinstance(value, list):
+        value = LoadedList(value)
+    with contextlib.suppress(AttributeError):  # a cupy array takes no attributes
+        value.info = info
+    return value
+
+
+class LoadedList(list[Any]):
+    """The one ragged output of a ``step`` that returned a single batch: per-sample arrays."""
+
+    info: BatchInfo
+
+
+def wrap_outputs(kind: str, names: list[str], values: list[Any], info: BatchInfo) -> Any:
+    """The user's batch: a LoadedBatch, a LoadedTuple, or a LoadedArray for a ``single`` step."""
     if kind == "dict":
-        batch = LoadedBatch(zip((p.name for p in descriptor.outputs), values, strict=True))
+        batch = LoadedBatch(zip(names, values, strict=True))
         batch.info = info
         return batch
     if kind == "tuple":
         batch_tuple = LoadedTuple(values)
         batch_tuple.info = info
         return batch_tuple
-    return values[0]
+    return with_info(values[0], info)
 
 
-def _output_arrays(base: np.ndarray[Any, Any], placement: wire.OutputPlacement) -> Any:
-    dtype = np.dtype(placement.dtype)
-    raw = base[placement.offset : placement.offset + placement.nbytes]
-    if placement.dense:
-        count = len(placement.shapes)
-        sample_shape = placement.shapes[0] if count else ()
-        return raw.view(dtype).reshape((count, *sample_shape))
-    arrays = []
-    position = 0
-    flat = raw.view(dtype) if placement.nbytes else np.empty(0, dtype)
-    for shape in placement.shapes:
-        size = 1
-        for dim in shape:
-            size *= dim
-        arrays.append(flat[position : position + size].reshape(shape))
-        position += size
-    return arrays
-
-
-def _convert(value: Any, output: str, copy: bool) -> Any:
+def to_output(value: Any, output: str, copy: bool) -> Any:
+    """A zero-copy array (numpy or cupy; or a list of them) as the user asked for it."""
     if isinstance(value, list):
-        return [_convert(item, output, copy) for item in value]
+        return [to_output(item, output, copy) for item in value]
     if copy:
         value = value.copy()
     if output == "torch":
         import torch
 
-        return torch.from_numpy(value)
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(value)
+        return torch.from_dlpack(value)  # type: ignore[attr-defined]
     return value
 
 
 def build_batch(
+    arrays: list[Any],
+    lease: object,
     descriptor: wire.BatchReady,
-    arena: Arena,
     kind: str,
     info: BatchInfo,
     *,
     output: str,
     copy: bool,
     releases: ReleaseQueue,
-) -> tuple[Any, bool]:
-    """The user's batch for ``descriptor``; the bool says the slot can be released at once."""
-    slot_view = arena.slot_view(descriptor.slot)
-    base = np.asarray(slot_view)
-    values = [_convert(_output_arrays(base, p), output, copy) for p in descriptor.outputs]
+) -> Any:
+    """The user's batch over a slot's ``arrays``. Without ``copy`` the slot's release is queued
+    when ``lease`` (which every view keeps alive) is collected; with ``copy`` the caller
+    releases the slot at once."""
+    values = [to_output(value, output, copy) for value in arrays]
     if not copy:
         finalizer = weakref.finalize(
-            slot_view, releases.put, info.worker, descriptor.slot, descriptor.generation
+            lease, releases.put, info.worker, descriptor.slot, descriptor.generation
         )
         finalizer.atexit = False
-    del base, slot_view
-    return wrap_outputs(kind, descriptor, values, info), copy
+    names = [placement.name for placement in descriptor.outputs]
+    return wrap_outputs(kind, names, values, info)
 
 
-class _CudaLease:
-    """Owner of one CUDA slot fill's arrays; its finalizer queues the slot's release."""
-
-    __slots__ = ("__weakref__",)
-
-
-def current_stream(output: str) -> Any:
+def current_stream(output: str) -> Callable[[int], int]:
     """``device_id -> handle`` of the trainer's current CUDA stream for the output library."""
     if output == "torch":
         import torch
@@ -193,61 +200,3 @@ def current_stream(output: str) -> Any:
             return int(cupy.cuda.get_current_stream().ptr)
 
     return cupy_stream
-
-
-def build_cuda_batch(
-    descriptor: wire.BatchReady,
-    importer: Any,
-    kind: str,
-    info: BatchInfo,
-    *,
-    output: str,
-    copy: bool,
-    releases: ReleaseQueue,
-    stream: int,
-) -> tuple[Any, bool]:
-    """Device views (or device copies) of a CUDA slot fill, ordered after the worker's copy on
-    ``stream`` (the trainer's current stream) without a host synchronisation."""
-    import cupy
-
-    importer.wait_ready(descriptor.slot, stream)
-    owner = _CudaLease()
-    values: list[Any] = []
-    with cupy.cuda.Device(importer.device_id), cupy.cuda.ExternalStream(stream):
-        for placement in descriptor.outputs:
-            dtype = np.dtype(placement.dtype)
-            if placement.dense:
-                count = len(placement.shapes)
-                shape = (count, *(placement.shapes[0] if count else ()))
-                arrays: Any = importer.array(descriptor.slot, placement.offset, shape, dtype, owner)
-            else:
-                arrays = []
-                offset = placement.offset
-                for sample_shape in placement.shapes:
-                    arrays.append(
-                        importer.array(descriptor.slot, offset, sample_shape, dtype, owner)
-                    )
-                    size = dtype.itemsize
-                    for dim in sample_shape:
-                        size *= dim
-                    offset += size
-            if copy:
-                arrays = [a.copy() for a in arrays] if isinstance(arrays, list) else arrays.copy()
-            values.append(_to_output(arrays, output))
-    if not copy:
-        finalizer = weakref.finalize(
-            owner, releases.put, info.worker, descriptor.slot, descriptor.generation
-        )
-        finalizer.atexit = False
-    del owner
-    return wrap_outputs(kind, descriptor, values, info), copy
-
-
-def _to_output(value: Any, output: str) -> Any:
-    if isinstance(value, list):
-        return [_to_output(item, output) for item in value]
-    if output == "torch":
-        import torch
-
-        return torch.from_dlpack(value)  # type: ignore[attr-defined]
-    return value

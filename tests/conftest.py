@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loader._sample import write_sample_dataset
+from loader.sample import write_sample_dataset
 
 pytest_plugins = ["pytester"]
 

@@ -10,7 +10,7 @@ import numpy as np
 import nvidia.dali.experimental.dynamic as ndd
 
 from loader import Shard
-from loader._sample import list_images
+from loader.sample import list_images
 
 # ------------------------------------------------------------------- helpers for the tests
 
@@ -156,6 +156,17 @@ def custom_error_step(ids: Any) -> Any:
     raise CustomError("custom failure")
 
 
+class NeedsArgs(Exception):
+    """An exception class that cannot be built from a message alone."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+
+
+def needs_args_step(ids: Any) -> Any:
+    raise NeedsArgs(7, "bad sample")
+
+
 def bad_output_step(ids: Any) -> Any:
     return {"id": np.zeros(3)}
 
@@ -206,12 +217,6 @@ def failing_feeders(shard: Shard) -> dict[str, Any]:
         raise KeyError("feeder callback failed")
 
     return {"offset": ndd.ExternalSource(explode)}
-
-
-def corrupt_reader(shard: Shard, root: str) -> Any:
-    return ndd.readers.File(
-        file_root=root, shard_id=shard.index, num_shards=shard.count, max_batch_size=2
-    )
 
 
 def file_root_reader(shard: Shard, root: str) -> Any:
@@ -339,6 +344,45 @@ def eager_then_capture_reader(shard: Shard, root: str) -> Any:
     return reader
 
 
+_contexts_made = 0
+
+
+def _count_eval_contexts() -> None:
+    """From now on, count every ``ndd.EvalContext`` this worker process constructs."""
+    if getattr(ndd.EvalContext, "_counted_by_tests", False):
+        return
+    original = ndd.EvalContext.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        global _contexts_made
+        _contexts_made += 1
+        original(self, *args, **kwargs)
+
+    ndd.EvalContext.__init__ = counted  # type: ignore[method-assign]
+    ndd.EvalContext._counted_by_tests = True  # type: ignore[attr-defined]
+
+
+class ContextCounts(ShardIds):
+    """Like ShardIds, with a second output: EvalContexts made since the first source() call."""
+
+    def __iter__(self) -> Any:
+        for chunk in self.batches:
+            yield (
+                ndd.batch([np.array([i], dtype=np.int64) for i in chunk]),
+                ndd.batch([np.array([_contexts_made], dtype=np.int64)] * len(chunk)),
+            )
+
+
+def context_counting_source(shard: Shard, total: int = 64, batch_size: int = 4) -> Any:
+    """Rule 8: a source whose batches say how many EvalContexts the worker made after its own."""
+    _count_eval_contexts()
+    return ndd.ExternalSource(ContextCounts(shard, total, batch_size), num_outputs=2, cycle="raise")
+
+
+def context_count_step(ids: Any, contexts: Any) -> dict[str, Any]:
+    return {"id": ndd.cast(ids, dtype=ndd.int64), "contexts": ndd.cast(contexts, dtype=ndd.int64)}
+
+
 def nested_loop_step(ids: Any) -> dict[str, Any]:
     """Rule 10: the body starts a second capture loop on the worker's thread."""
     inner = ndd.ExternalSource(
@@ -387,11 +431,34 @@ def big_source(shard: Shard) -> Any:
     return ndd.ExternalSource(Big(), cycle="raise")
 
 
-def leaky_test_body() -> None:
-    """Used by the plugin test: starts a process and forgets it."""
-
-
 def gpu_decode_step(jpegs: Any, ids: Any) -> dict[str, Any]:
     images = ndd.decoders.image(jpegs, device="mixed")
     images = ndd.resize(images, size=[16, 16])
     return {"image": ndd.crop_mirror_normalize(images, dtype=ndd.float32), "id": ids.gpu()}
+
+
+def stuck_at_step(ids: Any, at: int) -> dict[str, Any]:
+    """Sleeps far longer than any test's timeout= on the worker's step ``at`` (0-based)."""
+    if _nth_call() == at + 1:
+        import time
+
+        time.sleep(30)
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def single_step(ids: Any) -> Any:
+    """Returns one DALI batch, not a dict or tuple."""
+    return ndd.cast(ids, dtype=ndd.int64)
+
+
+def _load_failing_at_7(index: int) -> Any:
+    if index == 7:
+        raise ValueError("sample 7 cannot be read")
+    return np.array([index], dtype=np.int64)
+
+
+def failing_load_source(shard: Shard) -> Any:
+    """sharded_source whose load raises for sample 7."""
+    from loader import sharded_source
+
+    return sharded_source(shard, 16, _load_failing_at_7, 4, shuffle=False)

@@ -1,20 +1,39 @@
 """Worker side: the process that owns one shard's DALI source and capture loop.
 
-Imports ``ipc`` only; never ``loader``. The process entry point is ``workers._main.run_worker``;
-it is not imported here, so importing the package does not import DALI.
+Imports ``ipc`` only; never ``loader``. The process entry point is :func:`run_worker`; it imports
+DALI in the child, so importing this package does not import DALI.
 """
 
+from ._entry import run_worker
+from ._phase import Phase
 from ._sampling import BatchedSamples, shard_indices, sharded_source, steps_per_epoch
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
 
+from typing import Any
+
+#: DALI-facing helpers shared with in-process measurements; importing them imports DALI.
+_DALI_HELPERS = ("epoch_iterator", "make_context")
+
+
+def __getattr__(name: str) -> Any:
+    """``epoch_iterator``/``make_context`` of the DALI adapter, imported on first use."""
+    if name in _DALI_HELPERS:
+        from . import _dali
+
+        return getattr(_dali, name)
+    raise AttributeError(f"module 'workers' has no attribute {name!r}")
+
+
 __all__ = [
     "BatchedSamples",
     "FeederFactory",
+    "Phase",
     "Shard",
     "SourceFactory",
     "StepFunction",
     "WorkerSpec",
+    "run_worker",
     "shard_indices",
     "sharded_source",
     "steps_per_epoch",

@@ -201,26 +201,36 @@ def layout_of(storage: Any) -> str:
     return str(storage.layout() or "")
 
 
-def copy_packed(storage: Any, address: int) -> None:
-    """Copy every sample of a CPU batch back to back to ``address`` in one call."""
-    storage.copy_to_external(ctypes.c_void_p(address))
-
-
-def context_stream(ctx: Any) -> int | None:
-    """The CUDA stream handle of an EvalContext (DALI's work for this worker is ordered on it)."""
-    stream = getattr(ctx, "_cuda_stream", None)
-    if stream is None:
-        return None
+def context_stream(ctx: Any) -> int:
+    """The CUDA stream handle of the worker's EvalContext (DALI's work for it is ordered on
+    that stream). Raises when it has none: copying on an unordered stream would race DALI."""
+    stream = ctx.cuda_stream
     handle = getattr(stream, "handle", None)
-    return None if handle is None else int(handle)
+    if handle is None:
+        raise RuntimeError(
+            f"the worker's EvalContext (device_id={ctx.device_id}) has no CUDA stream, so GPU "
+            "batches cannot be copied in order; check that device='gpu' sees a GPU"
+        )
+    return int(handle)
 
 
-def copy_packed_gpu(storage: Any, address: int, stream: int) -> None:
-    """Copy every sample of a GPU batch back to back to device ``address``, on ``stream``.
+def to_device(batch: Any, device: str, device_id: int | None) -> Any:
+    """``batch`` on the worker's device (``device_id`` for GPU, never the current device)."""
+    if batch_device(batch) == device:
+        return batch
+    return batch.gpu(device_id) if device == "gpu" else batch.cpu()
 
-    Blocking for the worker's host thread: DALI may reuse a pipeline's output buffer on its next
-    run, so the copy must be done before the loop goes on. (The trainer never waits on the host.)
+
+def copy_packed(storage: Any, address: int, stream: int | None) -> None:
+    """Copy every sample of a batch back to back to ``address``, in one call.
+
+    A CPU batch goes to host memory. A GPU batch goes to device memory on ``stream``, blocking the
+    worker's host thread: DALI may reuse a pipeline's output buffer on its next run, so the copy
+    must be done before the loop goes on (the trainer never waits on the host).
     """
+    if stream is None:
+        storage.copy_to_external(ctypes.c_void_p(address))
+        return
     storage.copy_to_external(
         ctypes.c_void_p(address), cuda_stream=ctypes.c_void_p(stream), non_blocking=False
     )

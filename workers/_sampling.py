@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -135,13 +135,21 @@ class BatchedSamples:
             batches.append((chunk, pad_rows))
         return batches
 
+    def _load(self, index: int) -> Any:
+        """``load(index)``; an exception leaves tagged with the phase and the sample id."""
+        try:
+            return self.load(index)
+        except Exception as error:
+            error._loader_phase = f"load, sample {index}"  # type: ignore[attr-defined]
+            raise
+
     def __iter__(self) -> Iterator[Any]:
         import nvidia.dali.experimental.dynamic as ndd
 
         epoch = self.epoch
         self.epoch += 1
         for chunk, pad_rows in self.batches_for_epoch(epoch):
-            samples = [self.load(int(index)) for index in chunk]
+            samples = [self._load(int(index)) for index in chunk]
             self.padding.append(pad_rows)
             if self.num_outputs == 1:
                 yield ndd.batch([np.asarray(sample) for sample in samples])
@@ -187,8 +195,3 @@ def sharded_source(
 def padding_of(source: object) -> BatchedSamples | None:
     found = getattr(source, PADDING_ATTRIBUTE, None)
     return found if isinstance(found, BatchedSamples) else None
-
-
-def sequence_loader(items: Sequence[Any]) -> Callable[[int], Any]:
-    """``load`` for an in-memory sequence."""
-    return items.__getitem__

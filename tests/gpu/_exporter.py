@@ -1,12 +1,16 @@
-"""A worker stand-in for the GPU tests: fills CUDA slots with cupy, no DALI (spawned process)."""
+"""A worker stand-in for the GPU tests and bench: fills CUDA slots with cupy, no DALI.
+
+``fill_slots`` runs in a spawned process; ``run_ring`` is the trainer's side of it.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
+import time
 from multiprocessing.connection import Connection
 
-from ipc import SlotRing
-from ipc import _wire as wire
-from ipc._cuda import CudaExporter
+from ipc import SlotRing, wire
+from ipc._cuda import SLOT_ALIGN, CudaExporter, CudaImporter
 
 
 def fill_slots(conn: Connection, nbytes: int, batches: int, num_slots: int) -> None:
@@ -22,7 +26,7 @@ def fill_slots(conn: Connection, nbytes: int, batches: int, num_slots: int) -> N
         )
     )
     source = cupy.empty(nbytes, dtype=cupy.uint8)
-    stream = cupy.cuda.ExternalStream(exporter.stream.ptr)
+    stream = cupy.cuda.ExternalStream(exporter.stream)
     for k in range(batches):
         slot = ring.acquire()
         while slot is None:
@@ -49,3 +53,55 @@ def fill_slots(conn: Connection, nbytes: int, batches: int, num_slots: int) -> N
             break
     exporter.close()
     conn.close()
+
+
+def run_ring(nbytes: int, batches: int, num_slots: int = 3, check: bool = True) -> float:
+    """Trainer side: import the ring ``fill_slots`` exports, consume ``batches`` fills on the
+    current stream (checking their bytes with ``check``); returns bytes per second."""
+    import cupy
+
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=fill_slots, args=(child, nbytes, batches, num_slots))
+    process.start()
+    child.close()
+    importer = None
+    try:
+        ready = parent.recv()
+        assert isinstance(ready, wire.CudaRingReady)
+        assert ready.slot_size % SLOT_ALIGN == 0
+        importer = CudaImporter(
+            ready.arena_id, 0, ready.slot_size, ready.memory_handles, ready.ready_handles
+        )
+        parent.send(wire.CudaFreeEvents(ready.arena_id, importer.free_handles))
+        stream = cupy.cuda.get_current_stream()
+        started = time.perf_counter()
+        received = 0
+        while True:
+            message = parent.recv()
+            if isinstance(message, wire.EpochEnd):
+                break
+            importer.wait_ready(message.slot, stream.ptr)
+            view = importer.array(message.slot, 0, (nbytes,), "uint8", None)
+            if check:
+                assert int(view[0]) == message.step % 251
+                assert int(view[-1]) == message.step % 251
+            else:
+                view.sum()  # touch it on the stream, as a consumer would
+            importer.mark_free(message.slot, stream.ptr)
+            parent.send(wire.Release(((message.slot, message.generation),)))
+            received += 1
+        stream.synchronize()
+        elapsed = time.perf_counter() - started
+        assert received == batches
+        parent.send(wire.Shutdown())
+        process.join(30)
+        assert process.exitcode == 0
+        return nbytes * batches / elapsed
+    finally:
+        if importer is not None:
+            importer.close()
+        if process.is_alive():
+            process.kill()
+            process.join()
+        parent.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,24 @@ def test_main_job_prints_a_summary(image_root: Path, capture: str) -> None:
     # each shard's last batch are flagged and not counted
     assert "samples            96" in out
     assert "epoch 1" in out  # the progress bar of the second epoch
+    figures = dict(
+        re.findall(r"(?m)^\s*(startup|iteration|first batch|trainer waited)\s+([\d.]+) s", out)
+    )
+    assert len(figures) == 4, out
+    # startup apart from iteration; what happens during iteration is inside it
+    iteration = float(figures["iteration"])
+    assert float(figures["first batch"]) <= iteration
+    assert float(figures["trainer waited"]) <= iteration
+    traces = [int(line.split()[3]) for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert traces == ([1, 1] if capture == "--capture" else [0, 0])
+
+
+def test_main_job_says_a_file_is_not_a_dataset(tmp_path: Path) -> None:
+    path = tmp_path / "train.txt"
+    path.write_text("not images")
+    result = run_cli("--data", str(path), "--epochs", "1")
+    assert result.returncode == 2
+    assert "is a file" in result.stderr and "does not exist" not in result.stderr
 
 
 def test_main_job_rejects_a_missing_directory(tmp_path: Path) -> None:

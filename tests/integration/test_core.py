@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -26,11 +28,25 @@ from loader import (
 from tests import pipelines as P
 from tests.pipelines import ids_of, reader
 
+ROOT = Path(__file__).resolve().parents[2]
+
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_one_epoch_covers_every_file_exactly_once_and_replays(image_root: Path) -> None:
-    with Loader(reader(image_root), P.decode_step, batch_size=4, num_workers=2) as loader:
+START_METHODS = pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+
+
+@START_METHODS
+def test_one_epoch_covers_every_file_exactly_once_and_replays(
+    image_root: Path, start_method: str
+) -> None:
+    with Loader(
+        reader(image_root),
+        P.decode_step,
+        batch_size=4,
+        num_workers=2,
+        start_method=start_method,
+    ) as loader:
         for _epoch in range(3):
             seen: list[int] = []
             for batch in loader:
@@ -172,8 +188,9 @@ def test_signature_mismatch_names_worker_and_field() -> None:
         iter(loader)
 
 
-def test_step_exception_keeps_type_and_says_where() -> None:
-    with Loader(P.id_source, P.failing_step, batch_size=4) as loader:
+@START_METHODS
+def test_step_exception_keeps_type_and_says_where(start_method: str) -> None:
+    with Loader(P.id_source, P.failing_step, batch_size=4, start_method=start_method) as loader:
         with pytest.raises(ValueError, match="step failed on purpose") as info:
             list(loader)
     message = str(info.value)
@@ -181,10 +198,50 @@ def test_step_exception_keeps_type_and_says_where() -> None:
     assert "failing_step" in info.value.remote_traceback  # type: ignore[attr-defined]
 
 
-def test_non_builtin_exception_becomes_worker_error() -> None:
+def test_user_exception_keeps_its_class_when_the_trainer_knows_it() -> None:
     with Loader(P.id_source, P.custom_error_step, batch_size=4) as loader:
-        with pytest.raises(WorkerError, match="CustomError: custom failure"):
+        with pytest.raises(P.CustomError, match="custom failure") as info:
             list(loader)
+    assert info.value.worker in (0, 1) and info.value.phase == "step"  # type: ignore[attr-defined]
+
+
+def test_exception_that_cannot_be_rebuilt_becomes_worker_error() -> None:
+    with Loader(P.id_source, P.needs_args_step, batch_size=4) as loader:
+        with pytest.raises(WorkerError, match=r"NeedsArgs: .*cannot be re-created") as info:
+            list(loader)
+    assert info.value.remote_type == "tests.pipelines.NeedsArgs"
+
+
+MAIN_SCRIPT = """
+import sys
+import nvidia.dali.experimental.dynamic as ndd
+from loader import Loader
+from tests import pipelines as P
+
+class BadSample(Exception):
+    pass
+
+def bad_step(ids):
+    raise BadSample("sample 3 is corrupt")
+
+if __name__ == "__main__":
+    with Loader(P.id_source, bad_step, batch_size=4, num_workers=1) as loader:
+        try:
+            list(loader)
+        except BadSample as error:
+            print("caught", type(error).__module__, error.phase)
+"""
+
+
+def test_exception_class_of_the_main_script_can_be_caught(tmp_path: Path) -> None:
+    script = tmp_path / "main_script.py"
+    script.write_text(MAIN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "caught __main__ step" in done.stdout
 
 
 def test_bad_step_output_is_a_type_error() -> None:

@@ -182,11 +182,22 @@ def test_rule7_device_switch_on_a_later_step_raises() -> None:
 
 # ------------------------------------------------------------------------------------- rule 8
 def test_rule8_one_eval_context_per_worker_for_every_epoch() -> None:
-    """Rule 8: each worker builds one EvalContext and passes it every epoch, so epochs after the
-    first run under the same context (DALI would raise otherwise); its settings are agreed."""
-    with Loader(P.id_source, P.cast_step, batch_size=4, num_threads=2, copy=True) as loader:
-        for _ in range(3):
-            assert sorted(i for b in loader for i in ids_of(b)) == list(range(64))
+    """Rule 8: each worker builds one EvalContext and passes it every epoch, also after a break
+    and a rebuild: no worker constructs a second one; its settings are agreed."""
+    with Loader(
+        P.context_counting_source, P.context_count_step, batch_size=4, num_threads=2, copy=True
+    ) as loader:
+        made: list[int] = []
+        for epoch in range(4):
+            seen: list[int] = []
+            for batch in loader:
+                seen += ids_of(batch)
+                made += [int(v) for v in np.asarray(batch["contexts"]).ravel()]
+                if epoch == 1 and len(seen) == 8:
+                    break  # the workers rebuild their sources and trace again
+            if epoch != 1:
+                assert sorted(seen) == list(range(64))
+        assert made and set(made) == {0}, f"EvalContexts made after the worker's own: {made}"
         coordinator = loader._coordinator
         assert coordinator is not None and coordinator.reference is not None
         assert coordinator.reference.num_threads == 2

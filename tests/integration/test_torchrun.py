@@ -21,7 +21,7 @@ SCRIPT = ROOT / "examples" / "train_ddp.py"
 
 @pytest.fixture(scope="module")
 def ddp_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loader._sample import write_sample_dataset
+    from loader.sample import write_sample_dataset
 
     return write_sample_dataset(tmp_path_factory.mktemp("ddp"), count=50, classes=3, seed=2)
 

@@ -64,21 +64,42 @@ def test_thread_budget_splits_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_num_threads(1) == 2
 
 
+PACKAGES = ("ipc", "workers", "loader", "bench")
+
+
 def _imports(package: str) -> set[str]:
+    """Every absolute module name imported anywhere in ``package`` (functions included)."""
     found = set()
     for path in (ROOT / package).glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                found.update(alias.name.split(".")[0] for alias in node.names)
+                found.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module.split(".")[0])
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
 
 
+def _roots(package: str) -> set[str]:
+    return {name.split(".")[0] for name in _imports(package)}
+
+
 def test_imports_go_one_way() -> None:
-    assert not _imports("ipc") & {"loader", "workers"}
-    assert "loader" not in _imports("workers")
+    assert not _roots("ipc") & {"loader", "workers"}
+    assert "loader" not in _roots("workers")
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_package_imports_another_packages_private_modules(package: str) -> None:
+    private = sorted(
+        name
+        for name in _imports(package)
+        if name.split(".")[0] in PACKAGES
+        and name.split(".")[0] != package
+        and any(part.startswith("_") for part in name.split(".")[1:])
+    )
+    assert private == [], f"{package} imports private modules of other packages: {private}"
 
 
 def test_public_api_is_sorted() -> None:

@@ -13,14 +13,16 @@ import pytest
 from ipc import (
     Arena,
     ControlChannel,
-    SlotLedger,
+    ProtocolError,
+    SlotReader,
     SlotRing,
     SlotState,
+    SlotWriter,
     StaleReleaseError,
     check_fits,
     place_outputs,
+    wire,
 )
-from ipc import _wire as wire
 
 
 def test_arena_is_anonymous_and_shared_through_its_fd() -> None:
@@ -101,19 +103,113 @@ def test_ring_transitions_and_stale_releases() -> None:
     assert ring.free_count == 2
 
 
-def test_ledger_rejects_duplicates_and_counts_held() -> None:
-    ledger = SlotLedger(2)
-    ledger.receive(0, 1)
-    with pytest.raises(RuntimeError, match="still held"):
-        ledger.receive(0, 2)
-    ledger.receive(1, 1)
-    assert ledger.all_held
-    assert not ledger.release(0, 5)
-    assert ledger.release(0, 1)
-    assert not ledger.release(0, 1)
-    assert ledger.held == 1
-    with pytest.raises(RuntimeError, match="slot 7"):
-        ledger.receive(7, 1)
+def _fill(arena_id: int, slot: int, generation: int, values: np.ndarray) -> wire.BatchReady:
+    placements, nbytes = place_outputs(
+        [("x", values.dtype.str, values.itemsize, [values.shape], "")]
+    )
+    return wire.BatchReady(0, 0, arena_id, slot, generation, placements, nbytes, 0, 0, 0)
+
+
+def _announce(reader: SlotReader, arena: Arena) -> None:
+    peer = Arena.attach(os.dup(arena.fd), arena.arena_id, arena.slot_size, arena.num_slots)
+    reader.attach(peer)
+
+
+def test_slot_reader_checks_every_descriptor_before_a_view() -> None:
+    arena = Arena.create(1, 4096, 2, label="test-arena")
+    reader = SlotReader(2)
+    try:
+        _announce(reader, arena)
+        good = _fill(1, 0, 1, np.arange(4, dtype=np.int32))
+        with pytest.raises(ProtocolError, match="arena 9"):
+            reader.receive(_fill(9, 0, 1, np.arange(4, dtype=np.int32)))
+        with pytest.raises(ProtocolError, match="slot 5"):
+            reader.receive(_fill(1, 5, 1, np.arange(4, dtype=np.int32)))
+        with pytest.raises(ProtocolError, match="does not fit"):
+            reader.receive(_fill(1, 0, 1, np.zeros(5000, dtype=np.uint8)))
+        lying = wire.BatchReady(
+            0,
+            0,
+            1,
+            0,
+            1,
+            (wire.OutputPlacement("x", "<i4", 0, 8, ((4,),), True, ""),),
+            8,
+            0,
+            0,
+            0,
+        )
+        with pytest.raises(ProtocolError, match="claims 8 bytes"):
+            reader.receive(lying)
+        reader.receive(good)
+        with pytest.raises(ProtocolError, match="still holds"):
+            reader.receive(_fill(1, 0, 2, np.arange(4, dtype=np.int32)))
+        assert reader.held == 1
+        assert not reader.release(0, 7)  # a stale generation is ignored
+        assert reader.release(0, 1)
+        assert not reader.release(0, 1)  # twice
+        assert reader.held == 0
+    finally:
+        reader.close()
+        arena.close()
+
+
+def test_a_retired_arena_stays_readable_until_its_last_fill_comes_back() -> None:
+    old = Arena.create(1, 4096, 2, label="test-arena")
+    new = Arena.create(2, 8192, 2, label="test-arena")
+    reader = SlotReader(2)
+    try:
+        _announce(reader, old)
+        old.write(1, 0, np.arange(4, dtype=np.int32).tobytes())
+        reader.receive(_fill(1, 1, 1, np.arange(4, dtype=np.int32)))
+        _announce(reader, new)  # the worker grew while the trainer holds slot 1 of arena 1
+        assert reader.open_regions == 2
+        arrays, lease = reader.arrays(_fill(1, 1, 1, np.arange(4, dtype=np.int32)))
+        assert arrays[0].tolist() == [[0, 1, 2, 3]]
+        assert reader.release(1, 1)
+        assert reader.open_regions == 1  # retired with its last fill
+        assert arrays[0].tolist() == [[0, 1, 2, 3]]  # the live view kept its mapping
+        del arrays, lease
+    finally:
+        reader.close()
+        old.close()
+        new.close()
+
+
+def test_slot_writer_grows_and_closes_a_retired_region_with_its_last_fill() -> None:
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    made: list[Arena] = []
+
+    def create(arena_id: int, slot_size: int, needed: int) -> Arena:
+        made.append(Arena.create(arena_id, slot_size, 2, label="test-writer"))
+        return made[-1]
+
+    writer = SlotWriter(2, create, ControlChannel(ours))
+    peer = ControlChannel(theirs)
+    try:
+        slot = writer.acquire()
+        assert slot is not None
+        first = writer.reserve(100)
+        assert first.slot_size == 4096
+        assert writer.publish(slot) == (1, 1)
+        announced = peer.recv()
+        assert isinstance(announced, wire.ArenaReady) and announced.arena_id == 1
+        os.close(peer.recv_fd())
+        second_slot = writer.acquire()
+        assert second_slot is not None
+        grown = writer.reserve(10_000)  # does not fit: a new, larger region
+        assert grown.arena_id == 2 and grown.slot_size >= 10_000
+        assert isinstance(peer.recv(), wire.ArenaReady)
+        os.close(peer.recv_fd())
+        assert not made[0].closed  # the trainer still holds a fill of it
+        writer.abandon(second_slot)
+        writer.release(slot, 1)
+        assert made[0].closed
+    finally:
+        writer.close()
+        peer.close()
+        assert all(arena.closed for arena in made)
 
 
 def test_place_outputs_aligns_and_detects_ragged() -> None:
@@ -128,5 +224,5 @@ def test_place_outputs_aligns_and_detects_ragged() -> None:
     assert jpeg.offset == 128 and jpeg.nbytes == 12 and not jpeg.dense
     assert total == 192
     check_fits(placements, 4096)
-    with pytest.raises(RuntimeError, match="does not fit"):
+    with pytest.raises(ProtocolError, match="does not fit"):
         check_fits(placements, 100)

@@ -9,7 +9,7 @@ import numpy as np
 import nvidia.dali.experimental.dynamic as ndd
 import pytest
 
-from loader._sample import list_images, write_sample_dataset
+from loader.sample import list_images, write_sample_dataset
 from workers import _dali
 
 

@@ -1,4 +1,4 @@
-"""The built-in sample dataset and image pipeline used by ``python -m loader``. Runs in both.
+"""The built-in sample dataset and image pipeline of ``python -m loader`` (public). Runs in both.
 
 ``ensure_sample_dataset`` writes a small ImageFolder of JPEGs (random shapes and colours) into a
 cache directory once; ``image_source``/``image_step`` are the worker-side functions of the main
@@ -77,6 +77,11 @@ def ensure_sample_dataset(cache_dir: Path | None = None) -> Path:
 def list_images(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
     """Files and class labels of an ImageFolder (``root/<class>/<image>``), sorted."""
     base = Path(root)
+    if base.exists() and not base.is_dir():
+        raise NotADirectoryError(
+            f"{str(base)!r} is a file; pass the root directory of an ImageFolder "
+            "(root/<class>/<image>.jpg)"
+        )
     if not base.is_dir():
         raise FileNotFoundError(f"dataset directory {str(base)!r} does not exist")
     classes = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))

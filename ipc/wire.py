@@ -1,13 +1,32 @@
-"""The one wire format between a trainer and its workers.
+"""The wire contract between a trainer and its workers: every record either side may send.
 
-Both processes import this module. Every record that crosses the control channel is a frozen,
-slotted dataclass defined here; nothing else is ever sent. The channel is a ``socketpair`` created
-by the trainer for one worker, so the only bytes ever unpickled come from our own peer process.
+Both processes import this module; it is the one public contract of ``ipc`` that ``workers`` and
+``loader`` share. Every record that crosses the control channel is a frozen, slotted dataclass
+defined here; nothing else is ever sent. The channel is a ``socketpair`` created by the trainer
+for one worker, so the only bytes ever unpickled come from our own peer process.
 
-Trainer -> worker: :class:`StartEpoch`, :class:`AbortEpoch`, :class:`Release`, :class:`Shutdown`.
-Worker -> trainer: :class:`Hello`, :class:`ArenaReady` (followed by one file descriptor),
-:class:`Signature`, :class:`BatchReady`, :class:`EpochEnd`, :class:`EpochAborted`,
-:class:`WorkerFailure`, :class:`WarningRelay`, :class:`LogRelay`.
+Trainer -> worker:
+
+* :class:`StartEpoch` -- run one epoch of the capture loop.
+* :class:`AbortEpoch` -- stop the epoch in progress (or the ended one), rebuild the sources.
+* :class:`Release` -- fills of slots the trainer no longer uses, each quoted by generation.
+* :class:`CudaFreeEvents` -- the trainer's "free" events of a CUDA ring (once per ring).
+* :class:`Shutdown` -- leave the command loop and exit.
+
+Worker -> trainer:
+
+* :class:`Hello` -- sources built, waiting for commands (once, first).
+* :class:`ArenaReady` -- a new shared-memory arena; exactly one file descriptor follows.
+* :class:`CudaRingReady` -- a new CUDA slot ring (IPC memory and "ready" event handles).
+* :class:`Signature` -- what the traced loop looks like (every worker and rank must agree).
+* :class:`BatchReady` -- a filled slot: where each output lies, epoch, step, padding.
+* :class:`EpochEnd` -- the source ended the epoch.
+* :class:`EpochAborted` -- answer to AbortEpoch: stopped, sources rebuilt.
+* :class:`WorkerFailure` -- an exception, with where it happened; the worker stops after it.
+* :class:`WarningRelay`, :class:`LogRelay` -- a warning or log record to re-emit in the trainer.
+
+A record that breaks this contract (an unknown kind, a slot or arena that does not exist, a
+placement outside its slot, a duplicated fill) raises :class:`ProtocolError` on the receiving side.
 """
 
 from __future__ import annotations
@@ -16,6 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 Shape = tuple[int, ...]
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent something the wire contract does not allow."""
 
 
 def _reduce(record: Any) -> tuple[Any, tuple[Any, ...]]:

@@ -1,0 +1,256 @@
+"""``LoaderConfig``: the Loader's arguments, validated once. Runs in the trainer.
+
+Everything derived from the constructor's arguments is computed here, once: the worker specs and
+the payload every rank must agree on come from this object, never from copied fields.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from workers import Shard, WorkerSpec
+
+from . import _env
+from ._validate import check_choice, check_importable, check_positive_int
+
+OUTPUTS = ("numpy", "torch", "cupy")
+DEVICES = ("cpu", "gpu")
+
+
+def check_seconds(value: Any, name: str, *, optional: bool) -> float | None:
+    """A positive, finite number of seconds (or None when ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not (value > 0 and math.isfinite(value)):
+        hint = " or None" if optional else ""
+        raise ValueError(f"{name} must be a positive number of seconds{hint}, got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """Every argument of :class:`loader.Loader`, checked, plus what follows from them."""
+
+    source: Callable[[Shard], Any]
+    step: Callable[..., Any]
+    feeders: Callable[[Shard], Mapping[str, Any]] | None
+    batch_size: int
+    num_workers: int
+    device: str
+    device_id: int | None
+    num_threads: int
+    prefetch: int
+    output: str
+    copy: bool
+    capture: bool
+    seed: int
+    timeout: float | None
+    start_method: str
+    rank: int
+    world_size: int
+    local_world_size: int
+    startup_timeout: float
+    shm_limit: int | None
+
+    @classmethod
+    def build(
+        cls,
+        source: Callable[[Shard], Any],
+        step: Callable[..., Any],
+        *,
+        batch_size: Any,
+        num_workers: Any,
+        feeders: Any,
+        device: Any,
+        device_id: Any,
+        num_threads: Any,
+        prefetch: Any,
+        output: Any,
+        copy: Any,
+        capture: Any,
+        seed: Any,
+        timeout: Any,
+        start_method: Any,
+        rank: Any,
+        world_size: Any,
+        startup_timeout: Any,
+        shm_limit: Any,
+    ) -> LoaderConfig:
+        """Validate the constructor's arguments (``TypeError``/``ValueError`` that say what to
+        change) and discover rank, GPU and thread budget."""
+        batch_size = check_positive_int(batch_size, "batch_size")
+        num_workers = check_positive_int(num_workers, "num_workers")
+        prefetch = check_positive_int(prefetch, "prefetch")
+        output = check_choice(output, "output", OUTPUTS)
+        device = check_choice(device, "device", DEVICES)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        timeout = check_seconds(timeout, "timeout", optional=True)
+        startup_timeout = check_seconds(startup_timeout, "startup_timeout", optional=False)
+        if num_threads is not None:
+            check_positive_int(num_threads, "num_threads")
+        if shm_limit is not None:
+            check_positive_int(shm_limit, "shm_limit")
+        check_importable(source, "source")
+        check_importable(step, "step")
+        if feeders is not None:
+            if isinstance(feeders, Mapping):
+                raise TypeError(
+                    "feeders must be a module-level function feeders(shard) -> {name: "
+                    "ndd.ExternalSource}, not a dict of instances: every worker loop needs its "
+                    "own feeders (rule 4c), so the loader builds them in each worker"
+                )
+            check_importable(feeders, "feeders")
+        if device == "gpu" and output == "numpy":
+            raise ValueError(
+                "device='gpu' delivers batches in GPU memory: pass output='torch' or "
+                "output='cupy' (or use device='cpu' for numpy arrays)"
+            )
+        if device == "cpu" and output == "cupy":
+            raise ValueError("output='cupy' needs device='gpu'")
+        if output == "torch":
+            _require_module(
+                "torch", "output='torch' needs PyTorch: pip install 'dali-capture-loader[torch]'"
+            )
+        if output == "cupy":
+            _require_module(
+                "cupy", "output='cupy' needs CuPy: pip install 'dali-capture-loader[gpu]'"
+            )
+        placement = _env.discover_placement(rank, world_size)
+        if device == "gpu":
+            visible = require_gpu()
+            # the CUDA slot ring is CuPy's, whatever the output library
+            _require_module(
+                "cupy", "device='gpu' needs CuPy: pip install 'dali-capture-loader[gpu]'"
+            )
+            if device_id is None:
+                device_id = _env.default_device_id(placement, visible)
+        elif device_id is not None:
+            raise ValueError("device_id= is only meaningful with device='gpu'")
+        return cls(
+            source=source,
+            step=step,
+            feeders=feeders,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            device=device,
+            device_id=device_id,
+            num_threads=num_threads
+            or _env.default_num_threads(num_workers, placement.local_world_size),
+            prefetch=prefetch,
+            output=output,
+            copy=bool(copy),
+            capture=bool(capture),
+            seed=seed,
+            timeout=timeout,
+            start_method=_check_start_method(start_method),
+            rank=placement.rank,
+            world_size=placement.world_size,
+            local_world_size=placement.local_world_size,
+            startup_timeout=float(startup_timeout),
+            shm_limit=shm_limit,
+        )
+
+    @property
+    def num_slots(self) -> int:
+        """Slots per worker: ``prefetch`` ahead, one in the user's hands, one spare."""
+        return self.prefetch + 2
+
+    @functools.cached_property
+    def shards(self) -> tuple[Shard, ...]:
+        """This rank's shards, one per worker."""
+        return tuple(
+            Shard.make(
+                rank=self.rank,
+                world_size=self.world_size,
+                worker=worker,
+                num_workers=self.num_workers,
+                seed=self.seed,
+            )
+            for worker in range(self.num_workers)
+        )
+
+    def worker_specs(self) -> list[WorkerSpec]:
+        """What each worker is told at spawn time."""
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        return [
+            WorkerSpec(
+                source=self.source,
+                step=self.step,
+                feeders=self.feeders,
+                shard=shard,
+                batch_size=self.batch_size,
+                capture=self.capture,
+                device=self.device,
+                device_id=self.device_id,
+                num_threads=self.num_threads,
+                num_slots=self.num_slots,
+                parent_pid=os.getpid(),
+                parent_death_signal=on_main_thread,
+                log_level=logging.getLogger("loader").getEffectiveLevel(),
+                shm_limit=self.shm_limit,
+            )
+            for shard in self.shards
+        ]
+
+    def agreement_payload(self) -> dict[str, Any]:
+        """What every rank must have in common (rank, world size and the GPU are per rank)."""
+        return {
+            "batch_size": self.batch_size,
+            "num_workers": self.num_workers,
+            "seed": self.seed,
+            "capture": self.capture,
+            "device": self.device,
+            "num_threads": self.num_threads,
+            "prefetch": self.prefetch,
+            "output": self.output,
+        }
+
+
+def _require_module(name: str, message: str) -> None:
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except ImportError as error:
+        raise ImportError(message) from error
+
+
+def _check_start_method(start_method: Any) -> str:
+    if start_method == "fork":
+        raise ValueError(
+            "start_method='fork' is refused: a process forked after DALI ran hangs on its "
+            "first operator. Use 'spawn' (the default) or 'forkserver'"
+        )
+    return check_choice(start_method, "start_method", ("spawn", "forkserver"))
+
+
+def require_gpu() -> int:
+    """The number of GPUs CUDA can see; raises a clear error when there is none."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        count = ctypes.c_int(0)
+        if libcuda.cuInit(0) != 0 or libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            raise OSError("cuInit failed")
+    except OSError:
+        raise RuntimeError(
+            "device='gpu' needs an NVIDIA GPU and its driver, and none was found "
+            "(check nvidia-smi and CUDA_VISIBLE_DEVICES); use device='cpu'"
+        ) from None
+    if count.value < 1:
+        raise RuntimeError(
+            "device='gpu' needs an NVIDIA GPU, but CUDA sees none "
+            "(check CUDA_VISIBLE_DEVICES); use device='cpu'"
+        )
+    return int(count.value)

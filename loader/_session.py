@@ -1,0 +1,118 @@
+"""A worker's session as the trainer sees it: its lifecycle, its queue, its counters.
+
+Runs in the trainer. The coordinator owns one :class:`WorkerSession` per worker and is the only
+code that changes its state, through its methods; everything else reads.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ipc import SlotReader, wire
+
+from ._pool import WorkerHandle
+
+
+class WorkerState(enum.IntEnum):
+    """Where one worker is in its life, as the trainer knows it.
+
+    Legal transitions (anything else is a bug, and :meth:`WorkerSession.move` asserts it)::
+
+        STARTING --Hello--> READY
+        READY    --start_epoch(e)--> RUNNING(e)
+        RUNNING  --EpochEnd(e)--> ENDED(e)            (queued batches may still wait)
+        ENDED    --start_epoch(e+1)--> RUNNING(e+1)
+        RUNNING | ENDED --abort_epoch(e)--> ABORTING(e)
+        ABORTING --EpochAborted(e)--> READY            (sources rebuilt for the next epoch)
+        any      --failure, death, timeout--> FAILED
+        any      --close--> CLOSED
+    """
+
+    STARTING = 0
+    READY = 1
+    RUNNING = 2
+    ENDED = 3
+    ABORTING = 4
+    FAILED = 5
+    CLOSED = 6
+
+
+_LEGAL: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.STARTING: frozenset({WorkerState.READY}),
+    WorkerState.READY: frozenset({WorkerState.RUNNING}),
+    WorkerState.RUNNING: frozenset({WorkerState.ENDED, WorkerState.ABORTING}),
+    WorkerState.ENDED: frozenset({WorkerState.RUNNING, WorkerState.ABORTING}),
+    WorkerState.ABORTING: frozenset({WorkerState.READY}),
+    WorkerState.FAILED: frozenset(),
+    WorkerState.CLOSED: frozenset(),
+}
+
+
+@dataclass
+class WorkerCounters:
+    """What ``stats()`` reports of one worker (all counted in the trainer)."""
+
+    steps: int = 0
+    bytes: int = 0
+    blocked_ns: int = 0
+    busy_ns: int = 0
+    traces: int = 0
+    rebuilds: int = 0
+    trace_seconds: list[float] = field(default_factory=list)
+
+
+class WorkerSession:
+    """One worker's lifecycle, queued batches and slots, owned by the coordinator."""
+
+    def __init__(self, handle: WorkerHandle) -> None:
+        self.handle = handle
+        self.index = handle.index
+        self.shard = handle.shard
+        self.state = WorkerState.STARTING
+        self.epoch: int | None = None  # the epoch RUNNING, ENDED or ABORTING refers to
+        self.queue: deque[wire.BatchReady] = deque()
+        self.reader = SlotReader(handle.spec.num_slots)
+        self.hello: wire.Hello | None = None
+        self.signature: wire.Signature | None = None
+        self.signature_pending = False  # a traced (or rebuilt) loop has yet to send one
+        self.received = 0  # batches of ``epoch`` received from this worker
+        self.last_step: int | None = None
+        self.counters = WorkerCounters()
+
+    def move(self, state: WorkerState, epoch: int | None = None) -> None:
+        if state not in (WorkerState.FAILED, WorkerState.CLOSED):
+            assert state in _LEGAL[self.state], f"worker {self.index}: {self.state!r} -> {state!r}"
+        self.state = state
+        if epoch is not None:
+            self.epoch = epoch
+
+    @property
+    def open_in_epoch(self) -> bool:
+        """True while the worker may still send batches of its current epoch."""
+        return self.state == WorkerState.RUNNING
+
+    @property
+    def next_step(self) -> int:
+        """The step of the next batch the trainer expects from this worker."""
+        return self.received
+
+    def describe(self) -> str:
+        return self.handle.describe()
+
+
+def choose_worker(cursor: int, has_batch: Sequence[bool], running: Sequence[bool]) -> int | None:
+    """Whose turn it is: from ``cursor`` on, round robin, the first worker that has a batch
+    queued or may still send one; None when every worker's epoch is over and drained.
+
+    The choice depends only on what each worker has *delivered so far*, never on timing, so
+    the order of batches is the same on every run with the same seed.
+    """
+    count = len(has_batch)
+    for offset in range(count):
+        index = (cursor + offset) % count
+        if has_batch[index] or running[index]:
+            return index
+    return None

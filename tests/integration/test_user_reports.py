@@ -1,0 +1,130 @@
+"""What a new user hit, each pinned by a test that fails without its fix."""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import pytest
+
+from loader import (
+    LoadedArray,
+    Loader,
+    LoaderError,
+    SharedMemoryError,
+    WorkerTimeoutError,
+)
+from loader.sample import write_sample_dataset
+from tests import pipelines as P
+from tests.pipelines import ids_of
+
+pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.mark.parametrize(
+    ("files", "ranks", "workers"), [(13, 1, 3), (13, 2, 2), (14, 1, 4), (12, 2, 1), (200, 1, 3)]
+)
+def test_reader_that_pads_its_shard_delivers_every_file_once(
+    tmp_path: Path, files: int, ranks: int, workers: int
+) -> None:
+    """stick_to_shard + pad_last_batch: shorter shards' repeats are flagged, never counted."""
+    root = write_sample_dataset(tmp_path / "images", count=files, classes=2, seed=3)
+    batch_size = 8 if files > 100 else 2
+    real: list[int] = []
+    steps: set[int] = set()
+    for rank in range(ranks):
+        source = P.reader(root, batch_size=batch_size, pad=True)
+        with Loader(
+            source,
+            P.raw_step,
+            batch_size=batch_size,
+            num_workers=workers,
+            rank=rank,
+            world_size=ranks,
+            copy=True,
+        ) as loader:
+            batches = list(loader)
+            assert len(batches) == len(loader)
+            steps.add(len(batches))
+            for batch in batches:
+                ids = ids_of(batch)
+                kept = ids[: len(ids) - batch.info.padded]
+                assert set(ids[len(kept) :]) <= {kept[-1] if kept else ids[0]}  # repeats
+                real += kept
+    assert len(steps) == 1  # every rank takes the same number of steps
+    assert sorted(real) == list(range(files))
+
+
+@pytest.mark.parametrize("stuck_at", [1, 2])
+def test_timeout_covers_a_workers_second_and_third_batch(stuck_at: int) -> None:
+    step = functools.partial(P.stuck_at_step, at=stuck_at)
+    with Loader(P.id_source, step, batch_size=4, num_workers=2, timeout=3) as loader:
+        batches = iter(loader)
+        for _ in range(2 * stuck_at):  # steps before the stuck one, of both workers
+            next(batches)
+        started = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            next(batches)
+        elapsed = time.monotonic() - started
+    assert elapsed <= 3 + 2.5
+    assert info.value.worker == 0 and info.value.step == stuck_at
+    assert f"step {stuck_at}]" in str(info.value)
+    assert "stuck_at_step" in info.value.stack
+
+
+def test_a_replaced_epoch_iterator_says_so() -> None:
+    with Loader(P.id_source, P.cast_step, batch_size=4, num_workers=1, copy=True) as loader:
+        first = iter(loader)
+        next(first)
+        second = iter(loader)
+        with pytest.raises(RuntimeError, match="replaced by a newer iter"):
+            next(first)
+        assert len(list(second)) == 16
+
+
+def test_stats_count_samples_over_iteration_time_apart_from_startup() -> None:
+    with Loader(P.sample_source, P.cast_step, batch_size=4, num_workers=2, copy=True) as loader:
+        time.sleep(0.5)  # idle before iterating: neither startup nor iteration
+        for _ in range(2):
+            for batch in loader:
+                del batch
+        stats = loader.stats()
+    assert stats.batches == 16 and stats.samples == 60  # 2 epochs of 30; padded rows left out
+    assert stats.startup_seconds > 0
+    assert stats.samples_per_second == pytest.approx(stats.samples / stats.iteration_seconds)
+    assert stats.batches_per_second == pytest.approx(stats.batches / stats.iteration_seconds)
+    assert stats.samples_per_second < 4 * stats.batches_per_second  # padding is not a sample
+
+
+def test_single_output_step_carries_info() -> None:
+    with Loader(P.sample_source, P.single_step, batch_size=4, num_workers=2) as loader:
+        padded = 0
+        for batch in loader:
+            assert isinstance(batch, LoadedArray) and batch.shape == (4, 1)
+            assert batch.info.epoch == 0 and batch.info.worker in (0, 1)
+            padded += batch.info.padded
+            del batch
+    assert padded == 2  # 30 samples in 2 shards of 4-sample batches: 32 rows
+
+
+def test_shared_memory_error_is_a_loader_error() -> None:
+    assert issubclass(SharedMemoryError, LoaderError) and issubclass(SharedMemoryError, MemoryError)
+
+
+@pytest.mark.parametrize("value", [0, -5, float("nan"), float("inf")])
+def test_startup_timeout_is_validated_before_any_worker_starts(value: float) -> None:
+    with pytest.raises(ValueError, match="startup_timeout must be a positive number"):
+        Loader(P.id_source, P.cast_step, batch_size=4, startup_timeout=value)
+
+
+def test_reader_built_for_another_batch_size_fails_at_start(image_root: Path) -> None:
+    source = P.reader(image_root, batch_size=8)
+    with pytest.raises(ValueError, match="max_batch_size=8 but the Loader's batch_size is 4"):
+        Loader(source, P.raw_step, batch_size=4, num_workers=1)
+
+
+def test_an_error_in_load_names_the_load_phase_and_the_sample() -> None:
+    with Loader(P.failing_load_source, P.cast_step, batch_size=4, num_workers=1) as loader:
+        with pytest.raises(ValueError, match=r"sample 7 cannot be read \[.*in load, sample 7\]"):
+            list(loader)

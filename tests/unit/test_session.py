@@ -1,0 +1,75 @@
+"""The worker lifecycle and the round-robin choice (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loader._session import WorkerState, choose_worker
+
+
+def test_round_robin_starts_at_the_cursor_and_wraps() -> None:
+    assert choose_worker(0, [True, True, True], [True, True, True]) == 0
+    assert choose_worker(2, [True, True, True], [True, True, True]) == 2
+    assert choose_worker(2, [True, False, False], [True, False, False]) == 0
+
+
+def test_a_running_worker_is_waited_for_even_with_nothing_queued() -> None:
+    # worker 1's turn: it has nothing yet but its epoch is not over, so the trainer waits for it
+    # (taking worker 2's ready batch instead would make the order depend on timing)
+    assert choose_worker(1, [False, False, True], [True, True, True]) == 1
+
+
+def test_workers_whose_epoch_ended_and_drained_are_skipped() -> None:
+    assert choose_worker(0, [False, False, True], [False, False, False]) == 2
+    assert choose_worker(1, [False, True, False], [False, False, False]) == 1
+
+
+def test_the_epoch_is_over_when_every_worker_ended_and_drained() -> None:
+    assert choose_worker(0, [False, False], [False, False]) is None
+    assert choose_worker(0, [], []) is None
+
+
+@pytest.mark.parametrize("count", [1, 2, 5])
+def test_a_full_epoch_comes_in_strict_rotation(count: int) -> None:
+    queued = [3] * count
+    order = []
+    cursor = 0
+    while (index := choose_worker(cursor, [q > 0 for q in queued], [False] * count)) is not None:
+        order.append(index)
+        queued[index] -= 1
+        cursor = (index + 1) % count
+    assert order == list(range(count)) * 3
+
+
+class _Handle:
+    index = 0
+    shard = None
+
+    class spec:
+        num_slots = 2
+
+    def describe(self) -> str:
+        return "worker 0"
+
+
+def test_lifecycle_allows_only_the_documented_transitions() -> None:
+    from loader._session import WorkerSession
+
+    session = WorkerSession(_Handle())  # type: ignore[arg-type]
+    assert session.state == WorkerState.STARTING
+    with pytest.raises(AssertionError, match=r"STARTING.*RUNNING"):
+        session.move(WorkerState.RUNNING, 0)
+    session.move(WorkerState.READY)
+    session.move(WorkerState.RUNNING, 0)
+    assert session.open_in_epoch and session.epoch == 0
+    session.move(WorkerState.ENDED)
+    assert not session.open_in_epoch
+    session.move(WorkerState.RUNNING, 1)
+    session.move(WorkerState.ABORTING, 1)
+    with pytest.raises(AssertionError):
+        session.move(WorkerState.RUNNING, 2)  # an aborting worker must rebuild first
+    session.move(WorkerState.READY)
+    session.move(WorkerState.FAILED)  # from anywhere
+    with pytest.raises(AssertionError):
+        session.move(WorkerState.READY)
+    session.reader.close()

@@ -1,0 +1,278 @@
+"""The worker's command loop and its epochs: one capture loop per epoch. Runs in the worker.
+
+Invariants:
+
+* Everything DALI happens on the process's main thread: one EvalContext for the worker's whole
+  life (rule 8), at most one capture loop at a time, always on that thread (rule 10).
+* The control channel is read and written by the main thread only.
+* A slot is written only between acquiring it and publishing it; the worker never touches a
+  published slot until the trainer's ``Release`` for that exact generation arrives.
+* Every exception becomes one ``WorkerFailure`` record, in order after the batches already sent;
+  the worker then stops. A dead trainer (closed channel) ends the worker silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ipc import ChannelClosed, ControlChannel, wire
+
+from . import _dali
+from ._phase import Phase
+from ._publish import Publisher, describe_outputs, normalize_outputs
+from ._sources import Sources, build_sources, padded_rows
+from ._spec import WorkerSpec
+
+logger = logging.getLogger("workers")
+
+
+class AbortRequested(Exception):
+    """The trainer asked to stop the current epoch."""
+
+
+class ShutdownRequested(Exception):
+    """The trainer asked the worker to exit."""
+
+
+class Stop(Exception):
+    """A failure was reported; the worker must exit."""
+
+
+class Worker:
+    """The state of one worker process; see the module docstring for its invariants."""
+
+    def __init__(self, spec: WorkerSpec, channel: ControlChannel) -> None:
+        self.spec = spec
+        self.channel = channel
+        self.shard = spec.shard
+        self.ctx: Any = None
+        self.sources: Sources | None = None
+        self.publisher: Publisher | None = None
+        self.epoch: int | None = None
+        self.step: int | None = None
+        self.phase = Phase.STARTUP
+        self.traces = 0
+        self.rebuilds = 0
+        self.last_epoch_done: int | None = None
+
+    def set_phase(self, phase: Phase) -> None:
+        self.phase = phase
+
+    # ----------------------------------------------------------------------- start
+    def start(self) -> None:
+        """Make the EvalContext and the publisher, build the sources, say Hello."""
+        self.ctx = _dali.make_context(self.spec.num_threads, self.spec.device_id)
+        self.publisher = Publisher(self.spec, self.channel, self.ctx, self.wait_for_trainer)
+        self.sources = build_sources(self.spec, self.shard.for_epoch(0), self.set_phase)
+        self.phase = Phase.IDLE
+        self.channel.send(
+            wire.Hello(
+                os.getpid(),
+                self.spec.num_threads,
+                self.spec.device_id,
+                self.sources.steps_per_epoch,
+            )
+        )
+
+    def rebuild_sources(self, epoch: int, reason: str) -> None:
+        disabled = self.sources is not None and _dali.is_disabled(self.sources.source)
+        self.sources = None
+        gc.collect()  # lets DALI shut the torn-down pipeline's threads down now
+        self.sources = build_sources(self.spec, self.shard.for_epoch(epoch), self.set_phase)
+        self.phase = Phase.IDLE
+        self.rebuilds += 1
+        self.last_epoch_done = None  # the next epoch sends a signature again, even when eager
+        logger.info(
+            "worker %d (%s) rebuilt its source for epoch %d: %s%s",
+            self.shard.worker,
+            self.shard.describe(),
+            epoch,
+            reason,
+            " (DALI had disabled the reader)" if disabled else "",
+        )
+
+    # ----------------------------------------------------------------------- messages
+    def handle(self, message: Any, *, in_epoch: bool) -> None:
+        assert self.publisher is not None
+        if isinstance(message, wire.Release):
+            self.publisher.release(message.fills)
+        elif isinstance(message, wire.AbortEpoch):
+            if in_epoch:
+                raise AbortRequested
+            self.abort_idle(message.epoch)
+        elif isinstance(message, wire.CudaFreeEvents):
+            self.publisher.set_free_events(message.arena_id, message.handles)
+        elif isinstance(message, wire.Shutdown):
+            raise ShutdownRequested
+        elif isinstance(message, wire.StartEpoch):
+            if in_epoch:
+                raise wire.ProtocolError("StartEpoch during an epoch")
+            self.run_epoch(message.epoch)
+        else:
+            raise wire.ProtocolError(f"unexpected record {type(message).__name__}")
+
+    def wait_for_trainer(self) -> None:
+        """Handle one record from the trainer, inside an epoch (while blocked on slots)."""
+        self.handle(self.channel.recv(), in_epoch=True)
+
+    def abort_idle(self, epoch: int) -> None:
+        self.rebuild_sources(epoch + 1, f"the trainer left epoch {epoch} early")
+        self.channel.send(wire.EpochAborted(epoch, rebuilt=True))
+
+    def drain(self) -> None:
+        while self.channel.ready():
+            self.handle(self.channel.recv(), in_epoch=True)
+
+    def serve(self) -> None:
+        """Answer commands until Shutdown, a failure, or the trainer going away."""
+        while True:
+            try:
+                self.handle(self.channel.recv(), in_epoch=False)
+            except ShutdownRequested:
+                return
+
+    # ----------------------------------------------------------------------- epochs
+    def run_epoch(self, epoch: int) -> None:
+        spec, sources, publisher = self.spec, self.sources, self.publisher
+        assert sources is not None and publisher is not None
+        self.epoch, self.step = epoch, 0
+        self.phase = Phase.DALI
+        tracing = _dali.will_trace(sources.source, spec.capture)
+        signature_due = tracing or self.last_epoch_done is None
+        if tracing:
+            self.traces += 1
+        started = time.perf_counter()
+        schema: tuple[tuple[wire.OutputSchema, ...], str] | None = None
+        batch_size = 0
+        iterator: Iterator[Any] | None = None
+        try:
+            iterator = _dali.epoch_iterator(sources.source, spec.batch_size, self.ctx, spec.capture)
+            step_started = time.perf_counter_ns()
+            while True:
+                self.phase = Phase.DALI
+                try:
+                    inputs = next(iterator)
+                except StopIteration:
+                    break
+                if signature_due and self.step == 1:
+                    assert schema is not None
+                    self.send_signature(schema, batch_size, time.perf_counter() - started)
+                    signature_due = False
+                self.phase = Phase.STEP
+                outputs = self.call_step(inputs, sources.feeders)
+                self.phase = Phase.TRANSPORT
+                named, kind = normalize_outputs(outputs)
+                if schema is None:
+                    schema = (describe_outputs(named), kind)
+                    batch_size = next(iter(named.values())).batch_size
+                padded = padded_rows(sources, self.step, batch_size)
+                publisher.publish(epoch, self.step, named, step_started, padded)
+                self.step += 1
+                self.drain()
+                step_started = time.perf_counter_ns()
+            if signature_due and schema is not None:
+                self.send_signature(schema, batch_size, time.perf_counter() - started)
+        except AbortRequested:
+            close_iterator(iterator)
+            self.abort_idle(epoch)
+            self.epoch = self.step = None
+            self.phase = Phase.IDLE
+            return
+        except (ShutdownRequested, ChannelClosed):
+            close_iterator(iterator)
+            raise
+        except Exception as error:
+            self.report(error)
+            close_iterator(iterator)
+            raise Stop from error
+        self.last_epoch_done = epoch
+        self.channel.send(wire.EpochEnd(epoch, self.step, self.traces, self.rebuilds))
+        self.epoch = self.step = None
+        self.phase = Phase.IDLE
+
+    def call_step(self, inputs: Any, feeders: dict[str, Any]) -> Any:
+        if isinstance(inputs, Mapping):
+            return self.spec.step(**inputs, **feeders)
+        if isinstance(inputs, tuple):
+            return self.spec.step(*inputs, **feeders)
+        return self.spec.step(inputs, **feeders)
+
+    def send_signature(
+        self,
+        schema: tuple[tuple[wire.OutputSchema, ...], str],
+        batch_size: int,
+        trace_seconds: float,
+    ) -> None:
+        assert self.sources is not None
+        state = _dali.capture_state(self.sources.source, self.spec.capture)
+        outputs, kind = schema
+        self.channel.send(
+            wire.Signature(
+                batch_size=batch_size,
+                device=self.spec.device,
+                device_id=self.spec.device_id,
+                num_threads=self.spec.num_threads,
+                outputs=outputs,
+                output_kind=kind,
+                captured=state == "captured",
+                capture_requested=self.spec.capture,
+                dali_version=_dali.DALI_VERSION,
+                trace_seconds=trace_seconds,
+            )
+        )
+
+    # ----------------------------------------------------------------------- errors
+    def report(self, error: BaseException) -> None:
+        kind = type(error)
+        phase = getattr(error, "_loader_phase", None) or self.phase.value
+        with contextlib.suppress(ChannelClosed, OSError):
+            self.channel.send(
+                wire.WorkerFailure(
+                    type_module=kind.__module__,
+                    type_name=kind.__qualname__,
+                    message=str(error),
+                    traceback="".join(traceback.format_exception(error)),
+                    epoch=self.epoch,
+                    step=self.step,
+                    phase=phase,
+                )
+            )
+
+    def relay_warning(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        if threading.get_ident() != threading.main_thread().ident:
+            return
+        with contextlib.suppress(ChannelClosed, OSError):
+            self.channel.send(
+                wire.WarningRelay(
+                    category.__module__, category.__qualname__, str(message), filename, lineno
+                )
+            )
+
+    def close(self) -> None:
+        self.sources = None
+        if self.publisher is not None:
+            self.publisher.close()
+        self.channel.close()
+
+
+def close_iterator(iterator: Iterator[Any] | None) -> None:
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        with contextlib.suppress(Exception):
+            close()

@@ -1,0 +1,90 @@
+"""Building and probing one shard's source and feeders. Runs in the worker.
+
+``source(shard)`` and ``feeders(shard)`` are the user's; this module calls them, checks what they
+return, and learns what the loader must know before the first epoch: how many batches the shard
+yields per epoch (when the source can tell) and, for a reader that pads its shard, where the
+shard's real samples end, so padded rows are flagged like ``sharded_source``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _dali, _sampling
+from ._phase import Phase
+from ._shard import Shard
+from ._spec import WorkerSpec
+
+
+@dataclass
+class Sources:
+    """One shard's driving source and feeders, built for one epoch."""
+
+    source: Any
+    feeders: dict[str, Any] = field(default_factory=dict)
+    #: Batches per epoch, or None when the source cannot tell in advance.
+    steps_per_epoch: int | None = None
+    #: For a reader that sticks to its shard and pads its last batch: the shard's real samples
+    #: (rows past them are padding). None otherwise.
+    reader_real_samples: int | None = None
+
+    @property
+    def sampled(self) -> _sampling.BatchedSamples | None:
+        """The ``sharded_source`` bookkeeping behind the source, if it is one."""
+        return _sampling.padding_of(self.source)
+
+
+def build_sources(spec: WorkerSpec, shard: Shard, set_phase: Callable[[Phase], None]) -> Sources:
+    """Call ``source(shard)`` and ``feeders(shard)``, check and probe what they return."""
+    _dali.seed_random(shard.seed + shard.epoch * shard.count)
+    set_phase(Phase.SOURCE)
+    source = spec.source(shard)
+    problem = _dali.describe_source_error(source)
+    if problem is not None:
+        raise TypeError(problem)
+    built = Sources(source)
+    probed = _dali.probe_reader(source, spec.batch_size)
+    sampled = built.sampled
+    if sampled is not None:
+        built.steps_per_epoch = len(sampled)
+    elif probed is not None and _dali.sticks_to_shard(source):
+        built.steps_per_epoch = probed.steps
+        if _dali.pads_last_batch(source):
+            built.reader_real_samples = probed.real
+    if probed is not None and probed.real == 0:
+        raise ValueError(
+            f"{shard.describe()} has no samples: the dataset has fewer samples than "
+            f"shards ({shard.count}); use fewer workers or ranks, or more data"
+        )
+    if spec.feeders is not None:
+        set_phase(Phase.FEEDERS)
+        built.feeders = check_feeders(spec.feeders(shard))
+    return built
+
+
+def check_feeders(made: Any) -> dict[str, Any]:
+    if not isinstance(made, Mapping):
+        raise TypeError(
+            f"feeders(shard) must return a dict of name -> ndd.ExternalSource, "
+            f"got {type(made).__name__}"
+        )
+    for name, feeder in made.items():
+        if not _dali.is_external_source(feeder):
+            raise TypeError(
+                f"feeder {name!r} must be an ndd.ExternalSource, got {type(feeder).__name__}"
+            )
+    return dict(made)
+
+
+def padded_rows(sources: Sources, step: int, batch_size: int) -> int:
+    """Rows of step ``step``'s batch that are padding: counted by ``sharded_source``, or past
+    the shard's real samples for a reader that sticks to its shard and pads its last batch."""
+    sampled = sources.sampled
+    if sampled is not None and sampled.padding:
+        return sampled.padding.popleft()
+    if sources.reader_real_samples is not None:
+        rows = (step + 1) * batch_size
+        return max(0, min(batch_size, rows - sources.reader_real_samples))
+    return 0
