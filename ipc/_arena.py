@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import math
 import mmap
 import os
 from collections.abc import Sequence
@@ -188,7 +189,7 @@ def _output_arrays(base: np.ndarray[Any, Any], placement: OutputPlacement) -> An
     arrays = []
     position = 0
     for shape in placement.shapes:
-        size = int(np.prod(shape, dtype=np.int64))
+        size = math.prod(shape)
         arrays.append(flat[position : position + size].reshape(shape))
         position += size
     return arrays

@@ -6,6 +6,7 @@ to cut a slot's bytes back into per-output arrays).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -38,31 +39,44 @@ def place_outputs(
     return tuple(placements), offset
 
 
+@functools.lru_cache(maxsize=256)
+def itemsize_of(dtype: str) -> int:
+    """Bytes per element of a numpy dtype string (cached: descriptors repeat few dtypes)."""
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError as error:
+        raise ProtocolError(f"dtype {dtype!r} is not a numpy dtype") from error
+
+
 def check_fits(placements: Sequence[OutputPlacement], slot_size: int) -> None:
-    """Raise :class:`ProtocolError` unless every placement lies inside a ``slot_size`` slot and
-    its byte count matches its dtype and shapes."""
+    """Raise :class:`ProtocolError` unless every placement's bytes lie inside a ``slot_size``
+    slot and match its dtype and shapes, so no view made from it can reach past its slot.
+
+    A dense placement is viewed as ``len(shapes)`` samples of ``shapes[0]``; that is what is
+    checked (O(1)); a ragged one is viewed sample by sample, so every shape counts.
+    """
     for placement in placements:
-        try:
-            itemsize = np.dtype(placement.dtype).itemsize
-        except TypeError as error:
-            raise ProtocolError(
-                f"output {placement.name!r} has dtype {placement.dtype!r}"
-            ) from error
+        itemsize = itemsize_of(placement.dtype)
         if placement.offset < 0 or placement.offset + placement.nbytes > slot_size:
             raise ProtocolError(
                 f"output {placement.name!r} ({placement.offset}+{placement.nbytes} bytes) "
                 f"does not fit a slot of {slot_size} bytes"
             )
-        if any(d < 0 for shape in placement.shapes for d in shape):
+        shapes = placement.shapes
+        if placement.dense:
+            first = shapes[0] if shapes else ()
+            negative = any(d < 0 for d in first)
+            expected = len(shapes) * math.prod(first) * itemsize
+        else:
+            negative = any(d < 0 for shape in shapes for d in shape)
+            expected = nbytes_of(shapes, itemsize)
+        if negative:
             raise ProtocolError(f"output {placement.name!r} has a negative dimension")
-        expected = nbytes_of(placement.shapes, itemsize)
         if expected != placement.nbytes:
             raise ProtocolError(
                 f"output {placement.name!r} claims {placement.nbytes} bytes but its shapes "
                 f"hold {expected}"
             )
-        if placement.dense and len(set(placement.shapes)) > 1:
-            raise ProtocolError(f"output {placement.name!r} is marked dense with ragged shapes")
 
 
 def sample_offsets(placement: OutputPlacement, itemsize: int) -> list[int]:

@@ -99,6 +99,7 @@ class Coordinator:
         self._poller_key: tuple[int, ...] | None = None
         self._pending_releases: dict[int, list[tuple[int, int]]] = {}
         self._closed = False
+        self._signatures_pending = 0  # sessions with signature_pending set
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self, timeout: float) -> None:
@@ -123,8 +124,12 @@ class Coordinator:
                     )
                 )
             self.pump(starting[0], remaining, startup=True)
+        self._expect_signatures()
+
+    def _expect_signatures(self) -> None:
         for session in self.sessions:
             session.signature_pending = True
+        self._signatures_pending = len(self.sessions)
 
     def start_epoch(self, epoch: int) -> None:
         """Every worker runs ``epoch`` (each is READY, or ENDED with the last epoch drained)."""
@@ -145,7 +150,7 @@ class Coordinator:
         for session in self.sessions:
             while session.state == WorkerState.ABORTING:
                 self.pump(session, self.trace_timeout)  # includes rebuilding the source
-            session.signature_pending = True
+        self._expect_signatures()
 
     def wait_signatures(self) -> None:
         """Wait until every worker whose loop traced sent its signature; checks agreement.
@@ -153,11 +158,8 @@ class Coordinator:
         A worker's traced first batch is bounded by ``trace_timeout``; once it delivered a batch,
         the ordinary per-batch ``timeout`` applies to the rest.
         """
-        while True:
-            pending = [s for s in self.sessions if s.signature_pending]
-            if not pending:
-                return
-            waiting = pending[0]
+        while self._signatures_pending:
+            waiting = next(s for s in self.sessions if s.signature_pending)
             if waiting.received == 0 and not waiting.queue:
                 self.pump(waiting, self.trace_timeout)
             else:
@@ -167,12 +169,16 @@ class Coordinator:
         """The next batch in round-robin order from ``cursor``; None when the epoch is over."""
         sessions = self.sessions
         while True:
-            index = choose_worker(
-                cursor, [bool(s.queue) for s in sessions], [s.open_in_epoch for s in sessions]
-            )
-            if index is None:
-                return None
-            chosen = sessions[index]
+            chosen = sessions[cursor]
+            if not chosen.queue and chosen.state != WorkerState.RUNNING:  # its epoch is over
+                index = choose_worker(
+                    cursor,
+                    [bool(s.queue) for s in sessions],
+                    [s.state == WorkerState.RUNNING for s in sessions],
+                )
+                if index is None:
+                    return None
+                chosen = sessions[index]
             if chosen.queue:
                 self.flush_releases(lazy=True)
                 return chosen, chosen.queue.popleft()
@@ -374,7 +380,8 @@ class Coordinator:
     def _signed(self, session: WorkerSession) -> None:
         if session.signature_pending:
             session.signature_pending = False
-            if not any(s.signature_pending for s in self.sessions):
+            self._signatures_pending -= 1
+            if not self._signatures_pending:
                 self.check_agreement()
 
     # ------------------------------------------------------------------------------ agreement

@@ -4,13 +4,13 @@ Imports ``ipc`` only; never ``loader``. The process entry point is :func:`run_wo
 DALI in the child, so importing this package does not import DALI.
 """
 
+from typing import Any
+
 from ._entry import run_worker
 from ._phase import Phase
 from ._sampling import BatchedSamples, shard_indices, sharded_source, steps_per_epoch
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
-
-from typing import Any
 
 #: DALI-facing helpers shared with in-process measurements; importing them imports DALI.
 _DALI_HELPERS = ("epoch_iterator", "make_context")
