@@ -11,6 +11,7 @@ Trainer -> worker:
 * :class:`AbortEpoch` -- stop the epoch in progress (or the ended one), rebuild the sources.
 * :class:`Release` -- fills of slots the trainer no longer uses, each quoted by generation.
 * :class:`CudaFreeEvents` -- the trainer's "free" events of a CUDA ring (once per ring).
+* :class:`Seek` -- rebuild the sources for an epoch resumed from a saved position.
 * :class:`Shutdown` -- leave the command loop and exit.
 
 Worker -> trainer:
@@ -22,6 +23,7 @@ Worker -> trainer:
 * :class:`BatchReady` -- a filled slot: where each output lies, epoch, step, padding.
 * :class:`EpochEnd` -- the source ended the epoch.
 * :class:`EpochAborted` -- answer to AbortEpoch: stopped, sources rebuilt.
+* :class:`Sought` -- answer to Seek: sources rebuilt at the position.
 * :class:`WorkerFailure` -- an exception, with where it happened; the worker stops after it.
 * :class:`WarningRelay`, :class:`LogRelay` -- a warning or log record to re-emit in the trainer.
 
@@ -87,6 +89,19 @@ class CudaFreeEvents:
 
 
 @dataclass(frozen=True, slots=True)
+class Seek:
+    """Rebuild the sources for ``epoch``, resumed from a position: ``segments`` of
+    ``(num_shards, batches received per shard)``, oldest first; ``continues`` when this layout
+    is the last segment's (each shard goes on with its own batches)."""
+
+    __reduce__ = _reduce
+
+    epoch: int
+    segments: tuple[tuple[int, tuple[int, ...]], ...]
+    continues: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     """Leave the command loop and exit."""
 
@@ -104,6 +119,9 @@ class Hello:
     num_threads: int
     device_id: int | None
     steps_per_epoch: int | None  # None when the source cannot tell in advance
+    #: (total, batch_size, seed, shuffle, drop_last) of a sharded_source/sharded_files root,
+    #: whose position the loader can save and resume; None for any other source
+    sampling: tuple[int, int, int, bool, bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +252,16 @@ class EpochAborted:
 
 
 @dataclass(frozen=True, slots=True)
+class Sought:
+    """Answer to Seek: the sources start ``epoch`` at the position, with ``steps`` batches left."""
+
+    __reduce__ = _reduce
+
+    epoch: int
+    steps: int
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerFailure:
     """An exception inside the worker, with where it happened. The worker stops after sending."""
 
@@ -271,7 +299,7 @@ class LogRelay:
     message: str
 
 
-TrainerMessage = StartEpoch | AbortEpoch | Release | CudaFreeEvents | Shutdown
+TrainerMessage = StartEpoch | AbortEpoch | Release | CudaFreeEvents | Seek | Shutdown
 WorkerMessage = (
     Hello
     | ArenaReady
@@ -280,6 +308,7 @@ WorkerMessage = (
     | BatchReady
     | EpochEnd
     | EpochAborted
+    | Sought
     | WorkerFailure
     | WarningRelay
     | LogRelay

@@ -3,7 +3,14 @@
 Runs in the trainer. Everything public is re-exported here; other modules are private.
 """
 
-from workers import BatchedSamples, Shard, shard_indices, sharded_source, steps_per_epoch
+from workers import (
+    BatchedSamples,
+    Shard,
+    shard_indices,
+    sharded_files,
+    sharded_source,
+    steps_per_epoch,
+)
 
 from ._config import LoaderConfig
 from ._errors import (
@@ -50,6 +57,7 @@ __all__ = [
     "ensure_sample_dataset",
     "list_images",
     "shard_indices",
+    "sharded_files",
     "sharded_source",
     "steps_per_epoch",
 ]

@@ -136,7 +136,7 @@ class Coordinator:
         for session in self.sessions:
             assert not session.queue, "an epoch starts with batches of the last one queued"
             session.move(WorkerState.RUNNING, epoch)
-            session.received = 0
+            session.received = session.delivered = 0
             session.last_step = None
             session.handle.send(wire.StartEpoch(epoch))
 
@@ -151,6 +151,22 @@ class Coordinator:
             while session.state == WorkerState.ABORTING:
                 self.pump(session, self.trace_timeout)  # includes rebuilding the source
         self._expect_signatures()
+
+    def seek(
+        self, epoch: int, segments: tuple[tuple[int, tuple[int, ...]], ...], continues: bool
+    ) -> list[int]:
+        """Every worker rebuilds its sources to start ``epoch`` at a saved position; returns the
+        batches each has left in that epoch."""
+        message = wire.Seek(epoch, segments, continues)
+        for session in self.sessions:
+            session.move(WorkerState.REBUILDING, epoch)
+            session.resumed_steps = None
+            session.handle.send(message)
+        for session in self.sessions:
+            while session.state == WorkerState.REBUILDING:
+                self.pump(session, self.trace_timeout)
+        self._expect_signatures()
+        return [s.resumed_steps or 0 for s in self.sessions]
 
     def wait_signatures(self) -> None:
         """Wait until every worker whose loop traced sent its signature; checks agreement.
@@ -181,6 +197,7 @@ class Coordinator:
                 chosen = sessions[index]
             if chosen.queue:
                 self.flush_releases(lazy=True)
+                chosen.delivered += 1
                 return chosen, chosen.queue.popleft()
             if chosen.reader.all_held:
                 self.flush_releases()
@@ -336,6 +353,10 @@ class Coordinator:
             self._signed(session)
         elif isinstance(message, wire.EpochAborted):
             if session.state == WorkerState.ABORTING and session.epoch == message.epoch:
+                session.move(WorkerState.READY)
+        elif isinstance(message, wire.Sought):
+            if session.state == WorkerState.REBUILDING and session.epoch == message.epoch:
+                session.resumed_steps = message.steps
                 session.move(WorkerState.READY)
         elif isinstance(message, wire.WorkerFailure):
             raise self._fail(self.relay_failure(session, message))

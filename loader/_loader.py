@@ -24,7 +24,8 @@ from typing import Any
 
 from workers import Shard
 
-from . import _distributed
+from . import _checkpoint, _distributed
+from ._checkpoint import Resume, SamplingInfo
 from ._config import LoaderConfig
 from ._coordinator import Coordinator
 from ._errors import LoaderClosedError
@@ -155,6 +156,8 @@ class Loader:
         self._last_batch_at: float | None = None
         self._first_batch: float | None = None
         self._startup_wait_ns = 0
+        self._resume: Resume | None = None  # a loaded state, until its epoch is over
+        self._resume_steps: list[int] = []  # batches each worker has left in that epoch
         try:
             coordinator.start(config.startup_timeout)
         except BaseException:
@@ -201,6 +204,14 @@ class Loader:
         if self._current is not None and not self._current.finished:
             self._abort(self._current)
         run = _EpochIterator(self, self._epoch)
+        resume = self._resume
+        if resume is not None and resume.epoch != run.epoch:
+            self._resume = resume = None  # that epoch is over (or was left for a newer one)
+        if resume is not None:
+            # round robin as if never interrupted: the next worker is the first of those that
+            # received the fewest batches of this rank
+            offsets = resume.offsets([shard.index for shard in self.config.shards])
+            run.cursor = offsets.index(min(offsets))
         self._current = run
         coordinator.start_epoch(run.epoch)
         self._epoch += 1
@@ -209,9 +220,14 @@ class Loader:
         return run
 
     def __len__(self) -> int:
-        """Batches this rank gets per epoch (known for :func:`sharded_source` and for readers
-        that stick to their shard)."""
+        """Batches this rank gets per epoch (known for :func:`sharded_source`,
+        :func:`sharded_files` and readers that stick to their shard); for an epoch resumed by
+        :meth:`load_state_dict`, the batches left in it."""
         coordinator = self._require_open()
+        current = self._current
+        epoch = current.epoch if current is not None and not current.finished else self._epoch
+        if self._resume is not None and self._resume.epoch == epoch:
+            return sum(self._resume_steps)
         steps = [s.hello.steps_per_epoch if s.hello else None for s in coordinator.sessions]
         if any(s is None for s in steps):
             raise TypeError(
@@ -220,6 +236,105 @@ class Loader:
                 "padded rows flagged in batch.info.padded)"
             )
         return sum(s for s in steps if s is not None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands: a small JSON-serialisable dict (O(shards)) to save with a
+        checkpoint and give to :meth:`load_state_dict`.
+
+        It counts, per global shard, the batches the trainer has received (handed out by the
+        iterator; prefetched ones do not count) in the epoch in progress (or, between epochs,
+        the next one). With a ``torch.distributed`` group up it is a collective: every rank calls
+        it and gets the same global dict; without one it describes this rank's shards. Costs no
+        message to the workers. Needs :func:`sharded_source` or :func:`sharded_files`.
+        """
+        coordinator = self._require_open()
+        sampling = self._sampling()
+        current = self._current
+        resume = self._resume
+        shard_indices = [shard.index for shard in self.config.shards]
+        if current is not None and not current.finished:
+            epoch = current.epoch
+            if resume is not None and resume.epoch == epoch:
+                offsets, history = resume.offsets(shard_indices), resume.history()
+            else:
+                offsets, history = [0] * len(shard_indices), []
+            mine = [o + s.delivered for o, s in zip(offsets, coordinator.sessions, strict=True)]
+        else:
+            epoch = self._epoch
+            if resume is not None and resume.epoch == epoch:  # loaded, not started yet
+                offsets, history = resume.offsets(shard_indices), resume.history()
+                mine = offsets
+            else:
+                mine, history = [0] * len(shard_indices), []
+        config = self.config
+        gathered = _distributed.gather({"rank": config.rank, "received": mine, "epoch": epoch})
+        if gathered is not None:
+            epochs = {part["epoch"] for part in gathered}
+            if len(epochs) > 1:
+                raise RuntimeError(
+                    f"ranks are in different epochs ({sorted(epochs)}): call state_dict() on "
+                    "every rank at the same step"
+                )
+        received = _checkpoint.merge_ranks(
+            mine, config.rank, config.num_workers, config.world_size, gathered
+        )
+        return _checkpoint.make_state(
+            sampling=sampling,
+            epoch=epoch,
+            world_size=config.world_size,
+            num_workers=config.num_workers,
+            received=received,
+            history=history,
+        )
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a state of :meth:`state_dict`, on this or another layout.
+
+        Call it before the next ``iter(loader)``: that epoch continues at the first batch not
+        yet received (no batch before it is read), and later epochs run as if there had been no
+        interruption. On the same world size and workers the stream of batches equals the
+        uninterrupted one; on another layout the samples not yet received are split evenly
+        among the new shards (padding flagged), every rank the same number of steps. A state
+        that cannot apply (another dataset size, seed or batch size, a newer format) raises
+        ``ValueError`` naming the field, before any worker does anything.
+        """
+        coordinator = self._require_open()
+        config = self.config
+        resume = _checkpoint.parse_state(
+            state,
+            sampling=self._sampling(),
+            world_size=config.world_size,
+            num_workers=config.num_workers,
+            rank=config.rank,
+        )
+        if self._current is not None and not self._current.finished:
+            self._abort(self._current)
+        steps = coordinator.seek(resume.epoch, resume.segments, resume.continues)
+        self._resume, self._resume_steps = resume, steps
+        self._epoch = resume.epoch
+        self._current = None
+        try:
+            _distributed.check_ranks(
+                "resumed epoch length", _distributed.gather({"steps": sum(steps)})
+            )
+        except BaseException:
+            self.close()
+            raise
+        logger.info(
+            "resuming epoch %d at %s (%s layout): %d batches left on this rank",
+            resume.epoch,
+            list(resume.segments[-1][1]),
+            "same" if resume.continues else "new",
+            sum(steps),
+        )
+
+    def _sampling(self) -> SamplingInfo:
+        coordinator = self._require_open()
+        found = {s.hello.sampling if s.hello else None for s in coordinator.sessions}
+        if None in found or len(found) != 1:
+            raise TypeError(_checkpoint.NOT_RESUMABLE)
+        total, batch_size, seed, shuffle, drop_last = next(iter(found))  # type: ignore[misc]
+        return SamplingInfo(total, batch_size, seed, shuffle, drop_last)
 
     def close(self) -> None:
         """Stop every worker and release all shared memory. Idempotent; bounded in time."""

@@ -27,6 +27,8 @@ class WorkerState(enum.IntEnum):
         ENDED    --start_epoch(e+1)--> RUNNING(e+1)
         RUNNING | ENDED --abort_epoch(e)--> ABORTING(e)
         ABORTING --EpochAborted(e)--> READY            (sources rebuilt for the next epoch)
+        READY | ENDED --seek(e)--> REBUILDING(e)       (load_state_dict: sources at a position)
+        REBUILDING --Sought(e)--> READY
         any      --failure, death, timeout--> FAILED
         any      --close--> CLOSED
     """
@@ -36,16 +38,20 @@ class WorkerState(enum.IntEnum):
     RUNNING = 2
     ENDED = 3
     ABORTING = 4
-    FAILED = 5
-    CLOSED = 6
+    REBUILDING = 5
+    FAILED = 6
+    CLOSED = 7
 
 
 _LEGAL: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.STARTING: frozenset({WorkerState.READY}),
-    WorkerState.READY: frozenset({WorkerState.RUNNING}),
+    WorkerState.READY: frozenset({WorkerState.RUNNING, WorkerState.REBUILDING}),
     WorkerState.RUNNING: frozenset({WorkerState.ENDED, WorkerState.ABORTING}),
-    WorkerState.ENDED: frozenset({WorkerState.RUNNING, WorkerState.ABORTING}),
+    WorkerState.ENDED: frozenset(
+        {WorkerState.RUNNING, WorkerState.ABORTING, WorkerState.REBUILDING}
+    ),
     WorkerState.ABORTING: frozenset({WorkerState.READY}),
+    WorkerState.REBUILDING: frozenset({WorkerState.READY}),
     WorkerState.FAILED: frozenset(),
     WorkerState.CLOSED: frozenset(),
 }
@@ -78,7 +84,9 @@ class WorkerSession:
         self.hello: wire.Hello | None = None
         self.signature: wire.Signature | None = None
         self.signature_pending = False  # a traced (or rebuilt) loop has yet to send one
-        self.received = 0  # batches of ``epoch`` received from this worker
+        self.received = 0  # batches of ``epoch`` that arrived from this worker (queued or not)
+        self.delivered = 0  # batches of ``epoch`` handed to the user
+        self.resumed_steps: int | None = None  # batches of a resumed epoch (after Sought)
         self.last_step: int | None = None
         self.counters = WorkerCounters()
 

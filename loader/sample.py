@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from workers import Shard
+from workers import Shard, list_files
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 DEFAULT_COUNT = 512
 DEFAULT_CLASSES = 8
 
@@ -76,28 +75,7 @@ def ensure_sample_dataset(cache_dir: Path | None = None) -> Path:
 
 def list_images(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
     """Files and class labels of an ImageFolder (``root/<class>/<image>``), sorted."""
-    base = Path(root)
-    if base.exists() and not base.is_dir():
-        raise NotADirectoryError(
-            f"{str(base)!r} is a file; pass the root directory of an ImageFolder "
-            "(root/<class>/<image>.jpg)"
-        )
-    if not base.is_dir():
-        raise FileNotFoundError(f"dataset directory {str(base)!r} does not exist")
-    classes = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
-    files: list[str] = []
-    labels: list[int] = []
-    for label, name in enumerate(classes):
-        for path in sorted((base / name).iterdir()):
-            if path.suffix.lower() in IMAGE_EXTENSIONS:
-                files.append(str(path))
-                labels.append(label)
-    if not files:
-        raise ValueError(
-            f"no images found under {str(base)!r}; expected an ImageFolder layout "
-            "root/<class>/<image>.jpg"
-        )
-    return files, labels
+    return list_files(root)
 
 
 def image_source(shard: Shard, root: str, batch_size: int, shuffle: bool = True) -> Any:

@@ -8,7 +8,8 @@ from typing import Any
 
 from ._entry import run_worker
 from ._phase import Phase
-from ._sampling import BatchedSamples, shard_indices, sharded_source, steps_per_epoch
+from ._positions import Position, Sampling, plan_epoch, shard_indices, steps_per_epoch
+from ._sampling import BatchedSamples, list_files, sharded_files, sharded_source
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
 
@@ -29,12 +30,17 @@ __all__ = [
     "BatchedSamples",
     "FeederFactory",
     "Phase",
+    "Position",
+    "Sampling",
     "Shard",
     "SourceFactory",
     "StepFunction",
     "WorkerSpec",
+    "list_files",
+    "plan_epoch",
     "run_worker",
     "shard_indices",
+    "sharded_files",
     "sharded_source",
     "steps_per_epoch",
 ]

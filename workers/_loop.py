@@ -27,6 +27,7 @@ from ipc import ChannelClosed, ControlChannel, wire
 
 from . import _dali
 from ._phase import Phase
+from ._positions import Position
 from ._publish import Publisher, describe_outputs, normalize_outputs
 from ._sources import Sources, build_sources, padded_rows
 from ._spec import WorkerSpec
@@ -79,14 +80,16 @@ class Worker:
                 self.spec.num_threads,
                 self.spec.device_id,
                 self.sources.steps_per_epoch,
+                self.sources.sampling(),
             )
         )
 
-    def rebuild_sources(self, epoch: int, reason: str) -> None:
+    def rebuild_sources(self, epoch: int, reason: str, position: Position | None = None) -> None:
         disabled = self.sources is not None and _dali.is_disabled(self.sources.source)
         self.sources = None
         gc.collect()  # lets DALI shut the torn-down pipeline's threads down now
-        self.sources = build_sources(self.spec, self.shard.for_epoch(epoch), self.set_phase)
+        shard = self.shard.for_epoch(epoch, position)
+        self.sources = build_sources(self.spec, shard, self.set_phase)
         self.phase = Phase.IDLE
         self.rebuilds += 1
         self.last_epoch_done = None  # the next epoch sends a signature again, even when eager
@@ -112,12 +115,24 @@ class Worker:
             self.publisher.set_free_events(message.arena_id, message.handles)
         elif isinstance(message, wire.Shutdown):
             raise ShutdownRequested
+        elif isinstance(message, wire.Seek):
+            if in_epoch:
+                raise wire.ProtocolError("Seek during an epoch")
+            self.seek(message)
         elif isinstance(message, wire.StartEpoch):
             if in_epoch:
                 raise wire.ProtocolError("StartEpoch during an epoch")
             self.run_epoch(message.epoch)
         else:
             raise wire.ProtocolError(f"unexpected record {type(message).__name__}")
+
+    def seek(self, message: wire.Seek) -> None:
+        """Rebuild the sources to start ``message.epoch`` at a saved position."""
+        position = Position(message.epoch, message.segments, message.continues)
+        self.rebuild_sources(message.epoch, "the trainer resumes from a saved position", position)
+        assert self.sources is not None
+        steps = self.sources.first_epoch_steps
+        self.channel.send(wire.Sought(message.epoch, -1 if steps is None else steps))
 
     def wait_for_trainer(self) -> None:
         """Handle one record from the trainer, inside an epoch (while blocked on slots)."""

@@ -2,81 +2,36 @@
 
 DALI refuses a short batch from an ExternalSource root (``Expected batch size B, got n``), and a
 reader's own ``pad_last_batch``/``stick_to_shard`` rules decide which samples an epoch holds. The
-helpers here let the loader decide instead, deterministically from the seed and the epoch:
+helpers here let the loader decide instead, deterministically from the seed and the epoch
+(:mod:`workers._positions` does the arithmetic):
 
-* :func:`shard_indices` splits a dataset of ``total`` samples among ``count`` shards for one
-  epoch: one global permutation (or the identity), contiguous equal parts. With
-  ``drop_last=True`` every shard gets ``total // count`` samples (the rest are dropped this
-  epoch); otherwise every shard gets ``ceil(total / count)`` and the shards that run short repeat
-  samples from the start of the permutation, flagged as padding. Either way, every shard has the
-  same number of samples, so every worker and every rank has the same number of steps.
-* :class:`BatchedSamples` turns a shard's samples into full batches of ``batch_size`` (the last
-  one padded by repeating its final sample, or dropped), and remembers, per batch yielded, how
-  many rows are padding; the worker attaches that count to the delivered batch (``info.padded``).
-* :func:`sharded_source` puts both together as an ``ndd.ExternalSource`` ready to return from
-  ``source(shard)``.
+* :class:`BatchedSamples` turns a shard's part of each epoch into full batches of ``batch_size``
+  and remembers, per batch yielded, how many rows are padding; the worker attaches that count to
+  the delivered batch (``info.padded``). Built for a shard that carries a saved position, its
+  first epoch starts where that position stopped (nothing before it is loaded).
+* :func:`sharded_source` puts it in an ``ndd.ExternalSource`` ready to return from
+  ``source(shard)``, over any ``load(index)``.
+* :func:`sharded_files` does the same over image files (an ImageFolder or a list), yielding the
+  encoded bytes and the label of each file, for DALI's decoders.
 """
 
 from __future__ import annotations
 
-import math
+import os
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ._positions import Batch, Sampling, shard_batches, steps_per_epoch
 from ._shard import Shard
 
 #: Attribute set on an ExternalSource built here; the worker reads padding counts from it.
 PADDING_ATTRIBUTE = "_dali_capture_loader_padding"
 
-
-def epoch_permutation(total: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray[Any, Any]:
-    """The global order of ``total`` samples in ``epoch``: the same on every rank and worker."""
-    if not shuffle:
-        return np.arange(total)
-    return np.random.default_rng([seed, epoch]).permutation(total)
-
-
-def samples_per_shard(total: int, count: int, drop_last: bool) -> int:
-    return total // count if drop_last else math.ceil(total / count)
-
-
-def steps_per_epoch(total: int, count: int, batch_size: int, drop_last: bool) -> int:
-    """Batches every shard yields per epoch."""
-    per_shard = samples_per_shard(total, count, drop_last)
-    return per_shard // batch_size if drop_last else math.ceil(per_shard / batch_size)
-
-
-def shard_indices(
-    total: int,
-    shard_index: int,
-    shard_count: int,
-    *,
-    epoch: int,
-    seed: int,
-    shuffle: bool,
-    drop_last: bool,
-) -> tuple[np.ndarray[Any, Any], int]:
-    """This shard's sample indices for ``epoch``, and how many of them (at the end) are padding."""
-    if total < 1:
-        raise ValueError("the dataset is empty")
-    if not 0 <= shard_index < shard_count:
-        raise ValueError(f"shard {shard_index} is not in [0, {shard_count})")
-    order = epoch_permutation(total, epoch, seed, shuffle)
-    per_shard = samples_per_shard(total, shard_count, drop_last)
-    if per_shard == 0:
-        raise ValueError(
-            f"{total} samples cannot give every one of {shard_count} shards a sample with "
-            "drop_last=True; use fewer workers or ranks, or drop_last=False"
-        )
-    start = shard_index * per_shard
-    mine = order[start : start + per_shard]
-    padded = per_shard - len(mine)
-    if padded:
-        mine = np.concatenate([mine, order[np.arange(padded) % total]])
-    return mine, padded
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 
 
 class BatchedSamples:
@@ -96,44 +51,38 @@ class BatchedSamples:
         shuffle: bool = True,
         drop_last: bool = False,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise ValueError(f"total must be a positive number of samples, got {total!r}")
         self.shard = shard
-        self.total = total
         self.load = load
-        self.batch_size = batch_size
         self.num_outputs = num_outputs
-        self.shuffle = shuffle
-        self.drop_last = drop_last
+        # the loader's seed: the same on every shard (a shard's own seed is seed + index)
+        self.sampling = Sampling(total, batch_size, shard.seed - shard.index, shuffle, drop_last)
         self.epoch = shard.epoch
+        self.position = shard.position
         self.padding: deque[int] = deque()  # rows of padding, one entry per yielded batch
         self.steps = steps_per_epoch(total, shard.count, batch_size, drop_last)
+        #: batches of the first epoch these sources run (fewer when resumed mid-epoch)
+        self.first_epoch_steps = len(self.batches_for_epoch(self.epoch))
+
+    @property
+    def total(self) -> int:
+        return self.sampling.total
+
+    @property
+    def batch_size(self) -> int:
+        return self.sampling.batch_size
 
     def __len__(self) -> int:
         return self.steps
 
-    def batches_for_epoch(self, epoch: int) -> list[tuple[np.ndarray[Any, Any], int]]:
-        """(indices, padded rows) of every batch of ``epoch``."""
-        indices, padded_tail = shard_indices(
-            self.total,
-            self.shard.index,
-            self.shard.count,
-            epoch=epoch,
-            seed=self.shard.seed - self.shard.index,  # the loader's seed: same on every shard
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
+    def batches_for_epoch(self, epoch: int) -> list[Batch]:
+        """(indices, padded rows) of every batch of ``epoch`` this shard yields."""
+        return shard_batches(
+            self.sampling, epoch, self.shard.index, self.shard.count, self.position
         )
-        real = len(indices) - padded_tail
-        batches = []
-        for start in range(0, len(indices), self.batch_size):
-            chunk = indices[start : start + self.batch_size]
-            if len(chunk) < self.batch_size:
-                if self.drop_last:
-                    break
-                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], self.batch_size - len(chunk))])
-            pad_rows = sum(1 for row in range(start, start + self.batch_size) if row >= real)
-            batches.append((chunk, pad_rows))
-        return batches
 
     def _load(self, index: int) -> Any:
         """``load(index)``; an exception leaves tagged with the phase and the sample id."""
@@ -174,7 +123,7 @@ def sharded_source(
 
     Every epoch covers the dataset exactly once across all shards (``drop_last=True`` drops the
     remainder instead of padding), batches are always full, and padded rows are reported in the
-    delivered batch's ``info.padded``.
+    delivered batch's ``info.padded``. The loader can save and resume its position.
     """
     import nvidia.dali.experimental.dynamic as ndd
 
@@ -190,6 +139,86 @@ def sharded_source(
     source = ndd.ExternalSource(samples, num_outputs=num_outputs, cycle="raise")
     setattr(source, PADDING_ATTRIBUTE, samples)
     return source
+
+
+def list_files(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
+    """Files and labels of an ImageFolder ``root/<class>/<file>``: class folders sorted (label =
+    position), files sorted inside each; the same list on every rank and worker."""
+    base = Path(root)
+    if base.exists() and not base.is_dir():
+        raise NotADirectoryError(
+            f"{str(base)!r} is a file; pass the root directory of an ImageFolder "
+            "(root/<class>/<image>.jpg) or a list of files"
+        )
+    if not base.is_dir():
+        raise FileNotFoundError(f"dataset directory {str(base)!r} does not exist")
+    classes = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
+    files: list[str] = []
+    labels: list[int] = []
+    for label, name in enumerate(classes):
+        for path in sorted((base / name).iterdir()):
+            if path.suffix.lower() in IMAGE_EXTENSIONS:
+                files.append(str(path))
+                labels.append(label)
+    if not files:
+        raise ValueError(
+            f"no images found under {str(base)!r}; expected an ImageFolder layout "
+            "root/<class>/<image>.jpg"
+        )
+    return files, labels
+
+
+class _FileLoader:
+    """``load(index)`` for :func:`sharded_files`: the file's bytes and its label."""
+
+    def __init__(self, files: Sequence[str], labels: Sequence[int]) -> None:
+        self.files = list(files)
+        self.labels = np.asarray(labels, dtype=np.int32).reshape(-1, 1)
+
+    def __call__(self, index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        with open(self.files[index], "rb") as file:
+            data = np.frombuffer(file.read(), dtype=np.uint8)
+        return data, self.labels[index]
+
+
+def sharded_files(
+    shard: Shard,
+    root_or_files: str | os.PathLike[str] | Sequence[str],
+    *,
+    batch_size: int,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    labels: Sequence[int] | None = None,
+) -> Any:
+    """An ``ndd.ExternalSource`` root yielding ``(encoded bytes, label)`` batches of files.
+
+    ``root_or_files``: an ImageFolder directory (sorted class folders give the labels) or an
+    explicit list of files (``labels`` then gives one int per file; 0 when omitted). The same
+    guarantees as :func:`sharded_source`: exactly once per epoch, full batches, padding flagged,
+    a resumable position. Decode with ``ndd.decoders.image(jpegs)`` in ``step``.
+    """
+    if isinstance(root_or_files, (str, os.PathLike)):
+        if labels is not None:
+            raise ValueError(
+                "labels= is for a list of files; an ImageFolder's come from its folders"
+            )
+        files, found = list_files(root_or_files)
+    else:
+        files = [os.fspath(f) for f in root_or_files]
+        if not files:
+            raise ValueError("the list of files is empty")
+        found = [0] * len(files) if labels is None else [int(label) for label in labels]
+        if len(found) != len(files):
+            raise ValueError(f"{len(files)} files but {len(found)} labels: give one per file")
+    return sharded_source(
+        shard,
+        len(files),
+        _FileLoader(files, found),
+        batch_size,
+        num_outputs=2,
+        shuffle=shuffle,
+        drop_last=drop_last,
+    )
 
 
 def padding_of(source: object) -> BatchedSamples | None:

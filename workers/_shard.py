@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ._positions import Position
+
 
 @dataclass(frozen=True, slots=True)
 class Shard:
@@ -17,7 +19,8 @@ class Shard:
     DALI reader as ``shard_id`` and ``num_shards``. ``seed`` is the loader's seed plus ``index``, so
     every shard draws different random numbers and the same loader seed always gives the same ones.
     ``epoch`` is the epoch the sources are (re)built for: 0 at start, and the next epoch after the
-    trainer broke out of one.
+    trainer broke out of one. ``position`` is set when the loader resumes ``epoch`` from a saved
+    state: ``sharded_source`` then starts where that state stopped.
     """
 
     index: int
@@ -28,6 +31,7 @@ class Shard:
     num_workers: int
     seed: int
     epoch: int = 0
+    position: Position | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -52,8 +56,9 @@ class Shard:
             seed=seed + index,
         )
 
-    def for_epoch(self, epoch: int) -> Shard:
-        return replace(self, epoch=epoch)
+    def for_epoch(self, epoch: int, position: Position | None = None) -> Shard:
+        """This shard with sources for ``epoch`` (resumed from ``position``, if given)."""
+        return replace(self, epoch=epoch, position=position)
 
     def describe(self) -> str:
         return f"shard {self.index}/{self.count}"

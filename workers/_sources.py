@@ -26,6 +26,8 @@ class Sources:
     feeders: dict[str, Any] = field(default_factory=dict)
     #: Batches per epoch, or None when the source cannot tell in advance.
     steps_per_epoch: int | None = None
+    #: Batches of the epoch these sources were built for (fewer when resumed mid-epoch).
+    first_epoch_steps: int | None = None
     #: For a reader that sticks to its shard and pads its last batch: the shard's real samples
     #: (rows past them are padding). None otherwise.
     reader_real_samples: int | None = None
@@ -34,6 +36,14 @@ class Sources:
     def sampled(self) -> _sampling.BatchedSamples | None:
         """The ``sharded_source`` bookkeeping behind the source, if it is one."""
         return _sampling.padding_of(self.source)
+
+    def sampling(self) -> tuple[int, int, int, bool, bool] | None:
+        """What the trainer needs to save and check positions; None when it cannot."""
+        sampled = self.sampled
+        if sampled is None:
+            return None
+        s = sampled.sampling
+        return (s.total, s.batch_size, s.seed, s.shuffle, s.drop_last)
 
 
 def build_sources(spec: WorkerSpec, shard: Shard, set_phase: Callable[[Phase], None]) -> Sources:
@@ -49,8 +59,15 @@ def build_sources(spec: WorkerSpec, shard: Shard, set_phase: Callable[[Phase], N
     sampled = built.sampled
     if sampled is not None:
         built.steps_per_epoch = len(sampled)
+        built.first_epoch_steps = sampled.first_epoch_steps
+        if sampled.batch_size != spec.batch_size:
+            raise ValueError(
+                f"sharded_source/sharded_files were given batch_size={sampled.batch_size} but "
+                f"the Loader's batch_size is {spec.batch_size}: take both from one place "
+                "(e.g. functools.partial)"
+            )
     elif probed is not None and _dali.sticks_to_shard(source):
-        built.steps_per_epoch = probed.steps
+        built.steps_per_epoch = built.first_epoch_steps = probed.steps
         if _dali.pads_last_batch(source):
             built.reader_real_samples = probed.real
     if probed is not None and probed.real == 0:
