@@ -462,3 +462,39 @@ def failing_load_source(shard: Shard) -> Any:
     from loader import sharded_source
 
     return sharded_source(shard, 16, _load_failing_at_7, 4, shuffle=False)
+
+
+def _slow_id(index: int, seconds: float) -> Any:
+    import time
+
+    time.sleep(seconds)
+    return np.array([index], dtype=np.int64)
+
+
+def slow_source(shard: Shard, total: int = 120, batch_size: int = 4, seconds: float = 0.02) -> Any:
+    """sharded_source whose load sleeps ``seconds`` per sample (a resume must not pay for the
+    samples before its position)."""
+    import functools
+
+    from loader import sharded_source
+
+    return sharded_source(shard, total, functools.partial(_slow_id, seconds=seconds), batch_size)
+
+
+def files_source(shard: Shard, root: str, batch_size: int = 4) -> Any:
+    """sharded_files over an ImageFolder."""
+    from loader import sharded_files
+
+    return sharded_files(shard, root, batch_size=batch_size, shuffle=True)
+
+
+def files_list_source(shard: Shard, files: tuple[str, ...], batch_size: int = 4) -> Any:
+    """sharded_files over a list of files; the label of file k is k (a sample id)."""
+    from loader import sharded_files
+
+    return sharded_files(shard, list(files), batch_size=batch_size, labels=list(range(len(files))))
+
+
+def bytes_and_label_step(data: Any, labels: Any) -> dict[str, Any]:
+    images = ndd.decoders.image(data, device="cpu")
+    return {"image": ndd.resize(images, size=[8, 8]), "id": ndd.cast(labels, dtype=ndd.int64)}
