@@ -205,6 +205,7 @@ class Workload:
     loader_source: Any  # the Loader's source(shard)
     dataset: Any  # the torch DataLoader contender's dataset
     parallel_batches: int | None = None  # DALI parallel external source, when it applies
+    files_source: Any = None  # the Loader over sharded_files, when the workload reads files
 
 
 def run(quick: bool, repeats: int, threads: int) -> list[Result]:
@@ -223,6 +224,7 @@ def run(quick: bool, repeats: int, threads: int) -> list[Result]:
             image_step,
             reader,
             S.DaliEagerDataset("images", image_batches, root),
+            files_source=functools.partial(S.files_source, root=root, batch_size=64),
         ),
         Workload(
             "python",
@@ -270,6 +272,13 @@ def run(quick: bool, repeats: int, threads: int) -> list[Result]:
                     "DALI parallel ES",
                     w,
                     with_dali_parallel(workload.parallel_batches, w, threads),
+                )
+            if workload.files_source is not None:
+                record(
+                    workload,
+                    "loader sharded_files",
+                    w,
+                    with_loader(workload.files_source, workload.step, batch, w, True, threads),
                 )
             for capture in (True, False):
                 mode = "capture" if capture else "eager"
@@ -373,6 +382,13 @@ def targets(results: list[Result]) -> list[str]:
         if ours and theirs:
             ratio = ours / theirs
             lines.append(f"{text}: {ratio:.2f} {'met' if ratio >= goal else 'MISSED'}")
+    files, reader = rate("images", "loader sharded_files"), rate("images", "loader capture")
+    if files and reader:
+        ratio = files / reader
+        lines.append(
+            f"images: sharded_files / readers.File (loader capture, W=2) >= 0.97: {ratio:.2f} "
+            f"{'met' if ratio >= 0.97 else 'MISSED'}"
+        )
     for workers, overhead in sorted(OVERHEAD.items()):
         per = overhead * 1e6
         lines.append(
