@@ -1,22 +1,34 @@
-"""DDP training fed by one dali-capture-loader per rank.
+"""DDP training fed by one dali-capture-loader per rank, with checkpoints that resume mid-epoch.
 
-    torchrun --standalone --nproc_per_node=2 examples/train_ddp.py
+    torchrun --standalone --nproc_per_node=2 examples/train_ddp.py --save-every 20
+    torchrun --standalone --nproc_per_node=1 examples/train_ddp.py --resume checkpoint.pt
 
 Each rank runs ``--workers`` worker processes; shard ``rank * workers + worker`` of
 ``world_size * workers`` reads its part of one seeded permutation per epoch, so every epoch covers
-the dataset exactly once across ranks and every rank takes the same number of steps. With
-``--out DIR`` each rank writes what it saw (sample ids without padding, steps per epoch) to
-``DIR/rank<R>.json``.
+the dataset exactly once across ranks and every rank takes the same number of steps.
+
+Every ``--save-every`` steps each rank calls ``loader.state_dict()`` (a collective: every rank at
+the same step, every rank gets the same dict) and rank 0 writes the model, the optimizer, the
+loader state and the step to ``--checkpoint``, atomically. ``--resume`` loads such a checkpoint on
+every rank before the first ``iter(loader)``: the interrupted epoch goes on with the batches not
+yet received, on the same layout (the same stream as without the interruption) or on another
+world size or worker count (the rest of the epoch split evenly among the new ranks).
+
+With ``--out DIR`` each rank writes what it saw in this run (per epoch: sample ids without
+padding, steps) to ``DIR/rank<R>.json``, at every checkpoint and at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import nvidia.dali.experimental.dynamic as ndd
@@ -44,6 +56,25 @@ def step(jpegs: Any, ids: Any) -> dict[str, Any]:
     return {"image": images, "id": ids}
 
 
+def write_atomically(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Write ``path`` through a temporary file and ``os.replace``: a crash at any moment leaves
+    either the previous file or the new one, never half of one."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A fingerprint of the weights, to compare runs."""
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=None, help="ImageFolder; default: samples")
@@ -51,6 +82,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
+    parser.add_argument("--checkpoint", type=Path, default=Path("checkpoint.pt"))
+    parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume from")
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="after N steps (counted from the start of training), stop making progress and wait "
+        "to be killed (to try resuming from a real crash)",
+    )
     parser.add_argument(
         "--batch-size-on-rank",
         default=None,
@@ -67,6 +108,7 @@ def main() -> None:
             batch_size = odd_size
     root = str(args.data or ensure_sample_dataset())
 
+    torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, stride=2),
         torch.nn.ReLU(),
@@ -74,9 +116,30 @@ def main() -> None:
         torch.nn.Flatten(),
         torch.nn.Linear(8, 10),
     )
-    model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    record: dict[str, Any] = {"rank": rank, "world_size": world, "epochs": []}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    checkpoint = None
+    global_step = 0  # steps taken since the start of training, over all runs
+    if args.resume is not None:
+        checkpoint = torch.load(args.resume, map_location="cpu")
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        global_step = checkpoint["step"]
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+
+    record: dict[str, Any] = {
+        "rank": rank,
+        "world_size": world,
+        "workers": args.workers,
+        "resumed_from": global_step if checkpoint is not None else None,
+        "epochs": [],
+    }
+
+    def save_record() -> None:
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(record).encode()
+            write_atomically(args.out / f"rank{rank}.json", lambda file: file.write(text))
+
     with Loader(
         functools.partial(source, root=root, batch_size=batch_size),
         step,
@@ -84,25 +147,47 @@ def main() -> None:
         num_workers=args.workers,
         output="torch",
     ) as loader:
-        for epoch in range(args.epochs):
+        if checkpoint is not None:
+            loader.load_state_dict(checkpoint["loader"])  # before the first iter(loader)
+        for epoch in range(loader.epoch, args.epochs):
             seen: list[int] = []
-            steps = 0
+            progress: dict[str, Any] = {"epoch": epoch, "len": len(loader), "steps": 0, "ids": seen}
+            record["epochs"].append(progress)
             for batch in loader:
                 images, ids = batch["image"], batch["id"].squeeze(1)
-                loss = F.cross_entropy(model(images), ids % 10)
+                loss = F.cross_entropy(ddp_model(images), ids % 10)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
                 seen += ids[: len(ids) - batch.info.padded].tolist()
-                steps += 1
+                progress["steps"] += 1
+                global_step += 1
                 del batch, images, ids
-            record["epochs"].append({"epoch": epoch, "steps": steps, "ids": seen})
-            if rank == 0:
-                print(f"epoch {epoch}: {steps} steps per rank, loss {loss.item():.3f}", flush=True)
-        record["len"] = len(loader)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"rank{rank}.json").write_text(json.dumps(record))
+
+                if args.save_every and global_step % args.save_every == 0:
+                    state = {
+                        "step": global_step,
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "loader": loader.state_dict(),  # every rank calls it, at the same step
+                    }
+                    if rank == 0:
+                        write_atomically(args.checkpoint, functools.partial(torch.save, state))
+                        print(f"step {global_step}: saved {args.checkpoint}", flush=True)
+                    record["step"] = global_step
+                    save_record()
+                if global_step == args.stop_after:
+                    dist.barrier()  # every rank is done with its steps (and checkpoint) so far
+                    if rank == 0:
+                        print(f"stopped after step {global_step}; waiting to be killed", flush=True)
+                    while True:
+                        time.sleep(1)
+            if rank == 0 and progress["steps"]:
+                steps = progress["steps"]
+                print(f"epoch {epoch}: {steps} steps, loss {loss.item():.3f}", flush=True)
+    record["step"] = global_step
+    record["weights"] = weights_digest(model)
+    save_record()
     dist.destroy_process_group()
 
 

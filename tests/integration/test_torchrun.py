@@ -1,18 +1,23 @@
-"""Real torchrun launches (CPU, gloo) of examples/train_ddp.py: coverage, equal steps, agreement."""
+"""Real torchrun launches (CPU, gloo) of examples/train_ddp.py: coverage, equal steps, agreement,
+and jobs killed with SIGKILL after a checkpoint that resume on the same or another layout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,9 +44,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _command(launcher_args: list[str], script_args: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher_args,
+        str(SCRIPT),
+        *script_args,
+    ]
+
+
 def _launch(launcher_args: list[str], script_args: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(SCRIPT), *script_args],
+        _command(launcher_args, script_args),
         cwd=ROOT,
         env=_env(),
         stdout=subprocess.PIPE,
@@ -55,12 +71,17 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str
     return proc.returncode, output
 
 
+def _records(out: Path, world: int) -> list[dict[str, Any]]:
+    """What each rank of a run saw (see examples/train_ddp.py --out)."""
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
 def _check_records(out: Path, world: int, total: int, epochs: int) -> None:
-    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    records = _records(out, world)
     for epoch in range(epochs):
         steps = {rec["epochs"][epoch]["steps"] for rec in records}
         assert len(steps) == 1, f"ranks took different numbers of steps: {steps}"
-        assert steps == {records[0]["len"]}
+        assert steps == {records[0]["epochs"][epoch]["len"]}
         per_rank = [set(rec["epochs"][epoch]["ids"]) for rec in records]
         everything = [i for rec in records for i in rec["epochs"][epoch]["ids"]]
         assert sorted(everything) == list(range(total)), "not exactly once"
@@ -109,3 +130,162 @@ def test_mismatched_batch_size_fails_on_every_rank(ddp_data: Path, tmp_path: Pat
     assert output.count("rank 1 disagrees with rank 0") >= 2, output
     assert "batch_size: rank 1 has 8, rank 0 has 4" in output
     assert elapsed < 120
+
+
+# ---------------------------------------------------------------------------- killed and resumed
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill_job(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL torchrun and its trainers, as when a node dies, then wait until every process of
+    the job is gone. torchrun starts each trainer in a session of its own, so killing torchrun's
+    process group alone would leave the trainers running. The trainers' workers get no signal:
+    they must exit by themselves when their trainer dies."""
+    try:
+        job = psutil.Process(proc.pid)
+        trainers = job.children()
+        processes = [job, *job.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        trainers, processes = [], []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun leads its own session (start_new_session)
+    for trainer in trainers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            trainer.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    left = [p for p in processes if _running(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if _running(p)]
+    assert not left, f"processes of the killed job still running: {[p.pid for p in left]}"
+
+
+def _run_until_killed(
+    launcher_args: list[str], script_args: list[str], log: Path, timeout: float = 180
+) -> str:
+    """Run a job with --stop-after N until it says it stopped, SIGKILL it; return its output."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            _command(launcher_args, script_args),
+            cwd=ROOT,
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        while "stopped after step" not in log.read_text():
+            assert proc.poll() is None, f"the job ended before it stopped:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"the job did not stop:\n{log.read_text()}"
+            time.sleep(0.2)
+    finally:
+        _kill_job(proc)
+    return log.read_text()
+
+
+def _run(launcher_args: list[str], script_args: list[str]) -> str:
+    code, output = _finish(_launch(launcher_args, script_args))
+    assert code == 0, output
+    return output
+
+
+def test_killed_job_resumes_on_one_rank_and_covers_the_epoch_once(
+    ddp_data: Path, tmp_path: Path
+) -> None:
+    """2 ranks x 2 workers save at step 4, take steps 5 and 6 and are SIGKILLed; 1 rank x 3
+    workers resumes: what the killed job saw up to its checkpoint plus what the resumed job saw
+    of epoch 0 is the dataset exactly once (steps 5 and 6 are read again), and epoch 1 on the new
+    layout covers it once too."""
+    checkpoint = tmp_path / "checkpoint.pt"
+    common = ["--data", str(ddp_data), "--batch-size", "4", "--epochs", "2"]
+    common += ["--save-every", "4", "--checkpoint", str(checkpoint)]
+    output = _run_until_killed(
+        ["--standalone", "--nproc_per_node=2"],
+        [*common, "--workers", "2", "--out", str(tmp_path / "killed"), "--stop-after", "6"],
+        tmp_path / "killed.log",
+    )
+    assert "step 4: saved" in output and "stopped after step 6" in output, output
+    saved = torch.load(checkpoint)
+    assert saved["step"] == 4
+    # 8 steps per epoch (50 samples, 4 shards of 13, batches of 4): 2 batches per shard received
+    assert saved["loader"]["epoch"] == 0
+    assert saved["loader"]["received"] == [2, 2, 2, 2]
+    killed = _records(tmp_path / "killed", world=2)
+    assert [rec["step"] for rec in killed] == [4, 4]  # the records stop at the checkpoint
+
+    _run(
+        ["--standalone", "--nproc_per_node=1"],
+        [
+            *common,
+            "--workers",
+            "3",
+            "--out",
+            str(tmp_path / "resumed"),
+            "--resume",
+            str(checkpoint),
+        ],
+    )
+    [resumed] = _records(tmp_path / "resumed", world=1)
+    assert resumed["resumed_from"] == 4
+    assert [e["epoch"] for e in resumed["epochs"]] == [0, 1]
+    rest, epoch1 = resumed["epochs"]
+    # the 50 - 32 samples not yet received, 6 per new shard: 2 batches each on 3 workers
+    assert rest["steps"] == rest["len"] == 6
+    seen = [i for rec in killed for i in rec["epochs"][0]["ids"]] + rest["ids"]
+    assert sorted(seen) == list(range(50)), "epoch 0 is not the dataset exactly once"
+    assert sorted(epoch1["ids"]) == list(range(50))
+    assert epoch1["steps"] == epoch1["len"] == 15  # 3 shards of 17 samples, 5 batches each
+
+
+def test_killed_job_resumes_on_the_same_layout_with_the_uninterrupted_stream(
+    ddp_data: Path, tmp_path: Path
+) -> None:
+    """2 ranks x 2 workers save at step 3 (workers 0 have delivered 2 batches, workers 1 one),
+    take steps 4 and 5 and are SIGKILLed; 2 ranks x 2 workers resume: per rank, the ids seen up
+    to the checkpoint followed by the resumed ones are the uninterrupted job's stream, epoch 1
+    included, and the final weights are the uninterrupted job's (the model, the optimizer's
+    momentum and the order of the batches were all restored)."""
+    two_ranks = ["--standalone", "--nproc_per_node=2"]
+    common = ["--data", str(ddp_data), "--batch-size", "4", "--epochs", "2", "--workers", "2"]
+    common += ["--save-every", "3"]
+    _run(
+        two_ranks,
+        [*common, "--checkpoint", str(tmp_path / "full.pt"), "--out", str(tmp_path / "full")],
+    )
+    full = _records(tmp_path / "full", world=2)
+
+    checkpoint = tmp_path / "checkpoint.pt"
+    common += ["--checkpoint", str(checkpoint)]
+    output = _run_until_killed(
+        two_ranks,
+        [*common, "--out", str(tmp_path / "killed"), "--stop-after", "5"],
+        tmp_path / "killed.log",
+    )
+    assert "step 3: saved" in output and "stopped after step 5" in output, output
+    saved = torch.load(checkpoint)
+    assert saved["step"] == 3
+    assert saved["loader"]["epoch"] == 0
+    assert saved["loader"]["received"] == [2, 1, 2, 1]
+    killed = _records(tmp_path / "killed", world=2)
+
+    _run(two_ranks, [*common, "--out", str(tmp_path / "resumed"), "--resume", str(checkpoint)])
+    resumed = _records(tmp_path / "resumed", world=2)
+    for rank in range(2):
+        before, after, uninterrupted = killed[rank], resumed[rank], full[rank]
+        assert before["step"] == 3 and after["resumed_from"] == 3
+        assert [e["epoch"] for e in after["epochs"]] == [0, 1]
+        rest, epoch1 = after["epochs"]
+        assert rest["steps"] == rest["len"] == 8 - 3
+        assert before["epochs"][0]["ids"] + rest["ids"] == uninterrupted["epochs"][0]["ids"], (
+            f"rank {rank}: the resumed epoch 0 is not the uninterrupted stream"
+        )
+        assert epoch1 == uninterrupted["epochs"][1], f"rank {rank}: epoch 1 differs"
+        assert after["weights"] == uninterrupted["weights"], f"rank {rank}: other weights"
