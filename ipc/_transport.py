@@ -154,7 +154,9 @@ class SlotWriter:
 class SlotReader:
     """The trainer's view of one worker's slots: open regions and the fills it holds."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, owner: int = 0) -> None:
+        """``owner``: the index of the worker whose slots these are."""
+        self.owner = owner
         self.ledger = SlotLedger(num_slots)
         self._regions: dict[int, ReaderRegion] = {}
         self._current: int | None = None

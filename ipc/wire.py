@@ -122,6 +122,8 @@ class Hello:
     #: (total, batch_size, seed, shuffle, drop_last) of a sharded_source/sharded_files root,
     #: whose position the loader can save and resume; None for any other source
     sampling: tuple[int, int, int, bool, bool] | None = None
+    #: batches of the epoch the sources were built for (fewer when started mid-epoch)
+    first_epoch_steps: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +229,9 @@ class BatchReady:
     padded: int  # rows at the end of this batch that are padding, not data
     blocked_ns: int  # how long the worker waited for a free slot before this batch
     busy_ns: int  # how long the worker spent producing this batch (step + copy)
+    replaced: tuple[int, ...] = ()  # rows that repeat a good sample in place of a skipped one
+    skipped: tuple[int, ...] = ()  # sample ids skipped in this batch (on_error="skip")
+    skipped_names: tuple[str, ...] = ()  # how each skipped sample is named (a file's path)
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,9 @@ class LoaderConfig:
     local_world_size: int
     startup_timeout: float
     shm_limit: int | None
+    max_restarts: int = 0
+    on_error: str = "raise"
+    max_skipped: int | None = None
 
     @classmethod
     def build(
@@ -84,6 +87,9 @@ class LoaderConfig:
         world_size: Any,
         startup_timeout: Any,
         shm_limit: Any,
+        max_restarts: Any = 0,
+        on_error: Any = "raise",
+        max_skipped: Any = None,
     ) -> LoaderConfig:
         """Validate the constructor's arguments (``TypeError``/``ValueError`` that say what to
         change) and discover rank, GPU and thread budget."""
@@ -100,6 +106,10 @@ class LoaderConfig:
             check_positive_int(num_threads, "num_threads")
         if shm_limit is not None:
             check_positive_int(shm_limit, "shm_limit")
+        max_restarts = check_positive_int(max_restarts, "max_restarts", minimum=0)
+        on_error = check_choice(on_error, "on_error", ("raise", "skip"))
+        if max_skipped is not None:
+            max_skipped = check_positive_int(max_skipped, "max_skipped", minimum=0)
         check_importable(source, "source")
         check_importable(step, "step")
         if feeders is not None:
@@ -158,6 +168,9 @@ class LoaderConfig:
             local_world_size=placement.local_world_size,
             startup_timeout=float(startup_timeout),
             shm_limit=shm_limit,
+            max_restarts=max_restarts,
+            on_error=on_error,
+            max_skipped=max_skipped,
         )
 
     @property
@@ -198,6 +211,7 @@ class LoaderConfig:
                 parent_death_signal=on_main_thread,
                 log_level=logging.getLogger("loader").getEffectiveLevel(),
                 shm_limit=self.shm_limit,
+                on_error=self.on_error,
             )
             for shard in self.shards
         ]
@@ -213,6 +227,7 @@ class LoaderConfig:
             "num_threads": self.num_threads,
             "prefetch": self.prefetch,
             "output": self.output,
+            "on_error": self.on_error,
         }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -26,7 +27,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ipc import ChannelClosed, ProtocolError, open_region, wire
+from ipc import ChannelClosed, ProtocolError, SlotReader, open_region, wire
+from workers import Position, continue_from
 
 from ._errors import (
     AgreementError,
@@ -80,11 +82,19 @@ class Coordinator:
         timeout: float | None,
         trace_timeout: float | None,
         stream_of: Callable[[int], int] | None = None,
+        max_restarts: int = 0,
+        startup_timeout: float = 300.0,
     ) -> None:
         """``timeout``: per batch once a worker's loop runs; ``trace_timeout``: for a worker's
         traced first batch (and after a rebuild); ``stream_of(device_id)``: the trainer's
-        current CUDA stream (GPU only)."""
+        current CUDA stream (GPU only); ``max_restarts``: dead or stuck workers this loader may
+        replace."""
         self.pool = pool
+        self.max_restarts = max_restarts
+        self.startup_timeout = startup_timeout  # a replacement's start, like the first one's
+        self.restarts = 0
+        #: the position load_state_dict() resumed from (its epoch's sources start there)
+        self.resume_position: Position | None = None
         self.sessions: list[WorkerSession] = []
         self.timeout = timeout
         self.trace_timeout = trace_timeout
@@ -136,7 +146,7 @@ class Coordinator:
         for session in self.sessions:
             assert not session.queue, "an epoch starts with batches of the last one queued"
             session.move(WorkerState.RUNNING, epoch)
-            session.received = session.delivered = 0
+            session.received = session.delivered = session.step_offset = 0
             session.last_step = None
             session.handle.send(wire.StartEpoch(epoch))
 
@@ -158,7 +168,9 @@ class Coordinator:
         """Every worker rebuilds its sources to start ``epoch`` at a saved position; returns the
         batches each has left in that epoch."""
         message = wire.Seek(epoch, segments, continues)
+        self.resume_position = Position(epoch, segments, continues)
         for session in self.sessions:
+            session.sources_for = (epoch, self.resume_position)
             session.move(WorkerState.REBUILDING, epoch)
             session.resumed_steps = None
             session.handle.send(message)
@@ -186,11 +198,9 @@ class Coordinator:
         sessions = self.sessions
         while True:
             chosen = sessions[cursor]
-            if not chosen.queue and chosen.state != WorkerState.RUNNING:  # its epoch is over
+            if not chosen.queue and chosen.state != WorkerState.RUNNING:  # ended, or restarting
                 index = choose_worker(
-                    cursor,
-                    [bool(s.queue) for s in sessions],
-                    [s.state == WorkerState.RUNNING for s in sessions],
+                    cursor, [bool(s.queue) for s in sessions], [s.open_in_epoch for s in sessions]
                 )
                 if index is None:
                     return None
@@ -204,7 +214,113 @@ class Coordinator:
                 if chosen.reader.all_held:
                     self.collect_views(chosen)
             if not self.take_ready(chosen):
-                self.pump(chosen, self.timeout)
+                self.pump(chosen, self.wait_limit(chosen))
+
+    def wait_limit(self, session: WorkerSession) -> float | None:
+        """How long the trainer waits for ``session``'s next record: ``trace_timeout`` while a
+        (replacement) process starts or traces its first batch, else ``timeout``."""
+        if session.state == WorkerState.STARTING:
+            return self.startup_timeout
+        if session.signature_pending and session.received == 0:
+            return self.trace_timeout
+        return self.timeout
+
+    # ------------------------------------------------------------------------------ healing
+    def _hello(self, session: WorkerSession, message: wire.Hello) -> None:
+        first = session.hello is None
+        session.hello = message
+        if first:
+            session.move(WorkerState.READY)
+            return
+        state, epoch = session.after_start  # a replacement: go on where its predecessor was
+        if state == WorkerState.RUNNING:
+            assert epoch is not None
+            session.move(WorkerState.RUNNING, epoch)
+            session.handle.send(wire.StartEpoch(epoch))
+        else:
+            session.move(WorkerState.READY)
+            if state == WorkerState.REBUILDING:
+                session.resumed_steps = message.first_epoch_steps
+
+    def _no_restart_reason(self, session: WorkerSession) -> str | None:
+        if self.max_restarts == 0:
+            return ""  # the default: fail fast, with today's message
+        if self.restarts >= self.max_restarts:
+            return f"no restart: the restart budget (max_restarts={self.max_restarts}) is spent"
+        if session.hello is None:
+            return "no restart: the worker never started, so its source is unknown"
+        if session.hello.sampling is None:
+            return (
+                "no restart: the source cannot start mid-shard (a DALI reader or a plain "
+                "ExternalSource); use sharded_files() or sharded_source() to heal"
+            )
+        if session.state in (WorkerState.FAILED, WorkerState.CLOSED):
+            return "no restart: the loader is closing"
+        return None
+
+    def _heal_or_fail(self, session: WorkerSession, error: BaseException, cause: str) -> None:
+        """Replace ``session``'s worker when allowed; else raise ``error`` (saying why not)."""
+        reason = self._no_restart_reason(session)
+        if reason is None:
+            self._replace(session, cause)
+            return
+        if reason:
+            error.args = (f"{error.args[0]} ({reason})", *error.args[1:])
+        raise self._fail(error)
+
+    def _replace(self, session: WorkerSession, cause: str) -> None:
+        """A new process for ``session``'s shard, starting at the first batch the trainer has
+        not received; batches the old one published and the trainer did not hand out are
+        dropped (the new process makes them again), so every sample still arrives once, in
+        the same order."""
+        self.restarts += 1
+        session.counters.restarts += 1
+        state, epoch = session.state, session.epoch
+        shard = session.shard
+        if state == WorkerState.RUNNING or (
+            state == WorkerState.STARTING and session.after_start[0] == WorkerState.RUNNING
+        ):
+            assert epoch is not None
+            resumed = self.resume_position
+            base = resumed if resumed is not None and resumed.epoch == epoch else None
+            count = shard.count
+            position = continue_from(base, epoch, count, shard.index, session.delivered)
+            session.sources_for = (epoch, position)
+            session.after_start = (WorkerState.RUNNING, epoch)
+            session.step_offset = session.delivered
+            where = f"goes on at batch {session.delivered} of epoch {epoch}"
+        elif state == WorkerState.REBUILDING:
+            session.after_start = (WorkerState.REBUILDING, epoch)
+            where = f"resumes epoch {epoch}"
+        else:  # READY, ENDED, ABORTING, STARTING: idle between epochs
+            if state == WorkerState.ABORTING and epoch is not None:
+                session.sources_for = (epoch + 1, None)
+            session.after_start = (WorkerState.READY, None)
+            where = f"is ready for epoch {session.sources_for[0]}"
+        logger.warning(
+            "worker %d (%s) %s; replaced it with a new process (restart %d of max_restarts=%d), "
+            "which %s",
+            session.index,
+            shard.describe(),
+            cause,
+            self.restarts,
+            self.max_restarts,
+            where,
+        )
+        spec_epoch, start = session.sources_for
+        old = session.handle
+        spec = dataclasses.replace(old.spec, shard=shard.for_epoch(spec_epoch, start))
+        session.queue.clear()
+        session.reader.close()
+        session.reader = SlotReader(spec.num_slots, session.index)
+        session.received = 0
+        session.last_step = None
+        session.handle = self.pool.replace(session.index, spec)
+        session.move(WorkerState.STARTING)
+        self._poller = None  # type: ignore[assignment]
+        if not session.signature_pending:
+            session.signature_pending = True
+            self._signatures_pending += 1
 
     # ------------------------------------------------------------------------------ waiting
     def pump(
@@ -232,7 +348,9 @@ class Coordinator:
             assert wanted is not None
             if startup:
                 return
-            raise self._timeout(wanted, timeout)
+            error, cause = self._timeout(wanted, timeout)
+            self._heal_or_fail(wanted, error, cause)
+            return
         died: list[WorkerSession] = []
         for fd, _events in ready:
             if fd in channels:
@@ -243,7 +361,8 @@ class Coordinator:
                 self.releases.clear_wakeup()
         for session in died:
             self._drain(session)  # a failure record sent just before exiting explains the exit
-            raise self._died(session)
+            error, cause = self._died(session)
+            self._heal_or_fail(session, error, cause)
         self.flush_releases()
 
     def _poller_for_live_sessions(
@@ -301,9 +420,11 @@ class Coordinator:
         """Send queued releases, one record per worker. ``lazy`` keeps a worker's releases
         queued while it still has at least half its slots (fewer, larger records)."""
         pending = self._pending_releases
-        for worker, slot, generation in self.releases.take():
-            if self.sessions[worker].reader.release(slot, generation):
-                pending.setdefault(worker, []).append((slot, generation))
+        for reader, slot, generation in self.releases.take():
+            if self.sessions[reader.owner].reader is not reader:
+                continue  # a fill of a replaced process: its slots went with it
+            if reader.release(slot, generation):
+                pending.setdefault(reader.owner, []).append((slot, generation))
         for worker in list(pending):
             session = self.sessions[worker]
             fills = pending[worker]
@@ -348,12 +469,14 @@ class Coordinator:
         elif isinstance(message, wire.EpochEnd):
             if session.state == WorkerState.RUNNING and session.epoch == message.epoch:
                 session.move(WorkerState.ENDED)
+                session.sources_for = (message.epoch + 1, None)
             session.counters.traces = message.traces
             session.counters.rebuilds = message.rebuilds
             self._signed(session)
         elif isinstance(message, wire.EpochAborted):
             if session.state == WorkerState.ABORTING and session.epoch == message.epoch:
                 session.move(WorkerState.READY)
+                session.sources_for = (message.epoch + 1, None)
         elif isinstance(message, wire.Sought):
             if session.state == WorkerState.REBUILDING and session.epoch == message.epoch:
                 session.resumed_steps = message.steps
@@ -365,8 +488,7 @@ class Coordinator:
         elif isinstance(message, wire.LogRelay):
             logger.log(message.level, "worker %d: %s", session.index, message.message)
         elif isinstance(message, wire.Hello):
-            session.hello = message
-            session.move(WorkerState.READY)
+            self._hello(session, message)
         else:
             raise self._fail(
                 ProtocolError(
@@ -493,7 +615,8 @@ class Coordinator:
             module=f"worker{session.index}",
         )
 
-    def _died(self, session: WorkerSession) -> BaseException:
+    def _died(self, session: WorkerSession) -> tuple[BaseException, str]:
+        """The error a dead worker raises, and a one-line cause for a restart's log record."""
         handle = session.handle
         handle.process.join(0.5)
         exitcode = handle.process.exitcode
@@ -509,17 +632,18 @@ class Coordinator:
         )
         if stack.strip():
             message += f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
-        return self._fail(
-            WorkerDiedError(
-                message,
-                worker=session.index,
-                pid=handle.pid,
-                exitcode=exitcode,
-                signal_name=signal_name,
-            )
+        error = WorkerDiedError(
+            message,
+            worker=session.index,
+            pid=handle.pid,
+            exitcode=exitcode,
+            signal_name=signal_name,
         )
+        cause = f"{text}" + (f"; its stack: {_top_frames(stack)}" if stack.strip() else "")
+        return error, cause
 
-    def _timeout(self, session: WorkerSession, timeout: float | None) -> BaseException:
+    def _timeout(self, session: WorkerSession, timeout: float | None) -> tuple[BaseException, str]:
+        """The error a stuck worker raises (its stack read first), and a cause for the log."""
         handle = session.handle
         stack = ""
         if handle.pid is not None and not handle.exited:
@@ -542,7 +666,10 @@ class Coordinator:
         error = WorkerTimeoutError(message, worker=session.index, stack=stack)
         error.step = session.next_step
         error.epoch = session.epoch
-        return self._fail(error)
+        cause = f"sent nothing for {timeout:g} s (timeout=)"
+        if stack.strip():
+            cause += f"; stuck in: {_top_frames(stack)}"
+        return error, cause
 
     def _fail(self, error: BaseException) -> BaseException:
         """Record the failure and stop the pool; returns the error for the caller to raise."""
@@ -601,6 +728,20 @@ def _rebuild_exception(
             f" ({module_name}.{type_name} cannot be re-created from a message alone, so it "
             "arrives as WorkerError)"
         )
+
+
+def _top_frames(stack: str, count: int = 3) -> str:
+    """The innermost frames of the thread that took the signal (the worker's main thread, where
+    its loop runs) in a faulthandler dump, on one line."""
+    lines = stack.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Current thread")]
+    start = starts[-1] if starts else 0
+    frames = []
+    for line in lines[start + 1 :]:
+        if not line.strip().startswith("File "):
+            break
+        frames.append(line.strip())
+    return " <- ".join(frames[:count]) or (lines[-1].strip() if lines else "")
 
 
 def _short(value: Any) -> str:

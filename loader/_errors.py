@@ -68,6 +68,11 @@ class SharedMemoryError(LoaderError, ipc.SharedMemoryError):
     """Shared memory for a worker's slots could not be reserved (also a ``MemoryError``)."""
 
 
+class SkipLimitError(LoaderError):
+    """With ``on_error="skip"``, more samples failed than ``max_skipped``: not bad data but a
+    broken pipeline."""
+
+
 class LoaderClosedError(LoaderError):
     """The loader was closed, or shut down after a failure, and cannot be iterated."""
 

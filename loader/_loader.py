@@ -16,6 +16,7 @@ owns every worker's lifecycle.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -28,7 +29,7 @@ from . import _checkpoint, _distributed
 from ._checkpoint import Resume, SamplingInfo
 from ._config import LoaderConfig
 from ._coordinator import Coordinator
-from ._errors import LoaderClosedError
+from ._errors import LoaderClosedError, SkipLimitError
 from ._pool import WorkerPool
 from ._session import WorkerSession
 from ._views import BatchInfo, build_batch, current_stream
@@ -49,6 +50,7 @@ class WorkerStats:
     blocked_seconds: float
     batches_per_second: float  # batches per second of the worker's busy time
     bytes: int
+    restarts: int = 0  # times this worker's process was replaced
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class LoaderStats:
     bytes_moved: int
     wait_seconds: float  # the trainer's time waiting for workers after startup
     slots_in_use: int
+    skipped: tuple[tuple[int, str], ...]  # (sample id, name) of every sample skipped so far
+    restarts: int  # worker processes replaced so far
     startup_seconds: float
     iteration_seconds: float
     time_to_first_batch: float | None  # from the first iter(loader)
@@ -107,6 +111,9 @@ class Loader:
         world_size: int | None = None,
         startup_timeout: float = 300.0,
         shm_limit: int | None = None,
+        max_restarts: int = 0,
+        on_error: str = "raise",
+        max_skipped: int | None = None,
     ) -> None:
         self._closed = True  # until the pool is up; close() must work on a half-built loader
         self._coordinator: Coordinator | None = None
@@ -131,6 +138,9 @@ class Loader:
             world_size=world_size,
             startup_timeout=startup_timeout,
             shm_limit=shm_limit,
+            max_restarts=max_restarts,
+            on_error=on_error,
+            max_skipped=max_skipped,
         )
         self.config = config
         pool = WorkerPool(config.worker_specs(), config.start_method)
@@ -140,6 +150,8 @@ class Loader:
             timeout=config.timeout,
             trace_timeout=trace_timeout,
             stream_of=current_stream(config.output) if config.device == "gpu" else None,
+            max_restarts=config.max_restarts,
+            startup_timeout=config.startup_timeout,
         )
         self._coordinator = coordinator
         self._finalizer = weakref.finalize(self, coordinator.close)
@@ -158,6 +170,8 @@ class Loader:
         self._startup_wait_ns = 0
         self._resume: Resume | None = None  # a loaded state, until its epoch is over
         self._resume_steps: list[int] = []  # batches each worker has left in that epoch
+        self._skipped: list[tuple[int, str]] = []  # (sample id, name) of every skipped sample
+        self._skipped_by_epoch: dict[int, list[int]] = {}
         try:
             coordinator.start(config.startup_timeout)
         except BaseException:
@@ -165,6 +179,8 @@ class Loader:
             raise
         self._ready_at = time.monotonic()
         self._startup_wait_ns = coordinator.wait_ns
+        if config.on_error == "skip" or config.max_restarts:
+            self._check_healable()
         self._check_ranks_at_start()
         logger.info(
             "started %d workers (rank %d/%d, %d DALI threads each, capture=%s)",
@@ -328,6 +344,51 @@ class Loader:
             sum(steps),
         )
 
+    def _check_healable(self) -> None:
+        """on_error="skip" needs sample ids: a sharded_source/sharded_files root."""
+        coordinator = self._coordinator
+        assert coordinator is not None
+        positional = all(s.hello is not None and s.hello.sampling for s in coordinator.sessions)
+        if self.config.on_error == "skip" and not positional:
+            self.close()
+            raise ValueError(
+                "on_error='skip' needs a source that knows its sample ids: sharded_files() or "
+                "sharded_source(); a DALI reader cannot leave a sample out (its pipeline is "
+                "disabled by any error)"
+            )
+        if self.config.max_restarts and not positional:
+            logger.warning(
+                "max_restarts=%d, but the source is a DALI reader (or a plain ExternalSource), "
+                "which cannot start mid-shard: a dead worker will raise, not be replaced. Use "
+                "sharded_files() or sharded_source() to heal",
+                self.config.max_restarts,
+            )
+
+    def _note_skipped(self, descriptor: Any) -> None:
+        """Count skipped samples; more than ``max_skipped`` in an epoch is a pipeline bug."""
+        epoch_skips = self._skipped_by_epoch.setdefault(descriptor.epoch, [])
+        for index, name in zip(descriptor.skipped, descriptor.skipped_names, strict=True):
+            self._skipped.append((index, name))
+            epoch_skips.append(index)
+        limit = self._max_skipped()
+        if len(epoch_skips) > limit:
+            error = SkipLimitError(
+                f"{len(epoch_skips)} samples were skipped in epoch {descriptor.epoch}, more than "
+                f"max_skipped={limit}: that is a pipeline bug, not bad data (last: "
+                f"{descriptor.skipped_names[-1]}). Fix step() or the data, or raise max_skipped="
+            )
+            coordinator = self._coordinator
+            assert coordinator is not None
+            coordinator.failure = error
+            coordinator.close()
+            raise error
+
+    def _max_skipped(self) -> int:
+        """``max_skipped``, by default 1% of an epoch's samples (at least 8)."""
+        if self.config.max_skipped is not None:
+            return self.config.max_skipped
+        return max(8, math.ceil(0.01 * self._sampling().total))
+
     def _sampling(self) -> SamplingInfo:
         coordinator = self._require_open()
         found = {s.hello.sampling if s.hello else None for s in coordinator.sessions}
@@ -377,6 +438,7 @@ class Loader:
                     blocked_seconds=counters.blocked_ns / 1e9,
                     batches_per_second=counters.steps / busy if busy > 0 else 0.0,
                     bytes=counters.bytes,
+                    restarts=counters.restarts,
                 )
             )
         ready = self._ready_at if self._ready_at is not None else time.monotonic()
@@ -390,6 +452,8 @@ class Loader:
             bytes_moved=sum(w.bytes for w in workers),
             wait_seconds=(coordinator.wait_ns - self._startup_wait_ns) / 1e9,
             slots_in_use=sum(s.reader.held for s in coordinator.sessions),
+            skipped=tuple(self._skipped),
+            restarts=coordinator.restarts,
             startup_seconds=ready - self._created,
             iteration_seconds=iterating,
             time_to_first_batch=self._first_batch,
@@ -472,11 +536,16 @@ class Loader:
             self._kind = reference.output_kind if reference is not None else "dict"
         info = BatchInfo(
             epoch=descriptor.epoch,
-            step=descriptor.step,
+            step=descriptor.step + session.step_offset,
             worker=session.index,
             shard=session.shard.index,
             padded=descriptor.padded,
+            replaced=descriptor.replaced,
+            skipped=descriptor.skipped,
+            skipped_names=descriptor.skipped_names,
         )
+        if descriptor.skipped:
+            self._note_skipped(descriptor)
         arrays, lease = session.reader.arrays(descriptor)
         copy = self.config.copy
         batch = build_batch(
@@ -488,6 +557,7 @@ class Loader:
             output=self.config.output,
             copy=copy,
             releases=coordinator.releases,
+            owner=session.reader,
         )
         del arrays, lease
         if copy:

@@ -107,32 +107,61 @@ class WorkerPool:
         return self._closed
 
     def start(self) -> None:
-        """Start every process. Receiving their Hello is the coordinator's job."""
+        """Start every process (all before waiting for any). Receiving their Hello is the
+        coordinator's job."""
         try:
             for index, spec in enumerate(self._specs):
-                parent_end, child_end = self._context.Pipe(duplex=True)
-                stack_read, stack_write = self._context.Pipe(duplex=False)
-                alive_read, alive_write = self._context.Pipe(duplex=False)
-                process = self._context.Process(
-                    target=run_worker,
-                    args=(spec, child_end, stack_write, alive_read),
-                    name=f"dali-loader-worker-{index}",
-                    daemon=True,
-                )
-                handle = WorkerHandle(
-                    index, spec, process, ControlChannel(parent_end), stack_read, alive_write
-                )
-                self.handles.append(handle)
-                try:
-                    process.start()
-                    handle.pid = process.pid
-                finally:
-                    child_end.close()
-                    stack_write.close()
-                    alive_read.close()
+                self.handles.append(self._spawn(index, spec))
         except BaseException:
             self.close()
             raise
+
+    def _spawn(self, index: int, spec: WorkerSpec) -> WorkerHandle:
+        parent_end, child_end = self._context.Pipe(duplex=True)
+        stack_read, stack_write = self._context.Pipe(duplex=False)
+        alive_read, alive_write = self._context.Pipe(duplex=False)
+        process = self._context.Process(
+            target=run_worker,
+            args=(spec, child_end, stack_write, alive_read),
+            name=f"dali-loader-worker-{index}",
+            daemon=True,
+        )
+        handle = WorkerHandle(
+            index, spec, process, ControlChannel(parent_end), stack_read, alive_write
+        )
+        try:
+            process.start()
+            handle.pid = process.pid
+        except BaseException:
+            for resource in (parent_end, stack_read, alive_write):
+                resource.close()
+            raise
+        finally:
+            child_end.close()
+            stack_write.close()
+            alive_read.close()
+        return handle
+
+    def replace(self, index: int, spec: WorkerSpec) -> WorkerHandle:
+        """Stop worker ``index`` (SIGKILL: it is dead or stuck), release its process and pipes,
+        and start a new process for ``spec`` in its place."""
+        if self._closed:
+            raise RuntimeError("the pool is closed")
+        old = self.handles[index]
+        if old.pid is not None and old.process.exitcode is None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                os.kill(old.pid, signal.SIGKILL)
+            old.process.join(KILL_WAIT)
+        old.exited = True
+        for resource in (old.channel, old.stack, old.alive):
+            with contextlib.suppress(OSError):
+                resource.close()
+        if old.process.exitcode is not None:
+            with contextlib.suppress(ValueError):
+                old.process.close()
+        handle = self._spawn(index, spec)
+        self.handles[index] = handle
+        return handle
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop every worker and release every process and pipe. Idempotent; bounded by

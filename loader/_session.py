@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ipc import SlotReader, wire
+from workers import Position
 
 from ._pool import WorkerHandle
 
@@ -29,6 +30,8 @@ class WorkerState(enum.IntEnum):
         ABORTING --EpochAborted(e)--> READY            (sources rebuilt for the next epoch)
         READY | ENDED --seek(e)--> REBUILDING(e)       (load_state_dict: sources at a position)
         REBUILDING --Sought(e)--> READY
+        any but FAILED, CLOSED --died or stuck, restart budget left--> STARTING (a new process)
+        STARTING --Hello--> RUNNING(e)                 (a replacement goes on with its epoch)
         any      --failure, death, timeout--> FAILED
         any      --close--> CLOSED
     """
@@ -44,7 +47,7 @@ class WorkerState(enum.IntEnum):
 
 
 _LEGAL: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.STARTING: frozenset({WorkerState.READY}),
+    WorkerState.STARTING: frozenset({WorkerState.READY, WorkerState.RUNNING}),
     WorkerState.READY: frozenset({WorkerState.RUNNING, WorkerState.REBUILDING}),
     WorkerState.RUNNING: frozenset({WorkerState.ENDED, WorkerState.ABORTING}),
     WorkerState.ENDED: frozenset(
@@ -68,6 +71,7 @@ class WorkerCounters:
     traces: int = 0
     rebuilds: int = 0
     trace_seconds: list[float] = field(default_factory=list)
+    restarts: int = 0
 
 
 class WorkerSession:
@@ -80,18 +84,28 @@ class WorkerSession:
         self.state = WorkerState.STARTING
         self.epoch: int | None = None  # the epoch RUNNING, ENDED or ABORTING refers to
         self.queue: deque[wire.BatchReady] = deque()
-        self.reader = SlotReader(handle.spec.num_slots)
+        self.reader = SlotReader(handle.spec.num_slots, handle.index)
         self.hello: wire.Hello | None = None
         self.signature: wire.Signature | None = None
         self.signature_pending = False  # a traced (or rebuilt) loop has yet to send one
         self.received = 0  # batches of ``epoch`` that arrived from this worker (queued or not)
         self.delivered = 0  # batches of ``epoch`` handed to the user
+        self.step_offset = 0  # a replacement's step 0 is this step of the epoch
         self.resumed_steps: int | None = None  # batches of a resumed epoch (after Sought)
         self.last_step: int | None = None
         self.counters = WorkerCounters()
+        #: what the current process's sources are built for: (epoch, position)
+        self.sources_for: tuple[int, Position | None] = (0, None)
+        #: what a replacement process does once it said Hello: (state, epoch)
+        self.after_start: tuple[WorkerState, int | None] = (WorkerState.READY, None)
 
     def move(self, state: WorkerState, epoch: int | None = None) -> None:
-        if state not in (WorkerState.FAILED, WorkerState.CLOSED):
+        if state == WorkerState.STARTING and self.state not in (
+            WorkerState.FAILED,
+            WorkerState.CLOSED,
+        ):
+            pass  # a replacement process, from any live state
+        elif state not in (WorkerState.FAILED, WorkerState.CLOSED):
             assert state in _LEGAL[self.state], f"worker {self.index}: {self.state!r} -> {state!r}"
         self.state = state
         if epoch is not None:
@@ -99,8 +113,11 @@ class WorkerSession:
 
     @property
     def open_in_epoch(self) -> bool:
-        """True while the worker may still send batches of its current epoch."""
-        return self.state == WorkerState.RUNNING
+        """True while the worker may still send batches of its current epoch (a replacement
+        that is starting to go on with the epoch counts)."""
+        return self.state == WorkerState.RUNNING or (
+            self.state == WorkerState.STARTING and self.after_start[0] == WorkerState.RUNNING
+        )
 
     @property
     def next_step(self) -> int:

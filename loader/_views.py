@@ -26,7 +26,7 @@ class ReleaseQueue:
     """Releases queued by finalizers, plus a pipe that wakes the trainer's wait."""
 
     def __init__(self) -> None:
-        self._items: deque[tuple[int, int, int]] = deque()
+        self._items: deque[tuple[Any, int, int]] = deque()
         self._lock = threading.Lock()
         self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._closed = False
@@ -38,8 +38,10 @@ class ReleaseQueue:
     def wakeup_fd(self) -> int:
         return self._read_fd
 
-    def put(self, worker: int, slot: int, generation: int) -> None:
-        self._items.append((worker, slot, generation))
+    def put(self, owner: Any, slot: int, generation: int) -> None:
+        """Queue the release of ``slot``'s fill ``generation`` of ``owner`` (the slot reader of
+        the worker process that filled it: a replaced worker's stale releases are told apart)."""
+        self._items.append((owner, slot, generation))
         # The trainer's thread flushes the queue before it waits; it needs waking only when it is
         # waiting already (or about to), or when the release comes from another thread.
         if not self.waiting and threading.current_thread() is threading.main_thread():
@@ -60,7 +62,7 @@ class ReleaseQueue:
                 while os.read(self._read_fd, 4096):
                     pass
 
-    def take(self) -> list[tuple[int, int, int]]:
+    def take(self) -> list[tuple[Any, int, int]]:
         if self._signalled:
             self._signalled = False
             with contextlib.suppress(BlockingIOError, OSError):
@@ -82,13 +84,19 @@ class ReleaseQueue:
 
 @dataclass(frozen=True, slots=True)
 class BatchInfo:
-    """Where a delivered batch came from. ``padded`` rows at its end are padding, not data."""
+    """Where a delivered batch came from. ``padded`` rows at its end are padding, not data;
+    with ``on_error="skip"``, ``replaced`` rows repeat a good sample of the batch in place of
+    the ``skipped`` sample ids (``skipped_names``: their names, a file's path for
+    ``sharded_files``)."""
 
     epoch: int
     step: int
     worker: int
     shard: int
     padded: int
+    replaced: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()
+    skipped_names: tuple[str, ...] = ()
 
     @property
     def valid(self) -> int | None:
@@ -173,6 +181,7 @@ def build_batch(
     output: str,
     copy: bool,
     releases: ReleaseQueue,
+    owner: Any,
 ) -> Any:
     """The user's batch over a slot's ``arrays``. Without ``copy`` the slot's release is queued
     when ``lease`` (which every view keeps alive) is collected; with ``copy`` the caller
@@ -180,7 +189,7 @@ def build_batch(
     values = [to_output(value, output, copy) for value in arrays]
     if not copy:
         finalizer = weakref.finalize(
-            lease, releases.put, info.worker, descriptor.slot, descriptor.generation
+            lease, releases.put, owner, descriptor.slot, descriptor.generation
         )
         finalizer.atexit = False
     names = [placement.name for placement in descriptor.outputs]

@@ -498,3 +498,68 @@ def files_list_source(shard: Shard, files: tuple[str, ...], batch_size: int = 4)
 def bytes_and_label_step(data: Any, labels: Any) -> dict[str, Any]:
     images = ndd.decoders.image(data, device="cpu")
     return {"image": ndd.resize(images, size=[8, 8]), "id": ndd.cast(labels, dtype=ndd.int64)}
+
+
+def decode_files_step(data: Any, labels: Any) -> dict[str, Any]:
+    """Decodes every file: a corrupt one fails inside DALI."""
+    images = ndd.decoders.image(data, device="cpu")
+    return {"image": ndd.resize(images, size=[8, 8]), "label": ndd.cast(labels, dtype=ndd.int64)}
+
+
+def files_with_ids_source(shard: Shard, root: str, batch_size: int = 8) -> Any:
+    """sharded_files over an ImageFolder's files, labelled by their index in the sorted list."""
+    from loader import sharded_files
+    from loader.sample import list_images
+
+    files, _labels = list_images(root)
+    return sharded_files(shard, files, batch_size=batch_size, labels=list(range(len(files))))
+
+
+def _once(marker: str) -> bool:
+    """True the first time it is called for ``marker`` (a file path), in any process."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def _load_hanging_once(index: int, marker: str, at: int) -> Any:
+    if index == at and _once(marker):
+        import time
+
+        time.sleep(60)
+    return np.array([index], dtype=np.int64)
+
+
+def hanging_once_source(shard: Shard, marker: str, total: int = 64, at: int = 20) -> Any:
+    """sharded_source whose load hangs on sample ``at`` the first time (in any process)."""
+    import functools
+
+    from loader import sharded_source
+
+    load = functools.partial(_load_hanging_once, marker=marker, at=at)
+    return sharded_source(shard, total, load, 4, shuffle=False)
+
+
+def segfault_once_step(ids: Any, marker: str) -> dict[str, Any]:
+    """Crashes the worker on its fourth step, once (in any process)."""
+    if _nth_call() == 4 and _once(marker):
+        import ctypes
+
+        ctypes.string_at(0)
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def _load_failing_37(index: int) -> Any:
+    if index == 37:
+        raise OSError("sample 37 is unreadable")
+    return np.array([index], dtype=np.int64)
+
+
+def failing_37_source(shard: Shard) -> Any:
+    """sharded_source over 64 ids whose load raises for sample 37."""
+    from loader import sharded_source
+
+    return sharded_source(shard, 64, _load_failing_37, 4)

@@ -8,7 +8,14 @@ from typing import Any
 
 from ._entry import run_worker
 from ._phase import Phase
-from ._positions import Position, Sampling, plan_epoch, shard_indices, steps_per_epoch
+from ._positions import (
+    Position,
+    Sampling,
+    continue_from,
+    plan_epoch,
+    shard_indices,
+    steps_per_epoch,
+)
 from ._sampling import BatchedSamples, list_files, sharded_files, sharded_source
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
@@ -36,6 +43,7 @@ __all__ = [
     "SourceFactory",
     "StepFunction",
     "WorkerSpec",
+    "continue_from",
     "list_files",
     "plan_epoch",
     "run_worker",

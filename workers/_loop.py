@@ -27,9 +27,9 @@ from ipc import ChannelClosed, ControlChannel, wire
 
 from . import _dali
 from ._phase import Phase
-from ._positions import Position
+from ._positions import Position, continue_from
 from ._publish import Publisher, describe_outputs, normalize_outputs
-from ._sources import Sources, build_sources, padded_rows
+from ._sources import Sources, build_sources, padded_rows, skip_info
 from ._spec import WorkerSpec
 
 logger = logging.getLogger("workers")
@@ -63,6 +63,7 @@ class Worker:
         self.traces = 0
         self.rebuilds = 0
         self.last_epoch_done: int | None = None
+        self.bad_samples: set[int] = set()  # found by on_error="skip"; replaced from now on
 
     def set_phase(self, phase: Phase) -> None:
         self.phase = phase
@@ -72,7 +73,8 @@ class Worker:
         """Make the EvalContext and the publisher, build the sources, say Hello."""
         self.ctx = _dali.make_context(self.spec.num_threads, self.spec.device_id)
         self.publisher = Publisher(self.spec, self.channel, self.ctx, self.wait_for_trainer)
-        self.sources = build_sources(self.spec, self.shard.for_epoch(0), self.set_phase)
+        # epoch 0 from its start, or (a replacement) where its predecessor stopped
+        self.sources = build_sources(self.spec, self.shard, self.set_phase, self.bad_samples)
         self.phase = Phase.IDLE
         self.channel.send(
             wire.Hello(
@@ -81,6 +83,7 @@ class Worker:
                 self.spec.device_id,
                 self.sources.steps_per_epoch,
                 self.sources.sampling(),
+                self.sources.first_epoch_steps,
             )
         )
 
@@ -89,7 +92,7 @@ class Worker:
         self.sources = None
         gc.collect()  # lets DALI shut the torn-down pipeline's threads down now
         shard = self.shard.for_epoch(epoch, position)
-        self.sources = build_sources(self.spec, shard, self.set_phase)
+        self.sources = build_sources(self.spec, shard, self.set_phase, self.bad_samples)
         self.phase = Phase.IDLE
         self.rebuilds += 1
         self.last_epoch_done = None  # the next epoch sends a signature again, even when eager
@@ -170,26 +173,47 @@ class Worker:
         iterator: Iterator[Any] | None = None
         try:
             iterator = _dali.epoch_iterator(sources.source, spec.batch_size, self.ctx, spec.capture)
+            first_step = 0  # the epoch's step at which the current sources started
             step_started = time.perf_counter_ns()
             while True:
-                self.phase = Phase.DALI
                 try:
-                    inputs = next(iterator)
-                except StopIteration:
-                    break
-                if signature_due and self.step == 1:
-                    assert schema is not None
-                    self.send_signature(schema, batch_size, time.perf_counter() - started)
-                    signature_due = False
-                self.phase = Phase.STEP
-                outputs = self.call_step(inputs, sources.feeders)
-                self.phase = Phase.TRANSPORT
-                named, kind = normalize_outputs(outputs)
-                if schema is None:
-                    schema = (describe_outputs(named), kind)
-                    batch_size = next(iter(named.values())).batch_size
-                padded = padded_rows(sources, self.step, batch_size)
-                publisher.publish(epoch, self.step, named, step_started, padded)
+                    self.phase = Phase.DALI
+                    try:
+                        inputs = next(iterator)
+                    except StopIteration:
+                        break
+                    if signature_due and self.step - first_step == 1:  # after the traced step
+                        assert schema is not None
+                        self.send_signature(schema, batch_size, time.perf_counter() - started)
+                        signature_due = False
+                    self.phase = Phase.STEP
+                    outputs = self.call_step(inputs, sources.feeders)
+                    self.phase = Phase.TRANSPORT
+                    named, kind = normalize_outputs(outputs)
+                    if schema is None:
+                        schema = (describe_outputs(named), kind)
+                        batch_size = next(iter(named.values())).batch_size
+                    padded = padded_rows(sources, self.step, batch_size)
+                    replaced, skipped, names = skip_info(sources)
+                    publisher.publish(
+                        epoch, self.step, named, step_started, padded, replaced, skipped, names
+                    )
+                except (AbortRequested, ShutdownRequested, ChannelClosed, wire.ProtocolError):
+                    raise
+                except Exception as error:
+                    if not self.can_isolate(error):
+                        raise
+                    close_iterator(iterator)
+                    iterator = None
+                    self.skip_failing_samples(error, epoch, self.step - first_step)
+                    sources = self.sources
+                    assert sources is not None
+                    first_step = self.step
+                    iterator = _dali.epoch_iterator(
+                        sources.source, spec.batch_size, self.ctx, spec.capture
+                    )
+                    self.traces += 1 if spec.capture else 0
+                    continue
                 self.step += 1
                 self.drain()
                 step_started = time.perf_counter_ns()
@@ -212,6 +236,84 @@ class Worker:
         self.channel.send(wire.EpochEnd(epoch, self.step, self.traces, self.rebuilds))
         self.epoch = self.step = None
         self.phase = Phase.IDLE
+
+    # ----------------------------------------------------------------------- bad samples
+    def can_isolate(self, error: BaseException) -> bool:
+        """Whether a failed batch can be searched for the sample that broke it: a batch of a
+        ``sharded_source``/``sharded_files`` root that failed inside DALI or ``step`` (a
+        failing ``load`` is already handled sample by sample), with no feeders."""
+        sources = self.sources
+        return (
+            sources is not None
+            and sources.sampled is not None
+            and not sources.feeders
+            and self.phase in (Phase.DALI, Phase.STEP, Phase.TRANSPORT)
+            and getattr(error, "_loader_phase", None) is None
+        )
+
+    def find_failing_samples(self, step: int) -> list[int]:
+        """The samples of the batch at ``step`` of the current sources (or, when DALI's
+        prefetch reported it early, of the next one) that fail on their own.
+
+        Method: each sample of the batch is loaded and run through ``step`` alone, eagerly (a
+        batch of one, in the worker's EvalContext): it costs one re-run of the batch's samples.
+        """
+        sources = self.sources
+        assert sources is not None and sources.sampled is not None
+        sampled = sources.sampled
+        for candidate in (step, step + 1):
+            if candidate >= len(sampled.current):
+                continue
+            chunk, _padded = sampled.current[candidate]
+            ids = [i for i in dict.fromkeys(int(x) for x in chunk) if i not in sampled.bad]
+            failing = [index for index in ids if self.sample_fails(sampled, index)]
+            if failing:
+                return failing
+        return []
+
+    def sample_fails(self, sampled: Any, index: int) -> bool:
+        import numpy as np
+        import nvidia.dali.experimental.dynamic as ndd
+
+        try:
+            sample = sampled.load(index)
+            if sampled.num_outputs == 1:
+                inputs: Any = ndd.batch([np.asarray(sample)])
+            else:
+                inputs = tuple(ndd.batch([np.asarray(part)]) for part in sample)
+            with self.ctx:
+                named, _kind = normalize_outputs(self.call_step(inputs, {}))
+                for batch in named.values():
+                    _dali.storage_of(batch)  # evaluate: DALI's errors surface here
+        except Exception:
+            return True
+        return False
+
+    def skip_failing_samples(self, error: BaseException, epoch: int, done: int) -> None:
+        """After a batch failed: find its failing samples; with ``on_error="skip"`` rebuild the
+        sources (DALI disables a captured source after any error) to go on at that batch with
+        them replaced, else (or when no sample fails alone) raise ``error`` naming them."""
+        sources = self.sources
+        assert sources is not None and sources.sampled is not None
+        sampled = sources.sampled
+        failing = self.find_failing_samples(done)
+        names = ", ".join(sampled.describe(index) for index in failing)
+        if self.spec.on_error != "skip" or not failing:
+            if failing:
+                error._loader_detail = f"the failing sample: {names}"  # type: ignore[attr-defined]
+            raise error
+        summary = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        for index in failing:
+            logger.warning(
+                "skipped %s: the pipeline fails on it (%s: %s)",
+                sampled.describe(index),
+                type(error).__name__,
+                summary,
+            )
+        self.bad_samples.update(failing)
+        base = sampled.position
+        position = continue_from(base, epoch, self.shard.count, self.shard.index, done)
+        self.rebuild_sources(epoch, f"a batch failed in DALI; skipping {names}", position)
 
     def call_step(self, inputs: Any, feeders: dict[str, Any]) -> Any:
         if isinstance(inputs, Mapping):
@@ -248,12 +350,14 @@ class Worker:
     def report(self, error: BaseException) -> None:
         kind = type(error)
         phase = getattr(error, "_loader_phase", None) or self.phase.value
+        detail = getattr(error, "_loader_detail", None)
+        message = str(error) if detail is None else f"{error} ({detail})"
         with contextlib.suppress(ChannelClosed, OSError):
             self.channel.send(
                 wire.WorkerFailure(
                     type_module=kind.__module__,
                     type_name=kind.__qualname__,
-                    message=str(error),
+                    message=message,
                     traceback="".join(traceback.format_exception(error)),
                     epoch=self.epoch,
                     step=self.step,

@@ -210,3 +210,25 @@ def shard_batches(
     if position is None or position.epoch != epoch or not position.segments:
         return layout_batches(sampling, epoch, count, only=index)[index]
     return plan_epoch(sampling, epoch, count, position)[index]
+
+
+def continue_from(
+    position: Position | None, epoch: int, count: int, index: int, steps: int
+) -> Position:
+    """Where shard ``index`` of ``count`` goes on in ``epoch`` after ``steps`` more of its
+    batches than ``position`` (the position its sources started from; None: the epoch's start).
+
+    Only shard ``index``'s count matters in the result: the position continues each shard.
+    """
+    if position is None or position.epoch != epoch or not position.segments:
+        received = [0] * count
+        received[index] = steps
+        return Position(epoch, ((count, tuple(received)),), continues=True)
+    if position.continues:
+        *head, (last_count, last) = position.segments
+        advanced = list(last)
+        advanced[index] += steps
+        return Position(epoch, (*head, (last_count, tuple(advanced))), continues=True)
+    received = [0] * count
+    received[index] = steps
+    return Position(epoch, (*position.segments, (count, tuple(received))), continues=True)

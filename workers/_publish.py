@@ -68,7 +68,15 @@ class Publisher:
         return slot
 
     def publish(
-        self, epoch: int, step: int, named: dict[str, Any], started_ns: int, padded: int
+        self,
+        epoch: int,
+        step: int,
+        named: dict[str, Any],
+        started_ns: int,
+        padded: int,
+        replaced: tuple[int, ...] = (),
+        skipped: tuple[int, ...] = (),
+        skipped_names: tuple[str, ...] = (),
     ) -> None:
         """Copy one batch into a free slot, one packed copy per output, then send its
         descriptor."""
@@ -107,6 +115,9 @@ class Publisher:
                 padded=padded,
                 blocked_ns=blocked,
                 busy_ns=time.perf_counter_ns() - started_ns - blocked,
+                replaced=replaced,
+                skipped=skipped,
+                skipped_names=skipped_names,
             )
         )
 

@@ -17,6 +17,7 @@ helpers here let the loader decide instead, deterministically from the seed and 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +28,8 @@ import numpy as np
 
 from ._positions import Batch, Sampling, shard_batches, steps_per_epoch
 from ._shard import Shard
+
+logger = logging.getLogger("workers")
 
 #: Attribute set on an ExternalSource built here; the worker reads padding counts from it.
 PADDING_ATTRIBUTE = "_dali_capture_loader_padding"
@@ -63,6 +66,12 @@ class BatchedSamples:
         self.epoch = shard.epoch
         self.position = shard.position
         self.padding: deque[int] = deque()  # rows of padding, one entry per yielded batch
+        #: per yielded batch: (rows replaced, sample ids skipped) -- with on_error="skip"
+        self.skips: deque[tuple[tuple[int, ...], tuple[int, ...]]] = deque()
+        self.on_error = "raise"  # set by the worker from the Loader's on_error
+        self.bad: set[int] = set()  # sample ids known to fail: replaced without loading
+        #: the batches of the epoch being iterated, by step (for finding a failing sample)
+        self.current: list[Batch] = []
         self.steps = steps_per_epoch(total, shard.count, batch_size, drop_last)
         #: batches of the first epoch these sources run (fewer when resumed mid-epoch)
         self.first_epoch_steps = len(self.batches_for_epoch(self.epoch))
@@ -92,14 +101,67 @@ class BatchedSamples:
             error._loader_phase = f"load, sample {index}"  # type: ignore[attr-defined]
             raise
 
+    def name(self, index: int) -> str:
+        """A sample's name: a file's path for sharded_files, else its id."""
+        name = getattr(self.load, "describe", None)
+        return str(index) if name is None else str(name(index))
+
+    def describe(self, index: int) -> str:
+        """How a sample is named in logs and errors: its id, and its file for sharded_files."""
+        name = self.name(index)
+        return f"sample {index}" if name == str(index) else f"sample {index} ({name})"
+
+    def load_batch(
+        self, chunk: np.ndarray[Any, Any]
+    ) -> tuple[list[Any], tuple[int, ...], tuple[int, ...]]:
+        """Every sample of a batch; with ``on_error="skip"`` a sample whose ``load`` raises (or
+        that is known bad) is replaced by a repeat of a good sample of the same batch.
+        Returns the samples, the replaced rows and the skipped sample ids."""
+        ids = [int(index) for index in chunk]
+        if self.on_error != "skip":
+            return [self._load(index) for index in ids], (), ()
+        samples: list[Any] = []
+        failed: list[int] = []
+        for row, index in enumerate(ids):
+            if index in self.bad:
+                samples.append(None)
+                failed.append(row)
+                continue
+            try:
+                samples.append(self._load(index))
+            except Exception as error:
+                self.bad.add(index)
+                logger.warning(
+                    "skipped %s: load raised %s: %s",
+                    self.describe(index),
+                    type(error).__name__,
+                    error,
+                )
+                samples.append(None)
+                failed.append(row)
+        if not failed:
+            return samples, (), ()
+        good = next((sample for sample in samples if sample is not None), None)
+        if good is None:
+            raise RuntimeError(
+                f"every sample of a batch failed ({', '.join(self.describe(i) for i in ids[:4])}"
+                f"{', ...' if len(ids) > 4 else ''}): that is a pipeline bug, not bad data"
+            )
+        for row in failed:
+            samples[row] = good
+        skipped = tuple(dict.fromkeys(ids[row] for row in failed))
+        return samples, tuple(failed), skipped
+
     def __iter__(self) -> Iterator[Any]:
         import nvidia.dali.experimental.dynamic as ndd
 
         epoch = self.epoch
         self.epoch += 1
-        for chunk, pad_rows in self.batches_for_epoch(epoch):
-            samples = [self._load(int(index)) for index in chunk]
+        self.current = self.batches_for_epoch(epoch)
+        for chunk, pad_rows in self.current:
+            samples, replaced, skipped = self.load_batch(chunk)
             self.padding.append(pad_rows)
+            self.skips.append((replaced, skipped))
             if self.num_outputs == 1:
                 yield ndd.batch([np.asarray(sample) for sample in samples])
             else:
@@ -174,6 +236,9 @@ class _FileLoader:
     def __init__(self, files: Sequence[str], labels: Sequence[int]) -> None:
         self.files = list(files)
         self.labels = np.asarray(labels, dtype=np.int32).reshape(-1, 1)
+
+    def describe(self, index: int) -> str:
+        return self.files[index]
 
     def __call__(self, index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
         with open(self.files[index], "rb") as file:

@@ -46,8 +46,14 @@ class Sources:
         return (s.total, s.batch_size, s.seed, s.shuffle, s.drop_last)
 
 
-def build_sources(spec: WorkerSpec, shard: Shard, set_phase: Callable[[Phase], None]) -> Sources:
-    """Call ``source(shard)`` and ``feeders(shard)``, check and probe what they return."""
+def build_sources(
+    spec: WorkerSpec,
+    shard: Shard,
+    set_phase: Callable[[Phase], None],
+    bad_samples: set[int] | None = None,
+) -> Sources:
+    """Call ``source(shard)`` and ``feeders(shard)``, check and probe what they return.
+    ``bad_samples``: sample ids found failing, replaced from now on (``on_error="skip"``)."""
     _dali.seed_random(shard.seed + shard.epoch * shard.count)
     set_phase(Phase.SOURCE)
     source = spec.source(shard)
@@ -58,6 +64,8 @@ def build_sources(spec: WorkerSpec, shard: Shard, set_phase: Callable[[Phase], N
     probed = _dali.probe_reader(source, spec.batch_size)
     sampled = built.sampled
     if sampled is not None:
+        sampled.on_error = spec.on_error
+        sampled.bad = bad_samples if bad_samples is not None else set()
         built.steps_per_epoch = len(sampled)
         built.first_epoch_steps = sampled.first_epoch_steps
         if sampled.batch_size != spec.batch_size:
@@ -105,3 +113,12 @@ def padded_rows(sources: Sources, step: int, batch_size: int) -> int:
         rows = (step + 1) * batch_size
         return max(0, min(batch_size, rows - sources.reader_real_samples))
     return 0
+
+
+def skip_info(sources: Sources) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+    """The current batch's replaced rows, skipped sample ids and their names (on_error="skip")."""
+    sampled = sources.sampled
+    if sampled is None or not sampled.skips:
+        return (), (), ()
+    replaced, skipped = sampled.skips.popleft()
+    return replaced, skipped, tuple(sampled.name(index) for index in skipped)

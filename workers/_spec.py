@@ -31,3 +31,4 @@ class WorkerSpec:
     parent_death_signal: bool
     log_level: int
     shm_limit: int | None = None  # bytes of shared memory this worker's arena may use
+    on_error: str = "raise"  # "skip": corrupt samples are replaced and reported
