@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +94,15 @@ def main() -> None:
         "to be killed (to try resuming from a real crash)",
     )
     parser.add_argument(
+        "--max-restarts", type=int, default=0, help="dead or stuck workers each rank may replace"
+    )
+    parser.add_argument(
+        "--kill-worker-at",
+        type=int,
+        default=None,
+        help="at this step, the last rank SIGKILLs one of its workers (to see healing)",
+    )
+    parser.add_argument(
         "--batch-size-on-rank",
         default=None,
         help="R=B: rank R uses batch size B (to see the cross-rank agreement check fail)",
@@ -146,6 +156,7 @@ def main() -> None:
         batch_size=batch_size,
         num_workers=args.workers,
         output="torch",
+        max_restarts=args.max_restarts,
     ) as loader:
         if checkpoint is not None:
             loader.load_state_dict(checkpoint["loader"])  # before the first iter(loader)
@@ -176,6 +187,8 @@ def main() -> None:
                         print(f"step {global_step}: saved {args.checkpoint}", flush=True)
                     record["step"] = global_step
                     save_record()
+                if global_step == args.kill_worker_at and rank == world - 1:
+                    os.kill(loader.worker_pids()[0], signal.SIGKILL)
                 if global_step == args.stop_after:
                     dist.barrier()  # every rank is done with its steps (and checkpoint) so far
                     if rank == 0:
@@ -185,6 +198,7 @@ def main() -> None:
             if rank == 0 and progress["steps"]:
                 steps = progress["steps"]
                 print(f"epoch {epoch}: {steps} steps, loss {loss.item():.3f}", flush=True)
+        record["restarts"] = loader.stats().restarts
     record["step"] = global_step
     record["weights"] = weights_digest(model)
     save_record()

@@ -178,6 +178,7 @@ class CudaImporter:
         are ordered after the worker's copy and on which "free" is recorded."""
         cp = _cupy()
         self._stream_of = stream_of
+        self._delivered_on: dict[int, int] = {}  # slot -> stream its views were ordered on
         self._cp = cp
         self.arena_id = arena_id
         self.device_id = device_id
@@ -227,6 +228,7 @@ class CudaImporter:
         cp = self._cp
         stream = self._stream()
         self.wait_ready(slot, stream)
+        self._delivered_on[slot] = stream
         owner = _CudaLease()
         values: list[Any] = []
         with cp.cuda.Device(self.device_id):
@@ -247,8 +249,11 @@ class CudaImporter:
         return values, owner
 
     def released(self, slot: int) -> None:
-        """Record "free" on the trainer's current stream of the ring's device."""
-        self.mark_free(slot, self._stream())
+        """Record "free" on the stream that was current (on the ring's device) when the fill
+        was delivered: the consumer contract is that the batch's views are used on that stream,
+        or that a consumer on another stream synchronises with it (or passes copy=True)."""
+        stream = self._delivered_on.pop(slot, None)
+        self.mark_free(slot, self._stream() if stream is None else stream)
 
     def array(self, slot: int, offset: int, shape: tuple[int, ...], dtype: Any, owner: Any) -> Any:
         """A cupy array over part of a slot; ``owner`` is kept alive by the array."""

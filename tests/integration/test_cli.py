@@ -47,7 +47,10 @@ def test_main_job_prints_a_summary(image_root: Path, capture: str) -> None:
     iteration = float(figures["iteration"])
     assert float(figures["first batch"]) <= iteration
     assert float(figures["trainer waited"]) <= iteration
-    traces = [int(line.split()[3]) for line in out.splitlines() if line.strip()[:1].isdigit()]
+    rows = [line.split() for line in out.splitlines()]
+    traces = [
+        int(r[3]) for r in rows if len(r) == 7 and all(f.replace(".", "").isdigit() for f in r)
+    ]
     assert traces == ([1, 1] if capture == "--capture" else [0, 0])
 
 

@@ -100,6 +100,32 @@ def test_standalone_two_ranks_cover_the_data_once(ddp_data: Path, tmp_path: Path
     _check_records(tmp_path, world=2, total=50, epochs=2)
 
 
+def test_a_killed_worker_heals_without_changing_any_ranks_steps(
+    ddp_data: Path, tmp_path: Path
+) -> None:
+    proc = _launch(
+        ["--standalone", "--nproc_per_node=2"],
+        [
+            "--data",
+            str(ddp_data),
+            "--out",
+            str(tmp_path),
+            "--batch-size",
+            "4",
+            "--max-restarts",
+            "1",
+            "--kill-worker-at",
+            "3",
+        ],
+    )
+    code, output = _finish(proc)
+    assert code == 0, output
+    _check_records(tmp_path, world=2, total=50, epochs=2)
+    restarts = [json.loads((tmp_path / f"rank{r}.json").read_text())["restarts"] for r in (0, 1)]
+    assert restarts == [0, 1]
+    assert "replaced it with a new process" in output
+
+
 def test_two_nodes_on_one_machine(ddp_data: Path, tmp_path: Path) -> None:
     port = _free_port()
     common = [

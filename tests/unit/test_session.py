@@ -57,8 +57,8 @@ def test_lifecycle_allows_only_the_documented_transitions() -> None:
 
     session = WorkerSession(_Handle())  # type: ignore[arg-type]
     assert session.state == WorkerState.STARTING
-    with pytest.raises(AssertionError, match=r"STARTING.*RUNNING"):
-        session.move(WorkerState.RUNNING, 0)
+    with pytest.raises(AssertionError, match=r"STARTING.*ENDED"):
+        session.move(WorkerState.ENDED, 0)
     session.move(WorkerState.READY)
     session.move(WorkerState.RUNNING, 0)
     assert session.open_in_epoch and session.epoch == 0
@@ -69,6 +69,8 @@ def test_lifecycle_allows_only_the_documented_transitions() -> None:
     with pytest.raises(AssertionError):
         session.move(WorkerState.RUNNING, 2)  # an aborting worker must rebuild first
     session.move(WorkerState.READY)
+    session.move(WorkerState.STARTING)  # a replacement process, from any live state
+    session.move(WorkerState.RUNNING, 2)  # ... goes on with its epoch
     session.move(WorkerState.FAILED)  # from anywhere
     with pytest.raises(AssertionError):
         session.move(WorkerState.READY)
