@@ -198,3 +198,22 @@ class DaliEagerDataset:
                     ndd.batch([np.full((4, 4), i, np.uint8) for i in range(TINY_BATCH)])
                 )
             return {name: np.asarray(ndd.as_tensor(value)) for name, value in out.items()}
+
+
+# ------------------------------------------------------------------- heavy-tail workload
+def heavy_tail_seconds(index: int) -> float:
+    """A sample's load time: 0.2 ms, or 100 ms for 1% of the samples (fixed per sample id)."""
+    return 0.1 if np.random.default_rng([7, index]).random() < 0.01 else 0.0002
+
+
+def _heavy_tail_sample(index: int) -> Any:
+    import time
+
+    time.sleep(heavy_tail_seconds(index))
+    return np.full(64, index % 251, dtype=np.uint8)
+
+
+def heavy_tail_source(shard: Shard, total: int, batch_size: int) -> Any:
+    from loader import sharded_source
+
+    return sharded_source(shard, total, _heavy_tail_sample, batch_size, shuffle=True)

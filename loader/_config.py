@@ -63,6 +63,7 @@ class LoaderConfig:
     max_restarts: int = 0
     on_error: str = "raise"
     max_skipped: int | None = None
+    in_order: bool = True
 
     @classmethod
     def build(
@@ -90,6 +91,7 @@ class LoaderConfig:
         max_restarts: Any = 0,
         on_error: Any = "raise",
         max_skipped: Any = None,
+        in_order: Any = True,
     ) -> LoaderConfig:
         """Validate the constructor's arguments (``TypeError``/``ValueError`` that say what to
         change) and discover rank, GPU and thread budget."""
@@ -171,6 +173,7 @@ class LoaderConfig:
             max_restarts=max_restarts,
             on_error=on_error,
             max_skipped=max_skipped,
+            in_order=bool(in_order),
         )
 
     @property

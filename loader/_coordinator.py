@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,6 +85,7 @@ class Coordinator:
         stream_of: Callable[[int], int] | None = None,
         max_restarts: int = 0,
         startup_timeout: float = 300.0,
+        in_order: bool = True,
     ) -> None:
         """``timeout``: per batch once a worker's loop runs; ``trace_timeout``: for a worker's
         traced first batch (and after a rebuild); ``stream_of(device_id)``: the trainer's
@@ -92,6 +94,8 @@ class Coordinator:
         self.pool = pool
         self.max_restarts = max_restarts
         self.startup_timeout = startup_timeout  # a replacement's start, like the first one's
+        self.in_order = in_order
+        self._arrivals: deque[int] = deque()  # in_order=False: workers, as their batches came
         self.restarts = 0
         #: the position load_state_dict() resumed from (its epoch's sources start there)
         self.resume_position: Position | None = None
@@ -143,6 +147,7 @@ class Coordinator:
 
     def start_epoch(self, epoch: int) -> None:
         """Every worker runs ``epoch`` (each is READY, or ENDED with the last epoch drained)."""
+        self._arrivals.clear()
         for session in self.sessions:
             assert not session.queue, "an epoch starts with batches of the last one queued"
             session.move(WorkerState.RUNNING, epoch)
@@ -215,6 +220,32 @@ class Coordinator:
                     self.collect_views(chosen)
             if not self.take_ready(chosen):
                 self.pump(chosen, self.wait_limit(chosen))
+
+    def next_ready_batch(self) -> tuple[WorkerSession, wire.BatchReady] | None:
+        """``in_order=False``: the batch that arrived first, from any worker; None when every
+        worker's epoch is over. Exactly once as in order; only the interleaving differs."""
+        arrivals = self._arrivals
+        while True:
+            while arrivals:
+                chosen = self.sessions[arrivals.popleft()]
+                if chosen.queue:  # (a replaced worker's queue was dropped)
+                    self.flush_releases(lazy=True)
+                    chosen.delivered += 1
+                    return chosen, chosen.queue.popleft()
+            open_sessions = [s for s in self.sessions if s.open_in_epoch]
+            if not open_sessions:
+                return None
+            for session in open_sessions:
+                self.take_ready(session)
+            if arrivals:
+                continue
+            if all(s.reader.all_held for s in open_sessions):
+                self.flush_releases()
+                if all(s.reader.all_held for s in open_sessions):
+                    self.collect_views(open_sessions[0])
+            # waits on every worker; a timeout names the one that is furthest behind
+            waiting = min(open_sessions, key=lambda s: s.received)
+            self.pump(waiting, self.wait_limit(waiting))
 
     def wait_limit(self, session: WorkerSession) -> float | None:
         """How long the trainer waits for ``session``'s next record: ``trace_timeout`` while a
@@ -512,6 +543,8 @@ class Coordinator:
                 )
             )
         session.queue.append(message)
+        if not self.in_order:
+            self._arrivals.append(session.index)
         session.received += 1
         session.last_step = message.step
         counters = session.counters

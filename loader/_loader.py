@@ -114,6 +114,7 @@ class Loader:
         max_restarts: int = 0,
         on_error: str = "raise",
         max_skipped: int | None = None,
+        in_order: bool = True,
     ) -> None:
         self._closed = True  # until the pool is up; close() must work on a half-built loader
         self._coordinator: Coordinator | None = None
@@ -141,6 +142,7 @@ class Loader:
             max_restarts=max_restarts,
             on_error=on_error,
             max_skipped=max_skipped,
+            in_order=in_order,
         )
         self.config = config
         pool = WorkerPool(config.worker_specs(), config.start_method)
@@ -152,6 +154,7 @@ class Loader:
             stream_of=current_stream(config.output) if config.device == "gpu" else None,
             max_restarts=config.max_restarts,
             startup_timeout=config.startup_timeout,
+            in_order=config.in_order,
         )
         self._coordinator = coordinator
         self._finalizer = weakref.finalize(self, coordinator.close)
@@ -521,7 +524,11 @@ class Loader:
         coordinator.wait_signatures()
         if not self._ranks_traced:
             self._check_ranks_traced()
-        found = coordinator.next_batch(run.cursor)
+        found = (
+            coordinator.next_batch(run.cursor)
+            if self.config.in_order
+            else coordinator.next_ready_batch()
+        )
         if found is None:
             run.finished = True
             self._last_batch_at = time.monotonic()  # iteration lasts until the epoch's end

@@ -563,3 +563,18 @@ def failing_37_source(shard: Shard) -> Any:
     from loader import sharded_source
 
     return sharded_source(shard, 64, _load_failing_37, 4)
+
+
+def _load_slow_start(index: int) -> Any:
+    if index < 4:  # the first batch of shard 0 (no shuffle): 0.8 s
+        import time
+
+        time.sleep(0.2)
+    return np.array([index], dtype=np.int64)
+
+
+def slow_start_source(shard: Shard) -> Any:
+    """sharded_source over 64 ids in order; shard 0's first batch is slow to load."""
+    from loader import sharded_source
+
+    return sharded_source(shard, 64, _load_slow_start, 4, shuffle=False)

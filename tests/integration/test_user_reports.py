@@ -128,3 +128,24 @@ def test_an_error_in_load_names_the_load_phase_and_the_sample() -> None:
     with Loader(P.failing_load_source, P.cast_step, batch_size=4, num_workers=1) as loader:
         with pytest.raises(ValueError, match=r"sample 7 cannot be read \[.*in load, sample 7\]"):
             list(loader)
+
+
+def test_out_of_order_delivery_takes_whichever_batch_is_ready() -> None:
+    with Loader(
+        P.slow_start_source, P.cast_step, batch_size=4, num_workers=2, in_order=False, copy=True
+    ) as loader:
+        batches = iter(loader)
+        first = next(batches)
+        assert first.info.worker == 1  # worker 0 is still loading its first batch
+        ids = ids_of(first) + [i for b in batches for i in ids_of(b)]
+        assert sorted(ids) == list(range(64))  # exactly once
+        # positions stay per shard: a state taken mid-epoch resumes exactly once
+        batches = iter(loader)
+        seen = [i for _ in range(5) for i in ids_of(next(batches))]
+        state = loader.state_dict()
+    with Loader(
+        P.slow_start_source, P.cast_step, batch_size=4, num_workers=2, in_order=False, copy=True
+    ) as loader:
+        loader.load_state_dict(state)
+        rest = [i for b in loader for i in ids_of(b)]
+    assert sorted(seen + rest) == list(range(64))
