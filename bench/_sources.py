@@ -217,3 +217,46 @@ def heavy_tail_source(shard: Shard, total: int, batch_size: int) -> Any:
     from loader import sharded_source
 
     return sharded_source(shard, total, _heavy_tail_sample, batch_size, shuffle=True)
+
+
+class PillowImageDataset:
+    """What most users run: a map-style dataset decoding with Pillow, then random-resized-crop
+    (scale 0.08-1, ratio 3/4-4/3), flip and normalize in numpy, CHW float32 (torchvision's
+    recipe); torch's DataLoader batches it."""
+
+    MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32) * 255
+    STD = np.array([0.229, 0.224, 0.225], dtype=np.float32) * 255
+
+    def __init__(self, root: str, size: int = 224) -> None:
+        from loader import list_images
+
+        self.files, self.labels = list_images(root)
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def _box(self, rng: np.random.Generator, width: int, height: int) -> tuple[int, ...]:
+        area = width * height
+        for _ in range(10):
+            target = area * rng.uniform(0.08, 1.0)
+            ratio = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+            w, h = round((target * ratio) ** 0.5), round((target / ratio) ** 0.5)
+            if 0 < w <= width and 0 < h <= height:
+                x, y = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
+                return (x, y, x + w, y + h)
+        return (0, 0, width, height)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray[Any, Any], int]:
+        from PIL import Image
+
+        rng = np.random.default_rng()
+        with Image.open(self.files[index]) as image:
+            image = image.convert("RGB")
+            box = self._box(rng, *image.size)
+            crop = image.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
+        pixels = np.asarray(crop, dtype=np.float32)
+        if rng.random() < 0.5:
+            pixels = pixels[:, ::-1]
+        pixels = (pixels - self.MEAN) / self.STD
+        return np.ascontiguousarray(pixels.transpose(2, 0, 1)), self.labels[index]

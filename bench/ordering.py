@@ -2,9 +2,9 @@
 
 Two workloads, W=2 workers, the trainer spending 1 ms per batch (a model's step):
 
-* heavy-tail: ``sharded_source`` whose per-sample load takes 0.2 ms, or 100 ms for 1% of samples (batches of 8);
-  with ``in_order=True`` a slow batch on one worker stalls the trainer although the other worker
-  has batches ready; ``in_order=False`` takes whichever is ready;
+* heavy-tail: ``sharded_source`` whose per-sample load takes 0.2 ms, or 100 ms for 1% of
+  samples (batches of 8); with ``in_order=True`` a slow batch on one worker stalls the trainer
+  although the other worker has batches ready; ``in_order=False`` takes whichever is ready;
 * tiny: the uniform tiny workload of ``python -m bench``: out-of-order must cost nothing there.
 
 Reports batches/s (median of 3 epochs after a warm-up epoch) and the ratio.

@@ -140,13 +140,17 @@ def with_loader(
     return epochs
 
 
-def with_torch(dataset: Any, workers: int) -> Callable[[], Iterator[Iterable[Any]]]:
+def with_torch(
+    dataset: Any, workers: int, batch_size: int | None = None
+) -> Callable[[], Iterator[Iterable[Any]]]:
+    """``batch_size=None``: the dataset's items are batches; else torch batches its samples."""
+
     def epochs() -> Iterator[Iterable[Any]]:
         import torch.utils.data
 
         data = torch.utils.data.DataLoader(
             dataset,
-            batch_size=None,
+            batch_size=batch_size,
             num_workers=workers,
             persistent_workers=True,
             multiprocessing_context="spawn",
@@ -206,6 +210,7 @@ class Workload:
     dataset: Any  # the torch DataLoader contender's dataset
     parallel_batches: int | None = None  # DALI parallel external source, when it applies
     files_source: Any = None  # the Loader over sharded_files, when the workload reads files
+    pillow_dataset: Any = None  # torch DataLoader over Pillow + numpy, when it reads images
 
 
 def run(quick: bool, repeats: int, threads: int) -> list[Result]:
@@ -225,6 +230,7 @@ def run(quick: bool, repeats: int, threads: int) -> list[Result]:
             reader,
             S.DaliEagerDataset("images", image_batches, root),
             files_source=functools.partial(S.files_source, root=root, batch_size=64),
+            pillow_dataset=S.PillowImageDataset(root),
         ),
         Workload(
             "python",
@@ -266,6 +272,13 @@ def run(quick: bool, repeats: int, threads: int) -> list[Result]:
             )
         for w in widths:
             record(workload, "torch DataLoader", w, with_torch(workload.dataset, w))
+            if workload.pillow_dataset is not None:
+                record(
+                    workload,
+                    "torch Pillow+numpy",
+                    w,
+                    with_torch(workload.pillow_dataset, w, batch_size=batch),
+                )
             if workload.parallel_batches is not None:
                 record(
                     workload,
@@ -382,6 +395,15 @@ def targets(results: list[Result]) -> list[str]:
         if ours and theirs:
             ratio = ours / theirs
             lines.append(f"{text}: {ratio:.2f} {'met' if ratio >= goal else 'MISSED'}")
+    for workers in (1, 2, 4):
+        ours, pillow = (
+            rate("images", "loader capture", workers),
+            rate("images", "torch Pillow+numpy", workers),
+        )
+        if ours and pillow:
+            lines.append(
+                f"images: loader / torch Pillow+numpy DataLoader, W={workers}: {ours / pillow:.2f}x"
+            )
     files, reader = rate("images", "loader sharded_files"), rate("images", "loader capture")
     if files and reader:
         ratio = files / reader

@@ -764,17 +764,19 @@ def _rebuild_exception(
 
 
 def _top_frames(stack: str, count: int = 3) -> str:
-    """The innermost frames of the thread that took the signal (the worker's main thread, where
-    its loop runs) in a faulthandler dump, on one line."""
-    lines = stack.strip().splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("Current thread")]
-    start = starts[-1] if starts else 0
-    frames = []
-    for line in lines[start + 1 :]:
-        if not line.strip().startswith("File "):
-            break
-        frames.append(line.strip())
-    return " <- ".join(frames[:count]) or (lines[-1].strip() if lines else "")
+    """The innermost frames where the worker is stuck, on one line, from a faulthandler dump:
+    the thread inside a sample's ``load`` when there is one (samples are loaded on a prefetch
+    thread), else the thread that took the signal (the main thread, where the loop runs)."""
+    blocks: list[tuple[str, list[str]]] = []
+    for line in stack.strip().splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            blocks.append((line, []))
+        elif line.strip().startswith("File ") and blocks:
+            blocks[-1][1].append(line.strip())
+    loading = [frames for _, frames in blocks if any(" in _load" in f for f in frames)]
+    current = [frames for header, frames in blocks if header.startswith("Current thread")]
+    frames = (loading or current or [frames for _, frames in blocks[-1:]] or [[]])[0]
+    return " <- ".join(frames[:count]) or stack.strip()[-200:]
 
 
 def _short(value: Any) -> str:

@@ -21,6 +21,8 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -111,17 +113,16 @@ class BatchedSamples:
         name = self.name(index)
         return f"sample {index}" if name == str(index) else f"sample {index} ({name})"
 
-    def load_batch(
-        self, chunk: np.ndarray[Any, Any]
-    ) -> tuple[list[Any], tuple[int, ...], tuple[int, ...]]:
+    def load_batch(self, chunk: np.ndarray[Any, Any]) -> LoadedSamples:
         """Every sample of a batch; with ``on_error="skip"`` a sample whose ``load`` raises (or
         that is known bad) is replaced by a repeat of a good sample of the same batch.
-        Returns the samples, the replaced rows and the skipped sample ids."""
+        May run on the prefetch thread: it logs nothing itself (see ``LoadedSamples``)."""
         ids = [int(index) for index in chunk]
         if self.on_error != "skip":
-            return [self._load(index) for index in ids], (), ()
+            return LoadedSamples([self._load(index) for index in ids])
         samples: list[Any] = []
         failed: list[int] = []
+        notes: list[str] = []
         for row, index in enumerate(ids):
             if index in self.bad:
                 samples.append(None)
@@ -131,16 +132,13 @@ class BatchedSamples:
                 samples.append(self._load(index))
             except Exception as error:
                 self.bad.add(index)
-                logger.warning(
-                    "skipped %s: load raised %s: %s",
-                    self.describe(index),
-                    type(error).__name__,
-                    error,
+                notes.append(
+                    f"skipped {self.describe(index)}: load raised {type(error).__name__}: {error}"
                 )
                 samples.append(None)
                 failed.append(row)
         if not failed:
-            return samples, (), ()
+            return LoadedSamples(samples)
         good = next((sample for sample in samples if sample is not None), None)
         if good is None:
             raise RuntimeError(
@@ -150,25 +148,46 @@ class BatchedSamples:
         for row in failed:
             samples[row] = good
         skipped = tuple(dict.fromkeys(ids[row] for row in failed))
-        return samples, tuple(failed), skipped
+        return LoadedSamples(samples, tuple(failed), skipped, notes)
 
     def __iter__(self) -> Iterator[Any]:
+        """One epoch of batches. Batch k+1's samples are loaded on a prefetch thread while DALI
+        works on batch k (file reads release the GIL), so I/O overlaps decoding."""
         import nvidia.dali.experimental.dynamic as ndd
 
         epoch = self.epoch
         self.epoch += 1
         self.current = self.batches_for_epoch(epoch)
-        for chunk, pad_rows in self.current:
-            samples, replaced, skipped = self.load_batch(chunk)
-            self.padding.append(pad_rows)
-            self.skips.append((replaced, skipped))
-            if self.num_outputs == 1:
-                yield ndd.batch([np.asarray(sample) for sample in samples])
-            else:
-                yield tuple(
-                    ndd.batch([np.asarray(sample[k]) for sample in samples])
-                    for k in range(self.num_outputs)
-                )
+        if not self.current:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="sample-prefetch") as prefetch:
+            pending: Future[LoadedSamples] = prefetch.submit(self.load_batch, self.current[0][0])
+            for step, (_chunk, pad_rows) in enumerate(self.current):
+                loaded = pending.result()
+                if step + 1 < len(self.current):
+                    pending = prefetch.submit(self.load_batch, self.current[step + 1][0])
+                for note in loaded.notes:
+                    logger.warning("%s", note)  # on this (the loop's) thread: relayed
+                self.padding.append(pad_rows)
+                self.skips.append((loaded.replaced, loaded.skipped))
+                samples = loaded.samples
+                if self.num_outputs == 1:
+                    yield ndd.batch([np.asarray(sample) for sample in samples])
+                else:
+                    yield tuple(
+                        ndd.batch([np.asarray(sample[k]) for sample in samples])
+                        for k in range(self.num_outputs)
+                    )
+
+
+@dataclass
+class LoadedSamples:
+    """One batch's samples as loaded; ``notes``: what to log (from the loop's thread)."""
+
+    samples: list[Any]
+    replaced: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()
+    notes: list[str] = field(default_factory=list)
 
 
 def sharded_source(
