@@ -149,3 +149,44 @@ def test_out_of_order_delivery_takes_whichever_batch_is_ready() -> None:
         loader.load_state_dict(state)
         rest = [i for b in loader for i in ids_of(b)]
     assert sorted(seen + rest) == list(range(64))
+
+
+FORKSERVER_SCRIPT = """
+import time
+import psutil
+from loader import Loader
+from tests import pipelines as P
+
+def ids(loader):
+    return sorted(int(v) for b in loader for v in b["id"].ravel())
+
+if __name__ == "__main__":
+    with Loader(P.id_source, P.cast_step, batch_size=4, start_method="forkserver") as loader:
+        assert ids(loader) == list(range(64))
+    servers = [c for c in psutil.Process().children() if "forkserver" in " ".join(c.cmdline())]
+    mapped = any("dali" in m.path for s in servers for m in s.memory_maps())
+    started = time.monotonic()
+    with Loader(P.id_source, P.cast_step, batch_size=4, start_method="forkserver") as loader:
+        ready = time.monotonic() - started
+        assert ids(loader) == list(range(64))
+    print("server-imported-dali", mapped, "second-start", round(ready, 2))
+"""
+
+
+def test_forkserver_preloads_dali_and_its_workers_run_it_safely(tmp_path: Path) -> None:
+    """The forkserver imports DALI once (never runs it) and forks workers that run it: their
+    epochs are right, and a second loader starts without importing DALI again."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "forkserver_check.py"
+    script.write_text(FORKSERVER_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    words = done.stdout.split()
+    assert words[:2] == ["server-imported-dali", "True"], done.stdout  # (speed: bench.startup)
