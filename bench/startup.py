@@ -49,7 +49,8 @@ def main() -> None:
         print(json.dumps(measure(sys.argv[2])))
         return
     print(
-        f"{'start method':<13} {'1st loader s':>12} {'later loaders s':>16} {'epoch boundary ms':>18}"
+        f"{'start method':<13} {'1st loader s':>12} {'later loaders s':>16} "
+        + f"{'epoch boundary ms':>18}"
     )
     for method in ("spawn", "forkserver"):
         out = subprocess.run(
