@@ -25,6 +25,8 @@ Worker -> trainer:
 * :class:`EpochAborted` -- answer to AbortEpoch: stopped, sources rebuilt.
 * :class:`Sought` -- answer to Seek: sources rebuilt at the position.
 * :class:`WorkerFailure` -- an exception, with where it happened; the worker stops after it.
+* :class:`SamplesFailed` -- on_error="skip": these samples broke a batch inside DALI; the worker
+  exits after it and the trainer starts a new one at that batch, without them.
 * :class:`WarningRelay`, :class:`LogRelay` -- a warning or log record to re-emit in the trainer.
 
 A record that breaks this contract (an unknown kind, a slot or arena that does not exist, a
@@ -267,6 +269,20 @@ class Sought:
 
 
 @dataclass(frozen=True, slots=True)
+class SamplesFailed:
+    """The batch at ``step`` of ``epoch`` failed inside DALI or ``step``; run alone, these
+    samples fail (``names``: their files, or ids). The worker exits right after sending it."""
+
+    __reduce__ = _reduce
+
+    epoch: int
+    step: int
+    ids: tuple[int, ...]
+    names: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerFailure:
     """An exception inside the worker, with where it happened. The worker stops after sending."""
 
@@ -314,6 +330,7 @@ WorkerMessage = (
     | EpochEnd
     | EpochAborted
     | Sought
+    | SamplesFailed
     | WorkerFailure
     | WarningRelay
     | LogRelay

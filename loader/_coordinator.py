@@ -93,6 +93,7 @@ class Coordinator:
         replace."""
         self.pool = pool
         self.max_restarts = max_restarts
+        self.bad_samples: set[int] = set()  # on_error="skip": samples that fail inside DALI
         self.startup_timeout = startup_timeout  # a replacement's start, like the first one's
         self.in_order = in_order
         self._arrivals: deque[int] = deque()  # in_order=False: workers, as their batches came
@@ -110,7 +111,7 @@ class Coordinator:
         self.failure: BaseException | None = None
         self._poller: tuple[select.poll, dict[int, WorkerSession], dict[int, WorkerSession]]
         self._poller = None  # type: ignore[assignment]
-        self._poller_key: tuple[int, ...] | None = None
+        self._poller_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._pending_releases: dict[int, list[tuple[int, int]]] = {}
         self._closed = False
         self._signatures_pending = 0  # sessions with signature_pending set
@@ -150,9 +151,13 @@ class Coordinator:
         self._arrivals.clear()
         for session in self.sessions:
             assert not session.queue, "an epoch starts with batches of the last one queued"
-            session.move(WorkerState.RUNNING, epoch)
             session.received = session.delivered = session.step_offset = 0
             session.last_step = None
+            if session.state == WorkerState.STARTING:  # a replacement: starts it after Hello
+                session.after_start = (WorkerState.RUNNING, epoch)
+                session.epoch = epoch
+                continue
+            session.move(WorkerState.RUNNING, epoch)
             session.handle.send(wire.StartEpoch(epoch))
 
     def abort_epoch(self, epoch: int) -> None:
@@ -160,6 +165,13 @@ class Coordinator:
         for session in self.sessions:
             while session.queue:
                 self.release_now(session, session.queue.popleft())
+            if session.state == WorkerState.STARTING:
+                # a replacement still starting: it rebuilds for the next epoch when it reads
+                # this (commands are handled in order), and is READY after its Hello
+                session.after_start = (WorkerState.READY, None)
+                session.sources_for = (epoch + 1, None)
+                session.handle.send(wire.AbortEpoch(epoch))
+                continue
             session.move(WorkerState.ABORTING, epoch)
             session.handle.send(wire.AbortEpoch(epoch))
         for session in self.sessions:
@@ -273,6 +285,22 @@ class Coordinator:
             if state == WorkerState.REBUILDING:
                 session.resumed_steps = message.first_epoch_steps
 
+    def _samples_failed(self, session: WorkerSession, message: wire.SamplesFailed) -> None:
+        """on_error="skip": remember the samples; the worker's exit that follows is expected."""
+        for index, name in zip(message.ids, message.names, strict=True):
+            described = f"sample {index}" if name == str(index) else f"sample {index} ({name})"
+            logger.warning(
+                "skipped %s: worker %d (%s) fails on it at epoch %d, step %d (%s)",
+                described,
+                session.index,
+                session.shard.describe(),
+                message.epoch,
+                message.step + session.step_offset,
+                message.reason,
+            )
+        self.bad_samples.update(message.ids)
+        session.exit_expected = True
+
     def _no_restart_reason(self, session: WorkerSession) -> str | None:
         if self.max_restarts == 0:
             return ""  # the default: fail fast, with today's message
@@ -291,6 +319,10 @@ class Coordinator:
 
     def _heal_or_fail(self, session: WorkerSession, error: BaseException, cause: str) -> None:
         """Replace ``session``'s worker when allowed; else raise ``error`` (saying why not)."""
+        if session.exit_expected:
+            session.exit_expected = False
+            self._replace(session, "skipped samples that fail inside DALI", budgeted=False)
+            return
         reason = self._no_restart_reason(session)
         if reason is None:
             self._replace(session, cause)
@@ -299,13 +331,14 @@ class Coordinator:
             error.args = (f"{error.args[0]} ({reason})", *error.args[1:])
         raise self._fail(error)
 
-    def _replace(self, session: WorkerSession, cause: str) -> None:
+    def _replace(self, session: WorkerSession, cause: str, *, budgeted: bool = True) -> None:
         """A new process for ``session``'s shard, starting at the first batch the trainer has
         not received; batches the old one published and the trainer did not hand out are
         dropped (the new process makes them again), so every sample still arrives once, in
         the same order."""
-        self.restarts += 1
-        session.counters.restarts += 1
+        if budgeted:
+            self.restarts += 1
+            session.counters.restarts += 1
         state, epoch = session.state, session.epoch
         shard = session.shard
         if state == WorkerState.RUNNING or (
@@ -328,19 +361,28 @@ class Coordinator:
                 session.sources_for = (epoch + 1, None)
             session.after_start = (WorkerState.READY, None)
             where = f"is ready for epoch {session.sources_for[0]}"
-        logger.warning(
-            "worker %d (%s) %s; replaced it with a new process (restart %d of max_restarts=%d), "
-            "which %s",
-            session.index,
-            shard.describe(),
-            cause,
-            self.restarts,
-            self.max_restarts,
-            where,
-        )
+        if budgeted:
+            logger.warning(
+                "worker %d (%s) %s; replaced it with a new process (restart %d of "
+                "max_restarts=%d), which %s",
+                session.index,
+                shard.describe(),
+                cause,
+                self.restarts,
+                self.max_restarts,
+                where,
+            )
+        else:  # a DALI error leaves a process unable to trace again: a fresh one goes on
+            logger.info(
+                "worker %d (%s) %s; a new process %s", session.index, shard.describe(), cause, where
+            )
         spec_epoch, start = session.sources_for
         old = session.handle
-        spec = dataclasses.replace(old.spec, shard=shard.for_epoch(spec_epoch, start))
+        spec = dataclasses.replace(
+            old.spec,
+            shard=shard.for_epoch(spec_epoch, start),
+            bad_samples=frozenset(self.bad_samples),
+        )
         session.queue.clear()
         session.reader.close()
         session.reader = SlotReader(spec.num_slots, session.index)
@@ -405,24 +447,26 @@ class Coordinator:
         live = tuple(
             s.index for s in self.sessions if not s.handle.exited and not s.handle.channel.closed
         )
-        if self._poller is None or self._poller_key != live:
+        at_eof = tuple(s.index for s in self.sessions if s.handle.eof)
+        if self._poller is None or self._poller_key != (live, at_eof):
             poller = select.poll()
             channels: dict[int, WorkerSession] = {}
             sentinels: dict[int, WorkerSession] = {}
             for index in live:
                 session = self.sessions[index]
-                channels[session.handle.channel.fileno()] = session
+                if not session.handle.eof:
+                    channels[session.handle.channel.fileno()] = session
                 sentinels[session.handle.process.sentinel] = session
             for fd in (*channels, *sentinels, self.releases.wakeup_fd):
                 poller.register(fd, select.POLLIN)
             self._poller = (poller, channels, sentinels)
-            self._poller_key = live
+            self._poller_key = (live, at_eof)
         return self._poller
 
     def take_ready(self, session: WorkerSession) -> bool:
         """Handle what ``session``'s worker already sent, without waiting; False when nothing."""
         channel = session.handle.channel
-        if session.handle.exited or channel.closed or not channel.ready():
+        if session.handle.exited or session.handle.eof or channel.closed or not channel.ready():
             return False
         with self._closing_on_error():
             self._drain(session)
@@ -444,7 +488,10 @@ class Coordinator:
             while channel.ready():
                 self.dispatch(session, channel.recv())
         except ChannelClosed:
-            return
+            # The worker is gone or going: from now on only its sentinel is waited on, which
+            # fires once the process has exited (no spinning on a readable end of stream).
+            session.handle.eof = True
+            self._poller = None  # type: ignore[assignment]
 
     # ------------------------------------------------------------------------------ releases
     def flush_releases(self, *, lazy: bool = False) -> None:
@@ -512,6 +559,8 @@ class Coordinator:
             if session.state == WorkerState.REBUILDING and session.epoch == message.epoch:
                 session.resumed_steps = message.steps
                 session.move(WorkerState.READY)
+        elif isinstance(message, wire.SamplesFailed):
+            self._samples_failed(session, message)
         elif isinstance(message, wire.WorkerFailure):
             raise self._fail(self.relay_failure(session, message))
         elif isinstance(message, wire.WarningRelay):

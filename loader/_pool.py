@@ -52,6 +52,7 @@ class WorkerHandle:
         self.stack = stack
         self.alive = alive
         self.exited = False
+        self.eof = False  # its control channel reached end of stream (the worker is going)
         self.pid: int | None = None
 
     def describe(self) -> str:

@@ -91,6 +91,7 @@ class WorkerSession:
         self.received = 0  # batches of ``epoch`` that arrived from this worker (queued or not)
         self.delivered = 0  # batches of ``epoch`` handed to the user
         self.step_offset = 0  # a replacement's step 0 is this step of the epoch
+        self.exit_expected = False  # the worker said it exits (SamplesFailed)
         self.resumed_steps: int | None = None  # batches of a resumed epoch (after Sought)
         self.last_step: int | None = None
         self.counters = WorkerCounters()

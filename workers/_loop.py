@@ -27,7 +27,7 @@ from ipc import ChannelClosed, ControlChannel, wire
 
 from . import _dali
 from ._phase import Phase
-from ._positions import Position, continue_from
+from ._positions import Position
 from ._publish import Publisher, describe_outputs, normalize_outputs
 from ._sources import Sources, build_sources, padded_rows, skip_info
 from ._spec import WorkerSpec
@@ -63,7 +63,8 @@ class Worker:
         self.traces = 0
         self.rebuilds = 0
         self.last_epoch_done: int | None = None
-        self.bad_samples: set[int] = set()  # found by on_error="skip"; replaced from now on
+        #: samples known to fail (on_error="skip"): replaced without loading
+        self.bad_samples: set[int] = set(spec.bad_samples)
 
     def set_phase(self, phase: Phase) -> None:
         self.phase = phase
@@ -173,7 +174,6 @@ class Worker:
         iterator: Iterator[Any] | None = None
         try:
             iterator = _dali.epoch_iterator(sources.source, spec.batch_size, self.ctx, spec.capture)
-            first_step = 0  # the epoch's step at which the current sources started
             step_started = time.perf_counter_ns()
             while True:
                 try:
@@ -182,7 +182,7 @@ class Worker:
                         inputs = next(iterator)
                     except StopIteration:
                         break
-                    if signature_due and self.step - first_step == 1:  # after the traced step
+                    if signature_due and self.step == 1:  # after the traced step
                         assert schema is not None
                         self.send_signature(schema, batch_size, time.perf_counter() - started)
                         signature_due = False
@@ -198,22 +198,13 @@ class Worker:
                     publisher.publish(
                         epoch, self.step, named, step_started, padded, replaced, skipped, names
                     )
-                except (AbortRequested, ShutdownRequested, ChannelClosed, wire.ProtocolError):
+                except (AbortRequested, ShutdownRequested, ChannelClosed, Stop, wire.ProtocolError):
                     raise
                 except Exception as error:
                     if not self.can_isolate(error):
                         raise
                     close_iterator(iterator)
-                    iterator = None
-                    self.skip_failing_samples(error, epoch, self.step - first_step)
-                    sources = self.sources
-                    assert sources is not None
-                    first_step = self.step
-                    iterator = _dali.epoch_iterator(
-                        sources.source, spec.batch_size, self.ctx, spec.capture
-                    )
-                    self.traces += 1 if spec.capture else 0
-                    continue
+                    self.skip_failing_samples(error, epoch, self.step)  # raises
                 self.step += 1
                 self.drain()
                 step_started = time.perf_counter_ns()
@@ -225,7 +216,7 @@ class Worker:
             self.epoch = self.step = None
             self.phase = Phase.IDLE
             return
-        except (ShutdownRequested, ChannelClosed):
+        except (ShutdownRequested, ChannelClosed, Stop):
             close_iterator(iterator)
             raise
         except Exception as error:
@@ -290,30 +281,31 @@ class Worker:
         return False
 
     def skip_failing_samples(self, error: BaseException, epoch: int, done: int) -> None:
-        """After a batch failed: find its failing samples; with ``on_error="skip"`` rebuild the
-        sources (DALI disables a captured source after any error) to go on at that batch with
-        them replaced, else (or when no sample fails alone) raise ``error`` naming them."""
+        """After a batch failed: find its failing samples. With ``on_error="skip"`` tell the
+        trainer which they are and end this process: the trainer starts a new one at that
+        batch with them replaced. (A process whose captured pipeline failed must not trace
+        again: DALI 2.4 then crashes with captured random operators.) Otherwise, or when no
+        sample fails alone, raise ``error`` naming them."""
         sources = self.sources
         assert sources is not None and sources.sampled is not None
         sampled = sources.sampled
         failing = self.find_failing_samples(done)
-        names = ", ".join(sampled.describe(index) for index in failing)
         if self.spec.on_error != "skip" or not failing:
             if failing:
+                names = ", ".join(sampled.describe(index) for index in failing)
                 error._loader_detail = f"the failing sample: {names}"  # type: ignore[attr-defined]
             raise error
         summary = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-        for index in failing:
-            logger.warning(
-                "skipped %s: the pipeline fails on it (%s: %s)",
-                sampled.describe(index),
-                type(error).__name__,
-                summary,
+        self.channel.send(
+            wire.SamplesFailed(
+                epoch=epoch,
+                step=done,
+                ids=tuple(failing),
+                names=tuple(sampled.name(index) for index in failing),
+                reason=f"{type(error).__name__}: {summary}",
             )
-        self.bad_samples.update(failing)
-        base = sampled.position
-        position = continue_from(base, epoch, self.shard.count, self.shard.index, done)
-        self.rebuild_sources(epoch, f"a batch failed in DALI; skipping {names}", position)
+        )
+        raise Stop
 
     def call_step(self, inputs: Any, feeders: dict[str, Any]) -> Any:
         if isinstance(inputs, Mapping):

@@ -32,3 +32,4 @@ class WorkerSpec:
     log_level: int
     shm_limit: int | None = None  # bytes of shared memory this worker's arena may use
     on_error: str = "raise"  # "skip": corrupt samples are replaced and reported
+    bad_samples: frozenset[int] = frozenset()  # sample ids known to fail (replaced, not loaded)
