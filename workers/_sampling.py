@@ -260,9 +260,7 @@ class _FileLoader:
         return self.files[index]
 
     def __call__(self, index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        with open(self.files[index], "rb") as file:
-            data = np.frombuffer(file.read(), dtype=np.uint8)
-        return data, self.labels[index]
+        return np.fromfile(self.files[index], dtype=np.uint8), self.labels[index]
 
 
 def sharded_files(
