@@ -244,13 +244,17 @@ class Coordinator:
                     self.flush_releases(lazy=True)
                     chosen.delivered += 1
                     return chosen, chosen.queue.popleft()
+            queued = [s for s in self.sessions if s.queue]
+            if queued:  # never wait while a batch is queued (its worker may be out of slots)
+                chosen = queued[0]
+                self.flush_releases(lazy=True)
+                chosen.delivered += 1
+                return chosen, chosen.queue.popleft()
             open_sessions = [s for s in self.sessions if s.open_in_epoch]
             if not open_sessions:
                 return None
-            for session in open_sessions:
-                self.take_ready(session)
-            if arrivals:
-                continue
+            if any([self.take_ready(session) for session in open_sessions]):
+                continue  # something arrived (a batch, an epoch end): look again
             if all(s.reader.all_held for s in open_sessions):
                 self.flush_releases()
                 if all(s.reader.all_held for s in open_sessions):
