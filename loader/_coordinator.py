@@ -345,7 +345,12 @@ class Coordinator:
             session.counters.restarts += 1
         state, epoch = session.state, session.epoch
         shard = session.shard
-        if state == WorkerState.RUNNING or (
+        # a worker that ended its epoch but whose batches the trainer has not all handed out
+        # is replaced like a running one: the new process makes the rest of them again
+        going_on = state == WorkerState.RUNNING or (
+            state == WorkerState.ENDED and bool(session.queue)
+        )
+        if going_on or (
             state == WorkerState.STARTING and session.after_start[0] == WorkerState.RUNNING
         ):
             assert epoch is not None
