@@ -309,8 +309,10 @@ def run(quick: bool, repeats: int, threads: int) -> list[Result]:
 
 
 def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """Busy the trainer thread for ``seconds`` of its own CPU time (not wall time: a thread
+    preempted by the workers would spin for less CPU, and the subtraction below would be off)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
 
 

@@ -133,8 +133,7 @@ class Arena:
     def announce(self, channel: ControlChannel) -> None:
         """Send ``ArenaReady`` and the memfd; this side then closes its descriptor."""
         try:
-            channel.send(ArenaReady(self.arena_id, self.slot_size, self.num_slots))
-            channel.send_fd(self.fd)
+            channel.send(ArenaReady(self.arena_id, self.slot_size, self.num_slots), fd=self.fd)
         finally:
             self.close_fd()
 

@@ -29,13 +29,20 @@ Worker -> trainer:
   exits after it and the trainer starts a new one at that batch, without them.
 * :class:`WarningRelay`, :class:`LogRelay` -- a warning or log record to re-emit in the trainer.
 
+Each record travels in one frame (:data:`FRAME`: payload length, kind). The two records every
+batch costs, :class:`BatchReady` and :class:`Release`, have fixed binary layouts (see
+:class:`BatchCodec`); every other record is pickled.
+
 A record that breaks this contract (an unknown kind, a slot or arena that does not exist, a
 placement outside its slot, a duplicated fill) raises :class:`ProtocolError` on the receiving side.
 """
 
 from __future__ import annotations
 
+import pickle
+import struct
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 Shape = tuple[int, ...]
@@ -335,3 +342,157 @@ WorkerMessage = (
     | WarningRelay
     | LogRelay
 )
+
+
+# --------------------------------------------------------------------------- framing
+#: Every frame: ``<u32 payload length><u8 kind>``, then the payload.
+FRAME = struct.Struct("<IB")
+FRAME_PICKLED = 0  #: payload: a pickled record
+FRAME_BATCH = 1  #: payload: ``_BATCH`` then the output layout (:meth:`BatchCodec.encode_layout`)
+FRAME_RELEASE = 2  #: payload: ``(slot, generation)`` pairs as little-endian int64
+
+#: epoch, step, arena_id, slot, generation, nbytes, padded, blocked_ns, busy_ns, layout bytes
+_BATCH = struct.Struct("<qqiiqqiqqI")
+#: per output: offset, nbytes, dense, ndim, samples, then the byte lengths of name, dtype, layout
+_OUTPUT = struct.Struct("<qqBBIHHH")
+#: layouts a codec remembers (a ragged output makes a new one per batch; the cache then resets)
+_LAYOUT_CACHE = 256
+
+
+class BatchCodec:
+    """Encodes and decodes frames; one per channel end.
+
+    A batch's output layout (names, dtypes, offsets, shapes) repeats from batch to batch for a
+    fixed-shape step, so both sides cache it: the worker encodes a layout once, the trainer
+    decodes a layout's bytes once and hands out the same placements again.
+    """
+
+    __slots__ = ("_decoded", "_encoded")
+
+    def __init__(self) -> None:
+        self._encoded: dict[tuple[OutputPlacement, ...], bytes] = {}
+        self._decoded: dict[bytes, tuple[OutputPlacement, ...]] = {}
+
+    def encode(self, message: Any) -> bytes:
+        """One frame holding ``message``."""
+        if type(message) is BatchReady and not message.replaced and not message.skipped:
+            layout = self.encode_layout(message.outputs)
+            if layout is not None:
+                head = _BATCH.pack(
+                    message.epoch,
+                    message.step,
+                    message.arena_id,
+                    message.slot,
+                    message.generation,
+                    message.nbytes,
+                    message.padded,
+                    message.blocked_ns,
+                    message.busy_ns,
+                    len(layout),
+                )
+                return FRAME.pack(len(head) + len(layout), FRAME_BATCH) + head + layout
+        elif type(message) is Release:
+            flat = list(chain.from_iterable(message.fills))
+            payload = struct.pack(f"<{len(flat)}q", *flat)
+            return FRAME.pack(len(payload), FRAME_RELEASE) + payload
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return FRAME.pack(len(payload), FRAME_PICKLED) + payload
+
+    def decode(self, kind: int, buffer: bytes | bytearray, start: int, end: int) -> Any:
+        """The record of a binary frame whose payload is ``buffer[start:end]``."""
+        try:
+            if kind == FRAME_BATCH:
+                epoch, step, arena, slot, generation, nbytes, padded, blocked, busy, size = (
+                    _BATCH.unpack_from(buffer, start)
+                )
+                layout_start = start + _BATCH.size
+                if layout_start + size != end:
+                    raise ProtocolError("a batch frame's layout does not fill its frame")
+                outputs = self.decode_layout(bytes(buffer[layout_start:end]))
+                return BatchReady(
+                    epoch, step, arena, slot, generation, outputs, nbytes, padded, blocked, busy
+                )
+            if kind == FRAME_RELEASE:
+                count = (end - start) // 8
+                if count % 2 or count * 8 != end - start:
+                    raise ProtocolError("a release frame is not a list of (slot, generation)")
+                flat = struct.unpack_from(f"<{count}q", buffer, start)
+                return Release(tuple(zip(flat[::2], flat[1::2], strict=True)))
+        except struct.error as error:
+            raise ProtocolError(f"a torn binary frame: {error}") from None
+        raise ProtocolError(f"an unknown frame kind {kind}")
+
+    def encode_layout(self, outputs: tuple[OutputPlacement, ...]) -> bytes | None:
+        """The binary layout of ``outputs``, or None when it has none (samples of different
+        ranks, or a string too long for its length field): such a batch goes pickled."""
+        layout = self._encoded.get(outputs)
+        if layout is not None:
+            return layout
+        parts = []
+        for placement in outputs:
+            shapes = placement.shapes
+            ndim = len(shapes[0]) if shapes else 0
+            if ndim > 255 or any(len(shape) != ndim for shape in shapes):
+                return None
+            texts = [text.encode() for text in (placement.name, placement.dtype, placement.layout)]
+            if any(len(text) > 0xFFFF for text in texts):
+                return None
+            dims = list(chain.from_iterable(shapes[:1] if placement.dense else shapes))
+            parts.append(
+                _OUTPUT.pack(
+                    placement.offset,
+                    placement.nbytes,
+                    placement.dense,
+                    ndim,
+                    len(shapes),
+                    *(len(text) for text in texts),
+                )
+            )
+            parts.extend(texts)
+            parts.append(struct.pack(f"<{len(dims)}q", *dims))
+        layout = b"".join(parts)
+        if len(self._encoded) >= _LAYOUT_CACHE:
+            self._encoded.clear()
+        self._encoded[outputs] = layout
+        return layout
+
+    def decode_layout(self, layout: bytes) -> tuple[OutputPlacement, ...]:
+        """The placements of a binary layout (the same tuple again for the same bytes)."""
+        outputs = self._decoded.get(layout)
+        if outputs is not None:
+            return outputs
+        try:
+            outputs = self._parse_layout(layout)
+        except struct.error as error:
+            raise ProtocolError(f"a batch layout is torn: {error}") from None
+        if len(self._decoded) >= _LAYOUT_CACHE:
+            self._decoded.clear()
+        self._decoded[layout] = outputs
+        return outputs
+
+    @staticmethod
+    def _parse_layout(layout: bytes) -> tuple[OutputPlacement, ...]:
+        placements = []
+        position = 0
+        while position < len(layout):
+            offset, nbytes, dense, ndim, count, *lengths = _OUTPUT.unpack_from(layout, position)
+            position += _OUTPUT.size
+            texts = []
+            for length in lengths:
+                try:
+                    texts.append(layout[position : position + length].decode())
+                except UnicodeDecodeError as error:
+                    raise ProtocolError(f"a batch layout holds a bad name: {error}") from None
+                position += length
+            rows = (1 if count else 0) if dense else count
+            dims = struct.unpack_from(f"<{rows * ndim}q", layout, position)
+            position += 8 * rows * ndim
+            shapes = tuple(tuple(dims[i * ndim : (i + 1) * ndim]) for i in range(rows))
+            if dense:
+                shapes = shapes * count
+            placements.append(
+                OutputPlacement(texts[0], texts[1], offset, nbytes, shapes, bool(dense), texts[2])
+            )
+        if position != len(layout):
+            raise ProtocolError("a batch layout is torn")
+        return tuple(placements)

@@ -474,12 +474,11 @@ class Coordinator:
 
     def take_ready(self, session: WorkerSession) -> bool:
         """Handle what ``session``'s worker already sent, without waiting; False when nothing."""
-        channel = session.handle.channel
-        if session.handle.exited or session.handle.eof or channel.closed or not channel.ready():
+        handle = session.handle
+        if handle.exited or handle.eof or handle.channel.closed:
             return False
         with self._closing_on_error():
-            self._drain(session)
-        return True
+            return self._drain(session)
 
     @contextlib.contextmanager
     def _closing_on_error(self) -> Iterator[None]:
@@ -491,21 +490,33 @@ class Coordinator:
                 self._fail(error)
             raise
 
-    def _drain(self, session: WorkerSession) -> None:
+    def _drain(self, session: WorkerSession) -> bool:
+        """Handle every record the worker sent so far (one receive); False when there was
+        none."""
         channel = session.handle.channel
         try:
-            while channel.ready():
-                self.dispatch(session, channel.recv())
-        except ChannelClosed:
+            records = channel.receive_ready()
+        except ChannelClosed:  # this end was closed (the worker is being replaced)
+            records = []
+        for record in records:
+            self.dispatch(session, record)
+        if channel.at_eof:
             # The worker is gone or going: from now on only its sentinel is waited on, which
             # fires once the process has exited (no spinning on a readable end of stream).
             session.handle.eof = True
             self._poller = None  # type: ignore[assignment]
+            return True
+        return bool(records)
 
     # ------------------------------------------------------------------------------ releases
     def flush_releases(self, *, lazy: bool = False) -> None:
-        """Send queued releases, one record per worker. ``lazy`` keeps a worker's releases
-        queued while it still has at least half its slots (fewer, larger records)."""
+        """Send queued releases, one record per worker.
+
+        ``lazy`` (on delivering a batch) keeps fewer than half a ring of a worker's releases
+        queued while that costs nothing: the worker still has a free slot, or the trainer still
+        holds a batch of it to deliver next. A busy trainer then wakes a blocked worker once per
+        half ring rather than once per batch (fewer, larger records both ways); a trainer that
+        waits on a worker never holds its releases back."""
         pending = self._pending_releases
         for reader, slot, generation in self.releases.take():
             if self.sessions[reader.owner].reader is not reader:
@@ -519,7 +530,7 @@ class Coordinator:
             if (
                 lazy
                 and len(fills) < max(1, reader.num_slots // 2)
-                and (reader.held + len(fills) < reader.num_slots)
+                and (session.queue or reader.held + len(fills) < reader.num_slots)
             ):
                 continue
             del pending[worker]
