@@ -113,9 +113,12 @@ class ControlChannel:
         """Every complete record already sent, without waiting (maybe none): one receive at
         most. After the peer's end of stream it returns the records sent before it, then
         nothing, and :attr:`at_eof` is set."""
-        records = self._parse()
-        if records or self._eof:
-            return records
+        if self._start != self._end:
+            records = self._parse()
+            if records:
+                return records
+        if self._eof:
+            return []
         self._fill(block=False)
         return self._parse()
 
@@ -209,21 +212,21 @@ class ControlChannel:
         return size is not None and self._end - self._start >= size
 
     def _parse_one(self) -> Any:
-        size = self._frame_size()
-        if size is None or self._end - self._start < size:
-            return _NOTHING
         start = self._start
-        self._start = start + size
-        _length, kind = wire.FRAME.unpack_from(self._buffer, start)
-        return self._decode(kind, start + wire.FRAME.size, start + size)
+        if self._end - start < _HEAD:
+            return _NOTHING
+        length, kind = _unpack_frame(self._buffer, start)
+        end = start + _HEAD + length
+        if end > self._end:
+            return _NOTHING
+        self._start = end
+        return self._decode(kind, start + _HEAD, end)
 
     def _parse(self) -> list[Any]:
         records: list[Any] = []
-        while True:
-            record = self._parse_one()
-            if record is _NOTHING:
-                return records
+        while (record := self._parse_one()) is not _NOTHING:
             records.append(record)
+        return records
 
     def _decode(self, kind: int, start: int, end: int) -> Any:
         if kind == wire.FRAME_PICKLED:
@@ -235,3 +238,5 @@ class ControlChannel:
 
 
 _NOTHING: Any = object()
+_HEAD = wire.FRAME.size
+_unpack_frame = wire.FRAME.unpack_from

@@ -25,7 +25,7 @@ import sys
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ipc import ChannelClosed, ProtocolError, SlotReader, open_region, wire
@@ -112,7 +112,8 @@ class Coordinator:
         self._poller: tuple[select.poll, dict[int, WorkerSession], dict[int, WorkerSession]]
         self._poller = None  # type: ignore[assignment]
         self._poller_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        self._pending_releases: dict[int, list[tuple[int, int]]] = {}
+        #: releases not sent yet, per slot reader (a replaced process's reader is dropped)
+        self._pending_releases: dict[SlotReader, list[tuple[int, int]]] = {}
         self._closed = False
         self._signatures_pending = 0  # sessions with signature_pending set
 
@@ -230,8 +231,8 @@ class Coordinator:
                 self.flush_releases()
                 if chosen.reader.all_held:
                     self.collect_views(chosen)
-            if not self.take_ready(chosen):
-                self.pump(chosen, self.wait_limit(chosen))
+            # one poll: returns at once when something is waiting, so no receive is tried first
+            self.pump(chosen, self.wait_limit(chosen))
 
     def next_ready_batch(self) -> tuple[WorkerSession, wire.BatchReady] | None:
         """``in_order=False``: the batch that arrived first, from any worker; None when every
@@ -253,8 +254,6 @@ class Coordinator:
             open_sessions = [s for s in self.sessions if s.open_in_epoch]
             if not open_sessions:
                 return None
-            if any([self.take_ready(session) for session in open_sessions]):
-                continue  # something arrived (a batch, an epoch end): look again
             if all(s.reader.all_held for s in open_sessions):
                 self.flush_releases()
                 if all(s.reader.all_held for s in open_sessions):
@@ -413,13 +412,17 @@ class Coordinator:
         Raises ``WorkerTimeoutError`` when ``timeout`` passes with nothing from anyone. Anything
         that escapes (a failure, a torn record, an interrupt) closes the pool first.
         """
-        with self._closing_on_error():
+        try:
             self._pump(wanted, timeout, startup=startup)
+        except BaseException as error:
+            self._closing(error)
+            raise
 
     def _pump(self, wanted: WorkerSession | None, timeout: float | None, *, startup: bool) -> None:
         self.releases.waiting = True  # from here, a finalizer on this thread wakes the wait
         try:
-            self.flush_releases()
+            # lazy: releases a worker does not need to go on are held back (see flush_releases)
+            self.flush_releases(lazy=True)
             poller, channels, sentinels = self._poller_for_live_sessions()
             started = time.perf_counter_ns()
             ready = poller.poll(None if timeout is None else max(0, int(timeout * 1000)))
@@ -445,7 +448,7 @@ class Coordinator:
             self._drain(session)  # a failure record sent just before exiting explains the exit
             error, cause = self._died(session)
             self._heal_or_fail(session, error, cause)
-        self.flush_releases()
+        self.flush_releases(lazy=True)
 
     def _poller_for_live_sessions(
         self,
@@ -472,23 +475,10 @@ class Coordinator:
             self._poller_key = (live, at_eof)
         return self._poller
 
-    def take_ready(self, session: WorkerSession) -> bool:
-        """Handle what ``session``'s worker already sent, without waiting; False when nothing."""
-        handle = session.handle
-        if handle.exited or handle.eof or handle.channel.closed:
-            return False
-        with self._closing_on_error():
-            return self._drain(session)
-
-    @contextlib.contextmanager
-    def _closing_on_error(self) -> Iterator[None]:
-        """Anything escaping the block (a failure, a torn record, an interrupt) closes the pool."""
-        try:
-            yield
-        except BaseException as error:
-            if self.failure is None:
-                self._fail(error)
-            raise
+    def _closing(self, error: BaseException) -> None:
+        """Anything escaping a wait (a failure, a torn record, an interrupt) closes the pool."""
+        if self.failure is None:
+            self._fail(error)
 
     def _drain(self, session: WorkerSession) -> bool:
         """Handle every record the worker sent so far (one receive); False when there was
@@ -512,28 +502,33 @@ class Coordinator:
     def flush_releases(self, *, lazy: bool = False) -> None:
         """Send queued releases, one record per worker.
 
-        ``lazy`` (on delivering a batch) keeps fewer than half a ring of a worker's releases
-        queued while that costs nothing: the worker still has a free slot, or the trainer still
+        ``lazy`` keeps fewer than half a ring of a worker's releases queued while that costs
+        nothing: the worker still has a free slot (or a batch on its way), or the trainer still
         holds a batch of it to deliver next. A busy trainer then wakes a blocked worker once per
-        half ring rather than once per batch (fewer, larger records both ways); a trainer that
-        waits on a worker never holds its releases back."""
+        half ring rather than once per batch, and a starved one sends one release record per
+        half ring (fewer, larger records both ways). A release a worker needs to go on is never
+        held back, so waiting on a worker cannot deadlock."""
         pending = self._pending_releases
+        if not pending and not self.releases:
+            return
         for reader, slot, generation in self.releases.take():
             if self.sessions[reader.owner].reader is not reader:
                 continue  # a fill of a replaced process: its slots went with it
             if reader.release(slot, generation):
-                pending.setdefault(reader.owner, []).append((slot, generation))
-        for worker in list(pending):
-            session = self.sessions[worker]
-            fills = pending[worker]
-            reader = session.reader
+                pending.setdefault(reader, []).append((slot, generation))
+        for reader in list(pending):
+            session = self.sessions[reader.owner]
+            fills = pending[reader]
+            if session.reader is not reader:
+                del pending[reader]  # the process was replaced: its slots went with it
+                continue
             if (
                 lazy
                 and len(fills) < max(1, reader.num_slots // 2)
                 and (session.queue or reader.held + len(fills) < reader.num_slots)
             ):
                 continue
-            del pending[worker]
+            del pending[reader]
             session.handle.send(wire.Release(tuple(fills)))
 
     def release_now(self, session: WorkerSession, descriptor: wire.BatchReady) -> None:

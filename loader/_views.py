@@ -52,6 +52,10 @@ class ReleaseQueue:
                 with contextlib.suppress(BlockingIOError, OSError):
                     os.write(self._write_fd, b"\0")
 
+    def __bool__(self) -> bool:
+        """True when a release is queued (or the wakeup pipe holds a signal to drain)."""
+        return bool(self._items) or self._signalled
+
     def clear_wakeup(self) -> None:
         """Empty the wakeup pipe (the trainer's wait reported it readable)."""
         with self._lock:

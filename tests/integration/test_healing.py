@@ -73,6 +73,21 @@ def test_a_replacement_goes_on_within_seconds() -> None:
     assert elapsed < 15  # spawn, DALI import, trace: ~2-3 s here; bounded loosely for CI
 
 
+def test_releases_held_back_for_a_killed_worker_never_reach_its_replacement() -> None:
+    # prefetch=3: 5 slots, released 2 at a time. Worker 0 fills all 5 and dies; the trainer
+    # delivers the 5 batches and holds back the last release when it waits on the dead worker.
+    with Loader(
+        SOURCE, P.cast_step, batch_size=4, num_workers=2, max_restarts=1, prefetch=3
+    ) as loader:
+        batches = iter(loader)
+        ids = real_ids(next(batches))
+        time.sleep(0.5)  # worker 0 publishes what its other slots hold
+        os.kill(loader.worker_pids()[0], signal.SIGKILL)
+        ids += [i for batch in batches for i in real_ids(batch)]
+        assert loader.stats().restarts == 1
+    assert sorted(ids) == list(range(64))
+
+
 def test_a_stuck_worker_is_replaced_and_the_warning_has_its_stack(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
