@@ -221,7 +221,7 @@ class WorkerPool:
 #: What a forkserver imports once, before it forks any worker: the worker's loop and, through
 #: it, DALI. Forking after DALI was *imported* is safe; forking after an operator *ran* is not
 #: (the child hangs on its first operator), and the server never runs one.
-FORKSERVER_PRELOAD = ("__main__", "workers._loop")
+FORKSERVER_PRELOAD = ("__main__", "workers._preload")
 
 
 def preload_worker_modules(context: Any) -> None:

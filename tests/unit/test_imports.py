@@ -1,0 +1,47 @@
+"""A worker imports DALI without importing torch on the way, and torch still works after."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from workers._imports import torch_deferred
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from workers._imports import import_dali_modules
+
+    import_dali_modules()
+    assert "nvidia.dali.experimental.dynamic" in sys.modules
+    assert "torch" not in sys.modules, "torch was imported with DALI"
+    assert not [f for f in sys.meta_path if "TorchDeferred" in type(f).__name__], "hook left"
+
+    import torch  # a source or step that uses torch gets it as usual
+    import nvidia.dali.experimental.dynamic as ndd
+
+    tensor = ndd.as_tensor(np.arange(6, dtype=np.int32).reshape(2, 3)).torch(copy=True)
+    assert isinstance(tensor, torch.Tensor) and tensor.sum().item() == 15
+    print("ok")
+    """
+)
+
+
+def test_dali_is_imported_without_torch_and_torch_works_after() -> None:
+    pytest.importorskip("torch")
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_the_hook_is_removed_when_the_import_fails() -> None:
+    finders = list(sys.meta_path)
+    with pytest.raises(ZeroDivisionError), torch_deferred():
+        raise ZeroDivisionError
+    assert sys.meta_path == finders

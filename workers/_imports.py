@@ -1,0 +1,54 @@
+"""Importing DALI in a worker without importing PyTorch on the way.
+
+DALI 2.4's dynamic mode imports ``torch`` at module level only to name two type aliases
+(``_device.py``, ``_type.py``); every runtime use imports it lazily. Importing torch is most of
+DALI's import time (about 1.0 of 1.7 s on the 2-core machine), and a worker process pays it
+before its first batch. While DALI is imported in a worker, ``import torch`` is made to fail, so
+DALI falls back to its no-torch aliases; afterwards imports are untouched, and a source or step
+that imports torch gets it as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+
+
+class _TorchDeferred(importlib.abc.MetaPathFinder):
+    """Fails ``import torch`` (and its submodules) while installed."""
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname == "torch" or fullname.startswith("torch."):
+            raise ImportError(f"{fullname} is imported later in a loader worker")
+        return None
+
+
+@contextlib.contextmanager
+def torch_deferred() -> Iterator[None]:
+    """Within the block, ``import torch`` fails unless torch is already imported. Does nothing
+    when ``torchdata`` is installed: DALI then imports its torchdata nodes, which need torch."""
+    if "torch" in sys.modules or importlib.util.find_spec("torchdata") is not None:
+        yield
+        return
+    finder = _TorchDeferred()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+
+
+def import_dali_modules() -> None:
+    """Import the worker's DALI-facing modules (and DALI) with torch deferred."""
+    with torch_deferred():
+        from . import _main  # noqa: F401
