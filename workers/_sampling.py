@@ -36,6 +36,9 @@ logger = logging.getLogger("workers")
 #: Attribute set on an ExternalSource built here; the worker reads padding counts from it.
 PADDING_ATTRIBUTE = "_dali_capture_loader_padding"
 
+#: Batches whose arrays a source keeps referenced after yielding them.
+_KEEP_ALIVE = 4
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 
 
@@ -160,6 +163,11 @@ class BatchedSamples:
         self.current = self.batches_for_epoch(epoch)
         if not self.current:
             return
+        # The batches are views of the loaded arrays (``ndd.as_batch``: no copy; ``ndd.batch``
+        # would copy every batch, and its first copy makes DALI's trace parse its own 1,000-line
+        # ``_batch.py`` with libcst, ~0.45 s per worker). DALI copies a fed batch into its own
+        # buffers; the last few are kept alive here all the same.
+        alive: deque[list[Any]] = deque(maxlen=_KEEP_ALIVE)
         with ThreadPoolExecutor(1, thread_name_prefix="sample-prefetch") as prefetch:
             pending: Future[LoadedSamples] = prefetch.submit(self.load_batch, self.current[0][0])
             for step, (_chunk, pad_rows) in enumerate(self.current):
@@ -171,13 +179,18 @@ class BatchedSamples:
                 self.padding.append(pad_rows)
                 self.skips.append((loaded.replaced, loaded.skipped))
                 samples = loaded.samples
+                outputs = [
+                    [
+                        np.ascontiguousarray(sample if self.num_outputs == 1 else sample[k])
+                        for sample in samples
+                    ]
+                    for k in range(self.num_outputs)
+                ]
+                alive.append(outputs)
                 if self.num_outputs == 1:
-                    yield ndd.batch([np.asarray(sample) for sample in samples])
+                    yield ndd.as_batch(outputs[0])
                 else:
-                    yield tuple(
-                        ndd.batch([np.asarray(sample[k]) for sample in samples])
-                        for k in range(self.num_outputs)
-                    )
+                    yield tuple(ndd.as_batch(arrays) for arrays in outputs)
 
 
 @dataclass
