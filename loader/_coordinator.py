@@ -415,7 +415,8 @@ class Coordinator:
         try:
             self._pump(wanted, timeout, startup=startup)
         except BaseException as error:
-            self._closing(error)
+            if self.failure is None:
+                self._fail(error)
             raise
 
     def _pump(self, wanted: WorkerSession | None, timeout: float | None, *, startup: bool) -> None:
@@ -475,14 +476,8 @@ class Coordinator:
             self._poller_key = (live, at_eof)
         return self._poller
 
-    def _closing(self, error: BaseException) -> None:
-        """Anything escaping a wait (a failure, a torn record, an interrupt) closes the pool."""
-        if self.failure is None:
-            self._fail(error)
-
-    def _drain(self, session: WorkerSession) -> bool:
-        """Handle every record the worker sent so far (one receive); False when there was
-        none."""
+    def _drain(self, session: WorkerSession) -> None:
+        """Handle every record the worker sent so far (one receive)."""
         channel = session.handle.channel
         try:
             records = channel.receive_ready()
@@ -495,8 +490,6 @@ class Coordinator:
             # fires once the process has exited (no spinning on a readable end of stream).
             session.handle.eof = True
             self._poller = None  # type: ignore[assignment]
-            return True
-        return bool(records)
 
     # ------------------------------------------------------------------------------ releases
     def flush_releases(self, *, lazy: bool = False) -> None:
