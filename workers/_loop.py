@@ -295,14 +295,14 @@ class Worker:
                 names = ", ".join(sampled.describe(index) for index in failing)
                 error._loader_detail = f"the failing sample: {names}"  # type: ignore[attr-defined]
             raise error
-        summary = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        summary = _short_reason(error)
         self.channel.send(
             wire.SamplesFailed(
                 epoch=epoch,
                 step=done,
                 ids=tuple(failing),
                 names=tuple(sampled.name(index) for index in failing),
-                reason=f"{type(error).__name__}: {summary}",
+                reason=summary,
             )
         )
         raise Stop
@@ -387,3 +387,15 @@ def close_iterator(iterator: Iterator[Any] | None) -> None:
     if close is not None:
         with contextlib.suppress(Exception):
             close()
+
+
+def _short_reason(error: BaseException) -> str:
+    """One line for a log: DALI's error text starts with "Critical error in pipeline:" and a
+    traceback; what matters is the operator ("Error in CPU operator ...") and the line after
+    "encountered:"."""
+    lines = list(dict.fromkeys(line.strip() for line in str(error).splitlines() if line.strip()))
+    operator = next((line for line in lines if line.startswith("Error in ")), None)
+    if operator is not None and "encountered:" in lines[:-1]:
+        cause = lines[lines.index("encountered:") + 1]
+        return f"{type(error).__name__}: {operator.rstrip(',')} encountered: {cause}"[:300]
+    return f"{type(error).__name__}: {' '.join(lines[:3])}"[:300]
