@@ -247,6 +247,31 @@ def sample_source(
     )
 
 
+def _logged_id(index: int, log_dir: str) -> Any:
+    """Appends ``index`` to this process's load log, then returns it as the sample."""
+    with open(os.path.join(log_dir, f"loads-{os.getpid()}"), "a") as log:
+        log.write(f"{index}\n")
+    return np.array([index], dtype=np.int64)
+
+
+def logged_source(shard: Shard, log_dir: str, total: int = 16, batch_size: int = 4) -> Any:
+    """sharded_source whose load logs every sample id it loads, per worker process."""
+    import functools
+
+    from loader import sharded_source
+
+    return sharded_source(shard, total, functools.partial(_logged_id, log_dir=log_dir), batch_size)
+
+
+def logged_loads(log_dir: Any, pid: int) -> list[int]:
+    """The sample ids process ``pid`` loaded, in order."""
+    path = os.path.join(log_dir, f"loads-{pid}")
+    if not os.path.exists(path):
+        return []
+    with open(path) as log:
+        return [int(line) for line in log.read().split()]
+
+
 _source_calls = 0
 
 

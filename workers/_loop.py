@@ -1,4 +1,8 @@
-"""The worker's command loop and its epochs: one capture loop per epoch. Runs in the worker.
+"""The worker's command loop and its epochs. Runs in the worker.
+
+A capture loop runs one epoch, or, over a ``sharded_source``/``sharded_files`` root without
+feeders, every epoch in turn: the worker then ends each epoch by its known step count, and DALI's
+prefetch goes on into the next epoch between them (see ``Worker.epoch_iterator``).
 
 Invariants:
 
@@ -63,6 +67,10 @@ class Worker:
         self.traces = 0
         self.rebuilds = 0
         self.last_epoch_done: int | None = None
+        #: a capture loop kept from one epoch to the next (``continuous`` sharded sources):
+        #: the iterator, and the epoch its next batch belongs to
+        self.stream: Iterator[Any] | None = None
+        self.stream_epoch: int | None = None
         #: samples known to fail (on_error="skip"): replaced without loading
         self.bad_samples: set[int] = set(spec.bad_samples)
 
@@ -90,6 +98,7 @@ class Worker:
 
     def rebuild_sources(self, epoch: int, reason: str, position: Position | None = None) -> None:
         disabled = self.sources is not None and _dali.is_disabled(self.sources.source)
+        self.drop_stream()
         self.sources = None
         gc.collect()  # lets DALI shut the torn-down pipeline's threads down now
         shard = self.shard.for_epoch(epoch, position)
@@ -173,14 +182,19 @@ class Worker:
         batch_size = 0
         iterator: Iterator[Any] | None = None
         try:
-            iterator = _dali.epoch_iterator(sources.source, spec.batch_size, self.ctx, spec.capture)
+            steps = self.epoch_steps(epoch, tracing)  # None: ends when the source does
+            iterator = self.epoch_iterator(epoch, steps is not None)
             step_started = time.perf_counter_ns()
-            while True:
+            while steps is None or self.step < steps:
                 try:
                     self.phase = Phase.DALI
                     try:
                         inputs = next(iterator)
                     except StopIteration:
+                        if steps is not None:
+                            raise RuntimeError(
+                                f"the source ended after {self.step} of {steps} batches"
+                            ) from None
                         break
                     if signature_due and self.step == 1:  # after the traced step
                         assert schema is not None
@@ -203,7 +217,7 @@ class Worker:
                 except Exception as error:
                     if not self.can_isolate(error):
                         raise
-                    close_iterator(iterator)
+                    self.close_epoch_iterator(iterator)
                     self.skip_failing_samples(error, epoch, self.step)  # raises
                 self.step += 1
                 self.drain()
@@ -211,22 +225,74 @@ class Worker:
             if signature_due and schema is not None:
                 self.send_signature(schema, batch_size, time.perf_counter() - started)
         except AbortRequested:
-            close_iterator(iterator)
+            self.close_epoch_iterator(iterator)
             self.abort_idle(epoch)
             self.epoch = self.step = None
             self.phase = Phase.IDLE
             return
         except (ShutdownRequested, ChannelClosed, Stop):
-            close_iterator(iterator)
+            self.close_epoch_iterator(iterator)
             raise
         except Exception as error:
             self.report(error)
-            close_iterator(iterator)
+            self.close_epoch_iterator(iterator)
             raise Stop from error
         self.last_epoch_done = epoch
         self.channel.send(wire.EpochEnd(epoch, self.step, self.traces, self.rebuilds))
         self.epoch = self.step = None
         self.phase = Phase.IDLE
+
+    def epoch_steps(self, epoch: int, tracing: bool) -> int | None:
+        """Batches of ``epoch`` when one capture loop runs on from it into the next epochs (see
+        ``epoch_iterator``); None when this epoch's loop ends with the source."""
+        sources = self.sources
+        sampled = None if sources is None else sources.sampled
+        if sources is None or sampled is None or not sources.continuous:
+            return None
+        steps = sampled.epoch_steps(epoch)
+        if self.stream is None and tracing and steps < 2:
+            # DALI ends the traced step at the loop's next call; made in the next epoch's
+            # frame, that call finds nothing captured. This epoch gets a loop of its own.
+            return None
+        return steps
+
+    def epoch_iterator(self, epoch: int, continuous: bool) -> Iterator[Any]:
+        """The capture loop of ``epoch``. A continuous source keeps one loop for every epoch:
+        ended by step count, not by the source, the loop stays suspended between epochs and
+        DALI's prefetch has already started on the next epoch's first batch (as it does for a
+        reader) when the trainer starts that epoch."""
+        sources, spec = self.sources, self.spec
+        assert sources is not None
+        sampled = sources.sampled
+        if not continuous:
+            if sampled is not None:
+                sampled.continuous = False
+            return _dali.epoch_iterator(sources.source, spec.batch_size, self.ctx, spec.capture)
+        if self.stream is None:
+            assert sampled is not None
+            sampled.continuous = True
+            self.stream = _dali.epoch_iterator(
+                sources.source, spec.batch_size, self.ctx, spec.capture
+            )
+            self.stream_epoch = epoch
+        elif self.stream_epoch != epoch:
+            raise wire.ProtocolError(
+                f"StartEpoch({epoch}), but the source's next batches are of epoch "
+                f"{self.stream_epoch}"
+            )
+        self.stream_epoch = epoch + 1
+        return self.stream
+
+    def close_epoch_iterator(self, iterator: Iterator[Any] | None) -> None:
+        if iterator is self.stream:
+            self.drop_stream()
+        else:
+            close_iterator(iterator)
+
+    def drop_stream(self) -> None:
+        """End the capture loop kept between epochs (before the sources are rebuilt)."""
+        stream, self.stream, self.stream_epoch = self.stream, None, None
+        close_iterator(stream)
 
     # ----------------------------------------------------------------------- bad samples
     def can_isolate(self, error: BaseException) -> bool:
@@ -242,9 +308,9 @@ class Worker:
             and getattr(error, "_loader_phase", None) is None
         )
 
-    def find_failing_samples(self, step: int) -> list[int]:
-        """The samples of the batch at ``step`` of the current sources (or, when DALI's
-        prefetch reported it early, of the next one) that fail on their own.
+    def find_failing_samples(self, epoch: int, step: int) -> list[int]:
+        """The samples of the batch at ``step`` of ``epoch`` (or, when DALI's prefetch
+        reported it early, of the next one) that fail on their own.
 
         Method: each sample of the batch is loaded and run through ``step`` alone, eagerly (a
         batch of one, in the worker's EvalContext): it costs one re-run of the batch's samples.
@@ -253,10 +319,10 @@ class Worker:
         assert sources is not None and sources.sampled is not None
         sampled = sources.sampled
         for candidate in (step, step + 1):
-            if candidate >= len(sampled.current):
+            found = sampled.batch_ids(epoch, candidate)
+            if found is None:
                 continue
-            chunk, _padded = sampled.current[candidate]
-            ids = [i for i in dict.fromkeys(int(x) for x in chunk) if i not in sampled.bad]
+            ids = [i for i in dict.fromkeys(found) if i not in sampled.bad]
             failing = [index for index in ids if self.sample_fails(sampled, index)]
             if failing:
                 return failing
@@ -289,7 +355,7 @@ class Worker:
         sources = self.sources
         assert sources is not None and sources.sampled is not None
         sampled = sources.sampled
-        failing = self.find_failing_samples(done)
+        failing = self.find_failing_samples(epoch, done)
         if self.spec.on_error != "skip" or not failing:
             if failing:
                 names = ", ".join(sampled.describe(index) for index in failing)
@@ -376,6 +442,7 @@ class Worker:
             )
 
     def close(self) -> None:
+        self.drop_stream()
         self.sources = None
         if self.publisher is not None:
             self.publisher.close()

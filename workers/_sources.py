@@ -31,6 +31,8 @@ class Sources:
     #: For a reader that sticks to its shard and pads its last batch: the shard's real samples
     #: (rows past them are padding). None otherwise.
     reader_real_samples: int | None = None
+    #: A sharded source without feeders, captured: one capture loop may run every epoch.
+    continuous: bool = False
 
     @property
     def sampled(self) -> _sampling.BatchedSamples | None:
@@ -86,6 +88,8 @@ def build_sources(
     if spec.feeders is not None:
         set_phase(Phase.FEEDERS)
         built.feeders = check_feeders(spec.feeders(shard))
+    # one capture loop over every epoch (feeders end with each epoch's loop: not then)
+    built.continuous = sampled is not None and spec.capture and not built.feeders
     return built
 
 

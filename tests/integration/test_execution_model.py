@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,32 @@ def test_rule2_source_is_polled_ahead_of_the_body() -> None:
             polled = [(b.info.step, int(b["polled"][0, 0])) for b in loader]
         # the second epoch is fully captured: step k's body runs after k + 2 source items
         assert all(count >= 6 + step + 2 for step, count in polled[:-1])
+
+
+def test_rule2_a_sharded_source_prefetches_across_epochs(tmp_path: Path) -> None:
+    """Rule 2 across epochs: a sharded_source root (no feeders) runs one capture loop over every
+    epoch, so each worker loads the next epoch's first batch (and DALI starts on it) before the
+    trainer starts that epoch, as DALI does for a reader; no sample is loaded twice."""
+    source = functools.partial(P.logged_source, log_dir=str(tmp_path))
+    delivered: dict[int, list[int]] = {0: [], 1: []}
+    firsts: dict[int, list[int]] = {}
+    with Loader(source, P.cast_step, batch_size=4, num_workers=2, copy=True) as loader:
+        pids = loader.worker_pids()
+        for batch in loader:  # epoch 0: 8 samples, 2 batches per worker
+            delivered[batch.info.worker] += ids_of(batch)
+        deadline = time.monotonic() + 30
+        while not all(len(P.logged_loads(tmp_path, pid)) >= 8 + 4 for pid in pids):
+            assert time.monotonic() < deadline, "no worker loaded the next epoch's first batch"
+            time.sleep(0.05)
+        early = [P.logged_loads(tmp_path, pid) for pid in pids]
+        for batch in loader:
+            firsts.setdefault(batch.info.worker, ids_of(batch))
+            delivered[batch.info.worker] += ids_of(batch)
+        stats = loader.stats()
+    for worker, pid in enumerate(pids):
+        assert early[worker][8:12] == firsts[worker]
+        assert P.logged_loads(tmp_path, pid)[:16] == delivered[worker]  # once each, in order
+    assert [w.traces for w in stats.workers] == [1, 1]
 
 
 # ------------------------------------------------------------------------------------- rule 3

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -103,15 +104,20 @@ def test_another_layout_delivers_the_rest_of_the_epoch_once(
     rest: list[int] = []
     steps = set()
     for rank in range(new_world):
-        with make(new_workers, rank, new_world) as loader:
-            loader.load_state_dict(state)
-            expected = len(loader)
-            batches = stream(loader)
-            steps.add(len(batches))
-            assert len(batches) == expected
-            rest += [i for ids in batches for i in ids]
-            nxt = stream(loader)  # the next epoch runs on the new layout, complete
-            assert len(nxt) == len(loader)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with make(new_workers, rank, new_world) as loader:
+                loader.load_state_dict(state)
+                expected = len(loader)
+                batches = stream(loader)
+                steps.add(len(batches))
+                assert len(batches) == expected
+                rest += [i for ids in batches for i in ids]
+                nxt = stream(loader)  # the next epoch runs on the new layout, complete
+                assert len(nxt) == len(loader)
+                # a resumed epoch of one step is traced, then every later epoch replays it
+                assert [w.traces for w in loader.stats().workers] == [1] * new_workers
+        assert not [w for w in caught if "captured" in str(w.message)]
     assert len(steps) == 1, f"ranks took different numbers of steps: {steps}"
     assert sorted(consumed + rest) == list(range(TOTAL))
 

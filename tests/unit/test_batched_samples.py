@@ -1,0 +1,111 @@
+"""BatchedSamples in the worker's process, without one: file reads, batch assembly, and the
+continuous iteration a worker runs over every epoch (real DALI batches, no workers)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from workers import Position, Shard
+from workers._sampling import BatchedSamples, _batch_arrays, read_file
+
+
+def _id(index: int) -> Any:
+    return np.array([index], dtype=np.int64)
+
+
+def _samples(total: int = 30, batch: int = 4, shard: Shard | None = None) -> BatchedSamples:
+    shard = shard or Shard.make(rank=0, world_size=1, worker=1, num_workers=2, seed=5)
+    return BatchedSamples(shard, total, _id, batch)
+
+
+def _ids(batch: Any) -> list[int]:
+    return [int(np.asarray(sample)[0]) for sample in batch]
+
+
+def _expected(samples: BatchedSamples, epoch: int) -> list[list[int]]:
+    return [[int(i) for i in chunk] for chunk, _ in samples.batches_for_epoch(epoch)]
+
+
+def test_one_iteration_is_one_epoch_unless_continuous() -> None:
+    samples = _samples()
+    assert [_ids(b) for b in samples] == _expected(samples, 0)
+    assert [_ids(b) for b in samples] == _expected(samples, 1)  # the next iter: epoch 1
+
+
+def test_a_continuous_iteration_runs_every_epoch_in_turn_with_their_padding() -> None:
+    samples = _samples()
+    samples.continuous = True
+    stream = iter(samples)
+    steps = len(samples)
+    for epoch in range(3):
+        got = [_ids(next(stream)) for _ in range(samples.epoch_steps(epoch))]
+        assert got == _expected(samples, epoch)
+        assert [samples.padding.popleft() for _ in range(steps)] == [
+            padded for _, padded in samples.batches_for_epoch(epoch)
+        ]
+    assert sum(padded for _, padded in samples.batches_for_epoch(0)) == 1  # 15 ids, 4 batches
+
+
+def test_a_resumed_continuous_iteration_finishes_its_epoch_then_runs_whole_ones() -> None:
+    base = Shard.make(rank=0, world_size=1, worker=0, num_workers=2, seed=5)
+    whole = _samples(shard=base)
+    position = Position(0, ((2, (3, 1)),), continues=True)  # worker 0 received 3 batches
+    samples = _samples(shard=base.for_epoch(0, position))
+    samples.continuous = True
+    assert samples.epoch_steps(0) == 1 and samples.epoch_steps(1) == len(whole) == 4
+    stream = iter(samples)
+    got = [_ids(next(stream)) for _ in range(1 + 4)]
+    assert got == _expected(whole, 0)[3:] + _expected(whole, 1)
+
+
+def test_batch_ids_go_on_into_the_next_epoch_only_when_continuous() -> None:
+    samples = _samples()
+    last = len(samples) - 1
+    assert samples.batch_ids(0, last) == _expected(samples, 0)[last]
+    assert samples.batch_ids(0, last + 1) is None
+    samples.continuous = True
+    assert samples.batch_ids(0, last + 1) == _expected(samples, 1)[0]
+
+
+def test_a_shard_without_batches_ends_a_continuous_iteration() -> None:
+    shard = Shard.make(rank=0, world_size=1, worker=1, num_workers=2, seed=0)
+    samples = BatchedSamples(shard, 5, _id, 4, drop_last=True)  # 2 per shard: no full batch
+    samples.continuous = True
+    assert len(samples) == 0
+    assert list(samples) == []
+
+
+def test_small_equal_samples_are_stacked_and_others_stay_views() -> None:
+    labels = [np.array([k], dtype=np.int32) for k in range(6)]
+    stacked = _batch_arrays(labels)
+    assert isinstance(stacked, np.ndarray) and stacked.shape == (6, 1)
+    assert stacked.ravel().tolist() == list(range(6))
+    ragged = [np.zeros(n, np.uint8) for n in (3, 4)]
+    assert _batch_arrays(ragged) is ragged
+    mixed = [np.zeros(2, np.int32), np.zeros(2, np.int64)]
+    assert _batch_arrays(mixed) is mixed
+    large = [np.zeros(4096, np.uint8)] * 2
+    assert _batch_arrays(large) is large
+
+
+def test_read_file_returns_the_bytes_and_names_a_bad_path(tmp_path: Path) -> None:
+    path = tmp_path / "a.jpg"
+    payload = os.urandom(70_000)
+    path.write_bytes(payload)
+    data = read_file(str(path))
+    assert data.dtype == np.uint8 and data.tobytes() == payload
+    empty = tmp_path / "empty.jpg"
+    empty.write_bytes(b"")
+    assert read_file(str(empty)).size == 0
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(IsADirectoryError, match=re.escape(str(tmp_path))):
+        read_file(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=re.escape("missing.jpg")):
+        read_file(str(tmp_path / "missing.jpg"))
+    assert len(os.listdir("/proc/self/fd")) == before  # no descriptor left open
