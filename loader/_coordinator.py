@@ -43,6 +43,7 @@ from ._errors import (
 )
 from ._pool import WorkerPool, describe_exit
 from ._session import WorkerSession, WorkerState, choose_worker
+from ._validate import MAIN_GUARD_HINT
 from ._views import ReleaseQueue
 
 logger = logging.getLogger("loader")
@@ -722,6 +723,8 @@ class Coordinator:
         )
         if stack.strip():
             message += f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
+        elif session.hello is None and exitcode == 1:
+            message += f": {MAIN_GUARD_HINT}"
         error = WorkerDiedError(
             message,
             worker=session.index,

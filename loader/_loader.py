@@ -32,6 +32,7 @@ from ._coordinator import Coordinator
 from ._errors import LoaderClosedError, SkipLimitError
 from ._pool import WorkerPool
 from ._session import WorkerSession
+from ._validate import check_not_importing_main
 from ._views import BatchInfo, build_batch, current_stream
 
 logger = logging.getLogger("loader")
@@ -119,6 +120,7 @@ class Loader:
         self._closed = True  # until the pool is up; close() must work on a half-built loader
         self._coordinator: Coordinator | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        check_not_importing_main()
         config = LoaderConfig.build(
             source,
             step,

@@ -4,9 +4,31 @@ from __future__ import annotations
 
 import functools
 import importlib
+import multiprocessing
 import pickle
 import sys
 from typing import Any
+
+#: Added to the error of a worker that died before it could report anything (exit code 1).
+MAIN_GUARD_HINT = (
+    "it died before it could report anything, so its Python traceback is on its stderr (above). "
+    "A worker starts by importing the trainer's main module: code that runs a Loader or a "
+    'training job at import time belongs under `if __name__ == "__main__":`'
+)
+
+
+def check_not_importing_main() -> None:
+    """Refuse a Loader made while a new process imports the trainer's main module.
+
+    A spawned (or forkserver) worker imports the main module to find ``source`` and ``step``.
+    A script that makes its Loader at module level would make one there too: each worker would
+    try to start workers of its own. Multiprocessing's own error says it in general terms."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "Loader(...) was called while a new process (a loader worker) was importing the "
+            "trainer's main module: the code that makes the Loader runs at import time. Put it "
+            'under `if __name__ == "__main__":` (or in a function that block calls)'
+        )
 
 
 def check_importable(fn: Any, what: str) -> None:

@@ -190,3 +190,58 @@ def test_forkserver_preloads_dali_and_its_workers_run_it_safely(tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-2000:]
     words = done.stdout.split()
     assert words[:2] == ["server-imported-dali", "True"], done.stdout  # (speed: bench.startup)
+
+
+NO_MAIN_GUARD_SCRIPT = """
+import numpy as np
+from loader import Loader
+from tests import pipelines as P
+
+loader = Loader(P.sample_source, P.cast_step, batch_size=4, num_workers=2)
+print(sum(1 for _ in loader))
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> None:
+    """A Loader made at a script's top level runs again in every spawned worker (each imports
+    the main module): the worker says why it stops and the trainer's error says what to do."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_MAIN_GUARD_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    process = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    watched = psutil.Process(process.pid)
+    children: dict[int, str] = {}
+    while process.poll() is None:  # note every process it starts, to check none is left
+        try:
+            for child in watched.children(recursive=True):
+                children.setdefault(child.pid, " ".join(child.cmdline()))
+        except psutil.Error:
+            pass
+        time.sleep(0.05)
+    _out, err = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert "WorkerDiedError" in err, err[-2000:]
+    trainer_error = err[err.rindex("WorkerDiedError") :]
+    assert 'if __name__ == "__main__":' in trainer_error
+    assert "its Python traceback is on its stderr" in trainer_error
+    # the worker's own traceback names the cause (not only multiprocessing's generic text)
+    assert "was called while a new process (a loader worker) was importing" in err
+    deadline = time.monotonic() + 10
+    while (left := [c for pid, c in children.items() if psutil.pid_exists(pid)]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    assert not left
