@@ -66,7 +66,7 @@ class LoaderStats:
     bytes_moved: int
     wait_seconds: float  # the trainer's time waiting for workers after startup
     slots_in_use: int
-    skipped: tuple[tuple[int, str], ...]  # (sample id, name) of every sample skipped so far
+    skipped: tuple[tuple[int, str], ...]  # (sample id, name) of each sample skipped, once
     restarts: int  # worker processes replaced so far
     startup_seconds: float
     iteration_seconds: float
@@ -175,7 +175,7 @@ class Loader:
         self._startup_wait_ns = 0
         self._resume: Resume | None = None  # a loaded state, until its epoch is over
         self._resume_steps: list[int] = []  # batches each worker has left in that epoch
-        self._skipped: list[tuple[int, str]] = []  # (sample id, name) of every skipped sample
+        self._skipped: dict[int, str] = {}  # sample id -> name, every sample skipped so far
         self._skipped_by_epoch: dict[int, list[int]] = {}
         try:
             coordinator.start(config.startup_timeout)
@@ -371,9 +371,11 @@ class Loader:
 
     def _note_skipped(self, descriptor: Any) -> None:
         """Count skipped samples; more than ``max_skipped`` in an epoch is a pipeline bug."""
+        for epoch in [e for e in self._skipped_by_epoch if e < descriptor.epoch]:
+            del self._skipped_by_epoch[epoch]  # one epoch's skips are counted, not all ever
         epoch_skips = self._skipped_by_epoch.setdefault(descriptor.epoch, [])
         for index, name in zip(descriptor.skipped, descriptor.skipped_names, strict=True):
-            self._skipped.append((index, name))
+            self._skipped.setdefault(index, name)
             epoch_skips.append(index)
         limit = self._max_skipped()
         if len(epoch_skips) > limit:
@@ -457,7 +459,7 @@ class Loader:
             bytes_moved=sum(w.bytes for w in workers),
             wait_seconds=(coordinator.wait_ns - self._startup_wait_ns) / 1e9,
             slots_in_use=sum(s.reader.held for s in coordinator.sessions),
-            skipped=tuple(self._skipped),
+            skipped=tuple(self._skipped.items()),
             restarts=coordinator.restarts,
             startup_seconds=ready - self._created,
             iteration_seconds=iterating,
