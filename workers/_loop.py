@@ -191,8 +191,8 @@ class Worker:
                     try:
                         inputs = next(iterator)
                     except StopIteration:
-                        if steps is not None:
-                            raise RuntimeError(
+                        if steps is not None:  # a continuous source never ends
+                            raise wire.ProtocolError(
                                 f"the source ended after {self.step} of {steps} batches"
                             ) from None
                         break
