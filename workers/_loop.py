@@ -175,8 +175,6 @@ class Worker:
         self.phase = Phase.DALI
         tracing = _dali.will_trace(sources.source, spec.capture)
         signature_due = tracing or self.last_epoch_done is None
-        if tracing:
-            self.traces += 1
         started = time.perf_counter()
         schema: tuple[tuple[wire.OutputSchema, ...], str] | None = None
         batch_size = 0
@@ -196,6 +194,8 @@ class Worker:
                                 f"the source ended after {self.step} of {steps} batches"
                             ) from None
                         break
+                    if tracing and self.step == 0:  # an epoch without batches traces nothing
+                        self.traces += 1
                     if signature_due and self.step == 1:  # after the traced step
                         assert schema is not None
                         self.send_signature(schema, batch_size, time.perf_counter() - started)

@@ -85,6 +85,23 @@ def test_same_layout_resumes_the_uninterrupted_stream(taken: int) -> None:
     assert digest(before + after) == digest(uninterrupted)
 
 
+def test_a_state_taken_at_an_epochs_end_resumes_with_the_next_epoch() -> None:
+    with make() as loader:
+        uninterrupted = stream(loader, epochs=3)
+    with make() as loader:
+        before = stream(loader, epochs=1)
+        more, state = take(loader, 8)  # every batch of epoch 1
+    assert state["epoch"] == 1 and state["received"] == [4, 4]
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert len(loader) == 0
+        assert stream(loader) == []  # what is left of epoch 1: nothing
+        after = stream(loader)  # epoch 2, whole
+        # the empty epoch traced nothing: one trace per worker, at epoch 2's first step
+        assert [w.traces for w in loader.stats().workers] == [1, 1]
+    assert digest(before + more + after) == digest(uninterrupted)
+
+
 @pytest.mark.parametrize(
     ("saved", "resumed"), [((2, 2), (1, 3)), ((1, 2), (2, 2)), ((2, 1), (4, 1))]
 )
