@@ -12,6 +12,7 @@ Trainer -> worker:
 * :class:`Release` -- fills of slots the trainer no longer uses, each quoted by generation.
 * :class:`CudaFreeEvents` -- the trainer's "free" events of a CUDA ring (once per ring).
 * :class:`Seek` -- rebuild the sources for an epoch resumed from a saved position.
+* :class:`BadSamples` -- on_error="skip": samples another worker found failing; replace them too.
 * :class:`Shutdown` -- leave the command loop and exit.
 
 Worker -> trainer:
@@ -108,6 +109,16 @@ class Seek:
     epoch: int
     segments: tuple[tuple[int, tuple[int, ...]], ...]
     continues: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BadSamples:
+    """on_error="skip": sample ids another worker reported failing (``SamplesFailed``); this
+    worker replaces them from its next load on instead of failing on them itself."""
+
+    __reduce__ = _reduce
+
+    ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +338,7 @@ class LogRelay:
     message: str
 
 
-TrainerMessage = StartEpoch | AbortEpoch | Release | CudaFreeEvents | Seek | Shutdown
+TrainerMessage = StartEpoch | AbortEpoch | Release | CudaFreeEvents | Seek | BadSamples | Shutdown
 WorkerMessage = (
     Hello
     | ArenaReady

@@ -290,8 +290,15 @@ class Coordinator:
                 session.resumed_steps = message.first_epoch_steps
 
     def _samples_failed(self, session: WorkerSession, message: wire.SamplesFailed) -> None:
-        """on_error="skip": remember the samples; the worker's exit that follows is expected."""
-        for index, name in zip(message.ids, message.names, strict=True):
+        """on_error="skip": remember the samples and tell the other workers (each would
+        otherwise fail on them in a later epoch, and be replaced for it); the worker's exit
+        that follows is expected. Each sample is logged once, by whoever reported it first."""
+        new = [
+            (index, name)
+            for index, name in zip(message.ids, message.names, strict=True)
+            if index not in self.bad_samples
+        ]
+        for index, name in new:
             described = f"sample {index}" if name == str(index) else f"sample {index} ({name})"
             logger.warning(
                 "skipped %s: worker %d (%s) fails on it at epoch %d, step %d (%s)",
@@ -304,6 +311,11 @@ class Coordinator:
             )
         self.bad_samples.update(message.ids)
         session.exit_expected = True
+        if new:
+            found = wire.BadSamples(tuple(index for index, _ in new))
+            for other in self.sessions:
+                if other is not session:
+                    other.handle.send(found)
 
     def _no_restart_reason(self, session: WorkerSession) -> str | None:
         if self.max_restarts == 0:

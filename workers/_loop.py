@@ -128,6 +128,8 @@ class Worker:
             self.publisher.set_free_events(message.arena_id, message.handles)
         elif isinstance(message, wire.Shutdown):
             raise ShutdownRequested
+        elif isinstance(message, wire.BadSamples):
+            self.bad_samples.update(message.ids)  # the set the sources replace from
         elif isinstance(message, wire.Seek):
             if in_epoch:
                 raise wire.ProtocolError("Seek during an epoch")
@@ -319,10 +321,11 @@ class Worker:
         assert sources is not None and sources.sampled is not None
         sampled = sources.sampled
         for candidate in (step, step + 1):
-            found = sampled.batch_ids(epoch, candidate)
+            found = sampled.batch_at(epoch, candidate)
             if found is None:
                 continue
-            ids = [i for i in dict.fromkeys(found) if i not in sampled.bad]
+            batch, replaced = found
+            ids = [i for i in dict.fromkeys(batch) if i not in replaced]
             failing = [index for index in ids if self.sample_fails(sampled, index)]
             if failing:
                 return failing

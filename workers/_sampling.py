@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +38,9 @@ PADDING_ATTRIBUTE = "_dali_capture_loader_padding"
 
 #: Batches whose arrays a source keeps referenced after yielding them.
 _KEEP_ALIVE = 4
+
+#: Batches whose replaced sample ids are remembered (DALI holds at most a few in flight).
+_REPLACED_KEPT = 16
 
 #: Largest sample (bytes) that is stacked with the rest of its batch into one dense array.
 _STACK_BYTES = 1024
@@ -80,6 +83,9 @@ class BatchedSamples:
         self.bad: set[int] = set()  # sample ids known to fail: replaced without loading
         #: set by the worker: one iteration runs every epoch in turn (see ``__iter__``)
         self.continuous = False
+        #: (epoch, step) -> ids the batch was loaded without, for the last batches loaded
+        #: (``bad`` grows while batches are in flight: another worker's finds arrive any time)
+        self.replaced_in: OrderedDict[tuple[int, int], frozenset[int]] = OrderedDict()
         self.steps = steps_per_epoch(total, shard.count, batch_size, drop_last)
         #: batches of the first epoch these sources run (fewer when resumed mid-epoch)
         self.first_epoch_steps = len(self.batches_for_epoch(self.epoch))
@@ -164,7 +170,7 @@ class BatchedSamples:
             epoch = self.epoch
             self.epoch += 1
             batches = self.batches_for_epoch(epoch)
-            yield from self._epoch(batches)
+            yield from self._epoch(epoch, batches)
             if not self.continuous or (not batches and self.steps == 0):
                 return
 
@@ -172,16 +178,23 @@ class BatchedSamples:
         """Batches of ``epoch`` (fewer in the epoch of a saved position)."""
         return self.first_epoch_steps if epoch == self.shard.epoch else self.steps
 
-    def batch_ids(self, epoch: int, step: int) -> list[int] | None:
-        """The sample ids of batch ``step`` of ``epoch``; a step past the epoch's end is in the
-        next one when the batches are continuous. None past the last batch there is."""
+    def batch_at(self, epoch: int, step: int) -> tuple[list[int], frozenset[int]] | None:
+        """The sample ids of batch ``step`` of ``epoch``, and those of them it was loaded
+        without (replaced as known bad: they cannot have broken it). A step past the epoch's
+        end is in the next one when the batches are continuous. None past the last batch."""
         batches = self.batches_for_epoch(epoch)
         if step >= len(batches) and self.continuous:
             step -= len(batches)
-            batches = self.batches_for_epoch(epoch + 1)
-        return None if step >= len(batches) else [int(index) for index in batches[step][0]]
+            epoch += 1
+            batches = self.batches_for_epoch(epoch)
+        if step >= len(batches):
+            return None
+        replaced = self.replaced_in.get((epoch, step))
+        if replaced is None:  # not loaded yet: what would be replaced now
+            replaced = frozenset(self.bad)
+        return [int(index) for index in batches[step][0]], replaced
 
-    def _epoch(self, batches: list[Batch]) -> Iterator[Any]:
+    def _epoch(self, epoch: int, batches: list[Batch]) -> Iterator[Any]:
         """The batches of one epoch. Batch k+1's samples are loaded on a prefetch thread while
         DALI works on batch k (file reads release the GIL), so I/O overlaps decoding."""
         import nvidia.dali.experimental.dynamic as ndd
@@ -203,6 +216,9 @@ class BatchedSamples:
                     logger.warning("%s", note)  # on this (the loop's) thread: relayed
                 self.padding.append(pad_rows)
                 self.skips.append((loaded.replaced, loaded.skipped))
+                self.replaced_in[(epoch, step)] = frozenset(loaded.skipped)
+                if len(self.replaced_in) > _REPLACED_KEPT:
+                    self.replaced_in.popitem(last=False)
                 samples = loaded.samples
                 outputs = [
                     _batch_arrays(

@@ -140,27 +140,66 @@ def test_corrupt_files_are_skipped_and_reported(
     caplog.set_level(logging.WARNING, logger="loader")
     files, _ = list_images(root)
     source = functools.partial(P.files_with_ids_source, root=str(root))
+    expected = sorted(set(range(len(files))) - {files.index(path) for path in bad})
     with Loader(
         source, P.decode_files_step, batch_size=8, num_workers=2, on_error="skip", copy=True
     ) as loader:
-        ids: list[int] = []
-        reported: list[str] = []
-        steps = len(loader)
-        delivered = 0
-        for batch in loader:
-            delivered += 1
-            assert batch["image"].shape == (8, 8, 8, 3)  # full batches
-            ids += real_ids(batch, "label")
-            reported += list(batch.info.skipped_names)
-            assert len(batch.info.replaced) >= len(batch.info.skipped)
+        for _ in range(3):  # later epochs shuffle each bad file into the other worker's shard
+            ids: list[int] = []
+            reported: list[str] = []
+            steps = len(loader)
+            delivered = 0
+            for batch in loader:
+                delivered += 1
+                assert batch["image"].shape == (8, 8, 8, 3)  # full batches
+                ids += real_ids(batch, "label")
+                reported += list(batch.info.skipped_names)
+                assert len(batch.info.replaced) >= len(batch.info.skipped)
+            assert delivered == steps
+            assert sorted(reported) == sorted(bad)
+            assert sorted(ids) == expected  # every other file exactly once
         skipped = loader.stats().skipped
-    assert delivered == steps
-    assert sorted(reported) == sorted(bad)
     assert sorted(name for _, name in skipped) == sorted(bad)
-    expected = sorted(set(range(len(files))) - {files.index(path) for path in bad})
-    assert sorted(ids) == expected  # every other file exactly once
+    # once each: a worker told of another's find replaces the file instead of failing on it
     warned = [r.message for r in caplog.records if "skipped sample" in r.message]
     assert len(warned) == 3 and all(any(path in m for m in warned) for path in bad)
+
+
+def _bad_for_both_workers(total: int, batch: int) -> int:
+    """A sample id in worker 0's shard in epoch 0 and late in worker 1's in epoch 1 (past the
+    batches DALI and the prefetch thread can have loaded before that epoch starts)."""
+    from loader import Shard
+    from workers import BatchedSamples
+
+    def plan(worker: int, epoch: int) -> list[list[int]]:
+        shard = Shard.make(rank=0, world_size=1, worker=worker, num_workers=2, seed=0)
+        batches = BatchedSamples(shard, total, int, batch).batches_for_epoch(epoch)
+        return [[int(i) for i in chunk] for chunk, _ in batches]
+
+    first = {i for chunk in plan(0, 0) for i in chunk}
+    late = [i for chunk in plan(1, 1)[4:] for i in chunk]
+    return next(i for i in late if i in first)
+
+
+def test_a_sample_one_worker_found_bad_is_replaced_by_the_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """on_error="skip": the trainer tells every worker about a failing sample, so a worker
+    whose shard gets it in a later epoch replaces it instead of failing (and being replaced)."""
+    root = write_sample_dataset(tmp_path / "data", count=96, classes=2, seed=2)
+    files, _ = list_images(root)
+    bad = _bad_for_both_workers(len(files), 8)
+    Path(files[bad]).write_bytes(b"")
+    caplog.set_level(logging.INFO, logger="loader")
+    source = functools.partial(P.files_with_ids_source, root=str(root))
+    with Loader(
+        source, P.decode_files_step, batch_size=8, num_workers=2, on_error="skip", copy=True
+    ) as loader:
+        for _ in range(2):
+            ids = sorted(i for b in loader for i in real_ids(b, "label"))
+            assert ids == [i for i in range(len(files)) if i != bad]
+    replaced = [r for r in caplog.records if "skipped samples that fail inside DALI" in r.message]
+    assert len(replaced) == 1, [r.message for r in replaced]  # worker 0, epoch 0; not worker 1
 
 
 def test_a_corrupt_file_without_skip_raises_naming_the_file(

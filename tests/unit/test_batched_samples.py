@@ -64,13 +64,28 @@ def test_a_resumed_continuous_iteration_finishes_its_epoch_then_runs_whole_ones(
     assert got == _expected(whole, 0)[3:] + _expected(whole, 1)
 
 
-def test_batch_ids_go_on_into_the_next_epoch_only_when_continuous() -> None:
+def test_batch_at_goes_on_into_the_next_epoch_only_when_continuous() -> None:
     samples = _samples()
     last = len(samples) - 1
-    assert samples.batch_ids(0, last) == _expected(samples, 0)[last]
-    assert samples.batch_ids(0, last + 1) is None
+    assert samples.batch_at(0, last) == (_expected(samples, 0)[last], frozenset())
+    assert samples.batch_at(0, last + 1) is None
     samples.continuous = True
-    assert samples.batch_ids(0, last + 1) == _expected(samples, 1)[0]
+    assert samples.batch_at(0, last + 1) == (_expected(samples, 1)[0], frozenset())
+
+
+def test_batch_at_knows_which_ids_a_loaded_batch_replaced() -> None:
+    """A sample found bad after a batch was loaded was in it (and may have broken it); one
+    known bad before the load was replaced there and cannot have."""
+    samples = _samples()
+    samples.on_error = "skip"
+    first, second = _expected(samples, 0)[:2]
+    samples.bad = {first[0]}
+    stream = iter(samples)
+    assert first[0] not in _ids(next(stream))  # replaced by a good sample of the batch
+    assert second[0] in _ids(next(stream))
+    samples.bad.add(second[0])  # learnt after batch 1 was loaded (another worker's find)
+    assert samples.batch_at(0, 0) == (first, frozenset({first[0]}))
+    assert samples.batch_at(0, 1) == (second, frozenset())
 
 
 def test_a_shard_without_batches_ends_a_continuous_iteration() -> None:
