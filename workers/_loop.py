@@ -33,7 +33,7 @@ from . import _dali
 from ._phase import Phase
 from ._positions import Position
 from ._publish import Publisher, describe_outputs, normalize_outputs
-from ._sources import Sources, build_sources, padded_rows, skip_info
+from ._sources import Sources, build_sources, delivery_info
 from ._spec import WorkerSpec
 
 logger = logging.getLogger("workers")
@@ -209,8 +209,7 @@ class Worker:
                     if schema is None:
                         schema = (describe_outputs(named), kind)
                         batch_size = next(iter(named.values())).batch_size
-                    padded = padded_rows(sources, self.step, batch_size)
-                    replaced, skipped, names = skip_info(sources)
+                    padded, replaced, skipped, names = delivery_info(sources, self.step, batch_size)
                     publisher.publish(
                         epoch, self.step, named, step_started, padded, replaced, skipped, names
                     )
@@ -249,7 +248,8 @@ class Worker:
         ``epoch_iterator``); None when this epoch's loop ends with the source."""
         sources = self.sources
         sampled = None if sources is None else sources.sampled
-        if sources is None or sampled is None or not sources.continuous:
+        # a sharded root, captured, without feeders (they end with each epoch's loop)
+        if sources is None or sampled is None or not self.spec.capture or sources.feeders:
             return None
         steps = sampled.epoch_steps(epoch)
         if self.stream is None and tracing and steps < 2:

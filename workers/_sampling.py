@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,9 +38,6 @@ PADDING_ATTRIBUTE = "_dali_capture_loader_padding"
 
 #: Batches whose arrays a source keeps referenced after yielding them.
 _KEEP_ALIVE = 4
-
-#: Batches whose replaced sample ids are remembered (DALI holds at most a few in flight).
-_REPLACED_KEPT = 16
 
 #: Largest sample (bytes) that is stacked with the rest of its batch into one dense array.
 _STACK_BYTES = 1024
@@ -76,16 +73,12 @@ class BatchedSamples:
         self.sampling = Sampling(total, batch_size, shard.seed - shard.index, shuffle, drop_last)
         self.epoch = shard.epoch
         self.position = shard.position
-        self.padding: deque[int] = deque()  # rows of padding, one entry per yielded batch
-        #: per yielded batch: (rows replaced, sample ids skipped) -- with on_error="skip"
-        self.skips: deque[tuple[tuple[int, ...], tuple[int, ...]]] = deque()
+        #: one entry per batch handed to DALI and not yet delivered, oldest first
+        self.fed: deque[FedBatch] = deque()
         self.on_error = "raise"  # set by the worker from the Loader's on_error
         self.bad: set[int] = set()  # sample ids known to fail: replaced without loading
         #: set by the worker: one iteration runs every epoch in turn (see ``__iter__``)
         self.continuous = False
-        #: (epoch, step) -> ids the batch was loaded without, for the last batches loaded
-        #: (``bad`` grows while batches are in flight: another worker's finds arrive any time)
-        self.replaced_in: OrderedDict[tuple[int, int], frozenset[int]] = OrderedDict()
         self.steps = steps_per_epoch(total, shard.count, batch_size, drop_last)
         #: batches of the first epoch these sources run (fewer when resumed mid-epoch)
         self.first_epoch_steps = len(self.batches_for_epoch(self.epoch))
@@ -189,9 +182,10 @@ class BatchedSamples:
             batches = self.batches_for_epoch(epoch)
         if step >= len(batches):
             return None
-        replaced = self.replaced_in.get((epoch, step))
-        if replaced is None:  # not loaded yet: what would be replaced now
-            replaced = frozenset(self.bad)
+        # ``bad`` grows while batches are in flight (another worker's finds arrive any time):
+        # what a batch was loaded without is in its entry, until the batch is delivered
+        fed = next((f for f in self.fed if (f.epoch, f.step) == (epoch, step)), None)
+        replaced = frozenset(self.bad if fed is None else fed.skipped)
         return [int(index) for index in batches[step][0]], replaced
 
     def _epoch(self, epoch: int, batches: list[Batch]) -> Iterator[Any]:
@@ -214,11 +208,7 @@ class BatchedSamples:
                     pending = prefetch.submit(self.load_batch, batches[step + 1][0])
                 for note in loaded.notes:
                     logger.warning("%s", note)  # on this (the loop's) thread: relayed
-                self.padding.append(pad_rows)
-                self.skips.append((loaded.replaced, loaded.skipped))
-                self.replaced_in[(epoch, step)] = frozenset(loaded.skipped)
-                if len(self.replaced_in) > _REPLACED_KEPT:
-                    self.replaced_in.popitem(last=False)
+                self.fed.append(FedBatch(epoch, step, pad_rows, loaded.replaced, loaded.skipped))
                 samples = loaded.samples
                 outputs = [
                     _batch_arrays(
@@ -250,6 +240,18 @@ def _batch_arrays(
         if array.shape != shape or array.dtype != dtype:
             return arrays
     return np.stack(arrays)
+
+
+@dataclass(frozen=True, slots=True)
+class FedBatch:
+    """A batch handed to DALI: what the worker attaches to it when it is delivered, and what
+    it was loaded without (for searching it, should it fail)."""
+
+    epoch: int
+    step: int
+    padded: int  # trailing rows of padding
+    replaced: tuple[int, ...] = ()  # rows filled with a repeat of a good sample (on_error="skip")
+    skipped: tuple[int, ...] = ()  # the sample ids those rows would have held
 
 
 @dataclass

@@ -31,8 +31,6 @@ class Sources:
     #: For a reader that sticks to its shard and pads its last batch: the shard's real samples
     #: (rows past them are padding). None otherwise.
     reader_real_samples: int | None = None
-    #: A sharded source without feeders, captured: one capture loop may run every epoch.
-    continuous: bool = False
 
     @property
     def sampled(self) -> _sampling.BatchedSamples | None:
@@ -88,8 +86,6 @@ def build_sources(
     if spec.feeders is not None:
         set_phase(Phase.FEEDERS)
         built.feeders = check_feeders(spec.feeders(shard))
-    # one capture loop over every epoch (feeders end with each epoch's loop: not then)
-    built.continuous = sampled is not None and spec.capture and not built.feeders
     return built
 
 
@@ -107,22 +103,19 @@ def check_feeders(made: Any) -> dict[str, Any]:
     return dict(made)
 
 
-def padded_rows(sources: Sources, step: int, batch_size: int) -> int:
-    """Rows of step ``step``'s batch that are padding: counted by ``sharded_source``, or past
-    the shard's real samples for a reader that sticks to its shard and pads its last batch."""
+def delivery_info(
+    sources: Sources, step: int, batch_size: int
+) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+    """Of step ``step``'s batch: rows of padding, replaced rows, skipped sample ids and their
+    names. Padding is counted by ``sharded_source``, or is what lies past the shard's real
+    samples for a reader that sticks to its shard and pads its last batch."""
     sampled = sources.sampled
-    if sampled is not None and sampled.padding:
-        return sampled.padding.popleft()
+    if sampled is not None and sampled.fed:
+        fed = sampled.fed.popleft()
+        names = tuple(sampled.name(index) for index in fed.skipped)
+        return fed.padded, fed.replaced, fed.skipped, names
+    padded = 0
     if sources.reader_real_samples is not None:
         rows = (step + 1) * batch_size
-        return max(0, min(batch_size, rows - sources.reader_real_samples))
-    return 0
-
-
-def skip_info(sources: Sources) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
-    """The current batch's replaced rows, skipped sample ids and their names (on_error="skip")."""
-    sampled = sources.sampled
-    if sampled is None or not sampled.skips:
-        return (), (), ()
-    replaced, skipped = sampled.skips.popleft()
-    return replaced, skipped, tuple(sampled.name(index) for index in skipped)
+        padded = max(0, min(batch_size, rows - sources.reader_real_samples))
+    return padded, (), (), ()

@@ -46,7 +46,7 @@ def test_a_continuous_iteration_runs_every_epoch_in_turn_with_their_padding() ->
     for epoch in range(3):
         got = [_ids(next(stream)) for _ in range(samples.epoch_steps(epoch))]
         assert got == _expected(samples, epoch)
-        assert [samples.padding.popleft() for _ in range(steps)] == [
+        assert [samples.fed.popleft().padded for _ in range(steps)] == [
             padded for _, padded in samples.batches_for_epoch(epoch)
         ]
     assert sum(padded for _, padded in samples.batches_for_epoch(0)) == 1  # 15 ids, 4 batches
