@@ -176,7 +176,7 @@ class Loader:
         self._resume: Resume | None = None  # a loaded state, until its epoch is over
         self._resume_steps: list[int] = []  # batches each worker has left in that epoch
         self._skipped: dict[int, str] = {}  # sample id -> name, every sample skipped so far
-        self._skipped_by_epoch: dict[int, list[int]] = {}
+        self._epoch_skips = (0, 0)  # (epoch, samples skipped in it so far)
         try:
             coordinator.start(config.startup_timeout)
         except BaseException:
@@ -371,16 +371,15 @@ class Loader:
 
     def _note_skipped(self, descriptor: Any) -> None:
         """Count skipped samples; more than ``max_skipped`` in an epoch is a pipeline bug."""
-        for epoch in [e for e in self._skipped_by_epoch if e < descriptor.epoch]:
-            del self._skipped_by_epoch[epoch]  # one epoch's skips are counted, not all ever
-        epoch_skips = self._skipped_by_epoch.setdefault(descriptor.epoch, [])
         for index, name in zip(descriptor.skipped, descriptor.skipped_names, strict=True):
             self._skipped.setdefault(index, name)
-            epoch_skips.append(index)
+        epoch, count = self._epoch_skips
+        count = (count if epoch == descriptor.epoch else 0) + len(descriptor.skipped)
+        self._epoch_skips = (descriptor.epoch, count)
         limit = self._max_skipped()
-        if len(epoch_skips) > limit:
+        if count > limit:
             error = SkipLimitError(
-                f"{len(epoch_skips)} samples were skipped in epoch {descriptor.epoch}, more than "
+                f"{count} samples were skipped in epoch {descriptor.epoch}, more than "
                 f"max_skipped={limit}: that is a pipeline bug, not bad data (last: "
                 f"{descriptor.skipped_names[-1]}). Fix step() or the data, or raise max_skipped="
             )
