@@ -62,7 +62,7 @@ class LoaderStats:
 
     workers: tuple[WorkerStats, ...]
     batches: int
-    samples: int  # real samples delivered (padded rows are not counted)
+    samples: int  # real samples delivered (padded and replaced rows are not counted)
     bytes_moved: int
     wait_seconds: float  # the trainer's time waiting for workers after startup
     slots_in_use: int
@@ -573,7 +573,9 @@ class Loader:
         if copy:
             coordinator.release_now(session, descriptor)
         self._batches += 1
-        self._samples += self.config.batch_size - descriptor.padded
+        real = self.config.batch_size - descriptor.padded
+        # a row filled in for a skipped sample (on_error="skip") is a repeat, like padding
+        self._samples += real - sum(1 for row in descriptor.replaced if row < real)
         now = time.monotonic()
         self._last_batch_at = now
         if self._first_batch is None and self._iterating_since is not None:

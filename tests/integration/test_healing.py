@@ -227,6 +227,7 @@ def test_a_failing_load_is_skipped_by_id() -> None:
             assert reported == [37]  # every epoch's batch says so
         # the loader's list names each skipped sample once, not once per epoch
         assert [index for index, _ in loader.stats().skipped] == [37]
+        assert loader.stats().samples == 3 * 63  # rows filled in for sample 37 do not count
 
 
 def test_skip_needs_a_source_that_knows_its_sample_ids(image_root: Path) -> None:
