@@ -462,10 +462,14 @@ def close_iterator(iterator: Iterator[Any] | None) -> None:
 def _short_reason(error: BaseException) -> str:
     """One line for a log: DALI's error text starts with "Critical error in pipeline:" and a
     traceback; what matters is the operator ("Error in CPU operator ...") and the line after
-    "encountered:"."""
+    "encountered:". An eager step's error ("An error happened during asynchronous execution")
+    carries DALI's own as its ``__cause__``, which is added."""
     lines = list(dict.fromkeys(line.strip() for line in str(error).splitlines() if line.strip()))
     operator = next((line for line in lines if line.startswith("Error in ")), None)
     if operator is not None and "encountered:" in lines[:-1]:
         cause = lines[lines.index("encountered:") + 1]
         return f"{type(error).__name__}: {operator.rstrip(',')} encountered: {cause}"[:300]
-    return f"{type(error).__name__}: {' '.join(lines[:3])}"[:300]
+    text = f"{type(error).__name__}: {' '.join(lines[:3])}"
+    if error.__cause__ is not None:
+        text += f" ({_short_reason(error.__cause__)})"
+    return text[:300]

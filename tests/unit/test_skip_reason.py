@@ -26,3 +26,18 @@ def test_any_other_error_keeps_its_first_lines() -> None:
     assert _short_reason(ValueError("bad shape\n\n(3, 4)\nmore\nmore")) == (
         "ValueError: bad shape (3, 4) more"
     )
+
+
+def test_an_eager_steps_error_adds_its_cause() -> None:
+    """DALI raises "An error happened during asynchronous execution" from the real error."""
+    try:
+        try:
+            raise RuntimeError("nvImageCodec failure: '#4'")
+        except RuntimeError as cause:
+            raise RuntimeError("An error happened during asynchronous execution") from cause
+    except RuntimeError as error:
+        reason = _short_reason(error)
+    assert reason == (
+        "RuntimeError: An error happened during asynchronous execution "
+        "(RuntimeError: nvImageCodec failure: '#4')"
+    )
