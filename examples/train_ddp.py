@@ -162,7 +162,13 @@ def main() -> None:
             loader.load_state_dict(checkpoint["loader"])  # before the first iter(loader)
         for epoch in range(loader.epoch, args.epochs):
             seen: list[int] = []
-            progress: dict[str, Any] = {"epoch": epoch, "len": len(loader), "steps": 0, "ids": seen}
+            progress: dict[str, Any] = {
+                "epoch": epoch,
+                "len": len(loader),  # the epoch's length, also in a resumed epoch
+                "remaining": loader.remaining(),  # what this run takes of it
+                "steps": 0,
+                "ids": seen,
+            }
             record["epochs"].append(progress)
             for batch in loader:
                 images, ids = batch["image"], batch["id"].squeeze(1)

@@ -26,8 +26,9 @@ Worker -> trainer:
 * :class:`EpochAborted` -- answer to AbortEpoch: stopped, sources rebuilt.
 * :class:`Sought` -- answer to Seek: sources rebuilt at the position.
 * :class:`WorkerFailure` -- an exception, with where it happened; the worker stops after it.
-* :class:`SamplesFailed` -- on_error="skip": these samples broke a batch inside DALI; the worker
-  exits after it and the trainer starts a new one at that batch, without them.
+* :class:`SamplesFailed` -- on_error="skip": these samples broke a batch inside DALI (the worker
+  exits after it and the trainer starts a new one at that batch, without them), or their
+  ``load`` raised (the worker goes on, ``exits=False``).
 * :class:`WarningRelay`, :class:`LogRelay` -- a warning or log record to re-emit in the trainer.
 
 Each record travels in one frame (:data:`FRAME`: payload length, kind). The two records every
@@ -36,11 +37,16 @@ batch costs, :class:`BatchReady` and :class:`Release`, have fixed binary layouts
 
 A record that breaks this contract (an unknown kind, a slot or arena that does not exist, a
 placement outside its slot, a duplicated fill) raises :class:`ProtocolError` on the receiving side.
+
+Besides the channel, a worker's stack pipe carries faulthandler's text, and, when the trainer asks
+for the stack (SIGUSR1) while a sample's ``load`` runs, one :class:`LoadRunning` line after it.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
+import re
 import struct
 from dataclasses import dataclass
 from itertools import chain
@@ -289,7 +295,9 @@ class Sought:
 @dataclass(frozen=True, slots=True)
 class SamplesFailed:
     """The batch at ``step`` of ``epoch`` failed inside DALI or ``step``; run alone, these
-    samples fail (``names``: their files, or ids). The worker exits right after sending it."""
+    samples fail (``names``: their files, or ids). The worker exits right after sending it.
+    With ``exits=False`` their ``load`` raised: the batch was made without them (their rows
+    replaced) and the worker goes on; the trainer logs them and tells the other workers."""
 
     __reduce__ = _reduce
 
@@ -298,6 +306,7 @@ class SamplesFailed:
     ids: tuple[int, ...]
     names: tuple[str, ...]
     reason: str
+    exits: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +361,47 @@ WorkerMessage = (
     | WorkerFailure
     | WarningRelay
     | LogRelay
+)
+
+
+# --------------------------------------------------------------------------- stack pipe
+@dataclass(frozen=True, slots=True)
+class LoadRunning:
+    """A sample's ``load`` running in the worker when the trainer asked for its stack: the
+    worker writes :meth:`line` to its stack pipe after faulthandler's dump, the trainer finds
+    it in what it read with :meth:`find` (a load stuck for long is the sample that hangs)."""
+
+    index: int
+    seconds: float  # how long this load has been running
+    name: str  # the sample's file for sharded_files, else its id
+    epoch: int  # the batch it is loaded for: its epoch, and its step in this process's count
+    step: int
+
+    def line(self) -> str:
+        return (
+            f"--- load() of sample {self.index} running for {self.seconds:.1f} s (epoch "
+            f"{self.epoch}, this process's step {self.step}): {json.dumps(self.name)} ---\n"
+        )
+
+    @classmethod
+    def find(cls, text: str) -> LoadRunning | None:
+        """The last such line in ``text`` (a stack dump), or None."""
+        found = None
+        for match in _LOAD_RUNNING.finditer(text):
+            found = match
+        if found is None:
+            return None
+        index, seconds, epoch, step, name = found.groups()
+        try:
+            return cls(int(index), float(seconds), str(json.loads(name)), int(epoch), int(step))
+        except ValueError:
+            return None
+
+
+_LOAD_RUNNING = re.compile(
+    r"^--- load\(\) of sample (\d+) running for ([0-9.]+) s "
+    r"\(epoch (-?\d+), this process's step (-?\d+)\): (\".*\") ---$",
+    re.M,
 )
 
 

@@ -43,6 +43,9 @@ class Resume:
     epoch: int
     segments: tuple[tuple[int, tuple[int, ...]], ...]
     continues: bool  # same world size and workers: every shard goes on with its own batches
+    #: batches this rank's trainer had received in the epoch before the save (as it counted
+    #: them, over every earlier layout): ``len(loader)`` is this plus the batches left
+    before: int = 0
 
     def history(self) -> list[tuple[int, tuple[int, ...]]]:
         """Segments before this run's layout."""
@@ -64,6 +67,7 @@ def make_state(
     num_workers: int,
     received: Sequence[int | None],
     history: Sequence[tuple[int, Sequence[int]]],
+    steps: Sequence[int | None],
 ) -> dict[str, Any]:
     return {
         "format": FORMAT,
@@ -78,6 +82,7 @@ def make_state(
         "layout": {"world_size": world_size, "num_workers": num_workers},
         "received": list(received),
         "history": [[count, list(done)] for count, done in history],
+        "steps": list(steps),
     }
 
 
@@ -144,25 +149,85 @@ def parse_state(
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
             raise ValueError(f"history: {entry!r} is not [num_shards, [received...]]")
         shards, done = entry
-        if not isinstance(shards, int) or not isinstance(done, (list, tuple)):
+        if not _is_count(shards) or shards < 1 or not isinstance(done, (list, tuple)):
             raise ValueError(f"history: {entry!r} is not [num_shards, [received...]]")
-        if len(done) != shards or not all(isinstance(d, int) and d >= 0 for d in done):
-            raise ValueError(f"history: {entry!r} needs {shards} counts >= 0")
+        if len(done) != shards or not all(_is_count(d) for d in done):
+            raise ValueError(f"history: {entry!r} needs {shards} whole counts >= 0")
+        _check_within(f"history {entry!r}", done, sampling)
         history.append((shards, tuple(done)))
+    for index, value in enumerate(received):
+        if value is not None and not _is_count(value):
+            raise ValueError(
+                f"received[{index}]: {value!r} is not a count of batches (a whole number >= 0, "
+                "or null for a rank the state does not describe)"
+            )
     continues = (saved_world, saved_workers) == (world_size, num_workers)
     mine = range(rank * num_workers, (rank + 1) * num_workers)
     needed = mine if continues else range(count)
-    missing = [index for index in needed if not isinstance(received[index], int)]
+    missing = [index for index in needed if received[index] is None]
     if missing:
         raise ValueError(
             f"received: the counts of shards {missing} are missing: the state was taken without "
             "a torch.distributed group, so it describes one rank only. Resume it with the same "
             "world size and workers, or take states with the process group up"
         )
-    if any(isinstance(r, int) and r < 0 for r in received):
-        raise ValueError("received: a count is negative")
-    filled = tuple(int(r) if isinstance(r, int) else 0 for r in received)
-    return Resume(epoch, (*history, (count, filled)), continues)
+    filled = tuple(0 if r is None else int(r) for r in received)
+    _check_within("received", filled, sampling)
+    steps = state.get("steps")
+    if steps is not None and (
+        not isinstance(steps, list)
+        or len(steps) != saved_world
+        or not all(s is None or _is_count(s) for s in steps)
+    ):
+        raise ValueError(
+            f"steps: {steps!r} is not one count of batches (or null) per rank of the saved "
+            f"world size {saved_world}"
+        )
+    before = _received_before(steps, filled, saved_world, saved_workers, rank, continues)
+    return Resume(epoch, (*history, (count, filled)), continues, before)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_within(what: str, counts: Sequence[int], sampling: SamplingInfo) -> None:
+    """No shard can have received more batches than its epoch has."""
+    from workers import steps_per_epoch
+
+    shards = len(counts)
+    most = steps_per_epoch(sampling.total, shards, sampling.batch_size, sampling.drop_last)
+    beyond = [(index, value) for index, value in enumerate(counts) if value > most]
+    if beyond:
+        index, value = beyond[0]
+        raise ValueError(
+            f"{what}: shard {index} of {shards} received {value} batches, but an epoch of "
+            f"{sampling.total} samples in batches of {sampling.batch_size} has {most} per shard "
+            f"on {shards} shards; this state is not of this data (or was edited)"
+        )
+
+
+def _received_before(
+    steps: Sequence[int | None] | None,
+    received: Sequence[int],
+    world_size: int,
+    num_workers: int,
+    rank: int,
+    continues: bool,
+) -> int:
+    """Batches this rank's trainer had received in the saved epoch: on the same layout its own
+    count; on another layout the saving ranks' count (equal on every rank, as each rank takes
+    the same number of steps), so that ``len - before`` is what the new layout has left."""
+    if steps is not None:
+        own = steps[rank] if rank < len(steps) else None
+        if continues and own is not None:
+            return int(own)
+        known = [int(s) for s in steps if s is not None]
+        if known:
+            return max(known)
+    # a state without "steps" (format 1 before it was added): the last layout's counts
+    per_rank = [sum(received[r * num_workers : (r + 1) * num_workers]) for r in range(world_size)]
+    return per_rank[rank] if continues else max(per_rank)
 
 
 def _field(state: Mapping[str, Any], name: str, kind: Any) -> Any:

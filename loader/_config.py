@@ -6,6 +6,7 @@ the payload every rank must agree on come from this object, never from copied fi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -64,6 +65,9 @@ class LoaderConfig:
     on_error: str = "raise"
     max_skipped: int | None = None
     in_order: bool = True
+    #: how rank and world size were found (see ``_env.Placement.source``)
+    placement_source: str = "arguments"
+    num_threads_given: bool = True  # False: num_threads follows the placement
 
     @classmethod
     def build(
@@ -174,6 +178,28 @@ class LoaderConfig:
             on_error=on_error,
             max_skipped=max_skipped,
             in_order=bool(in_order),
+            placement_source=placement.source,
+            num_threads_given=num_threads is not None,
+        )
+
+    @property
+    def placement(self) -> _env.Placement:
+        return _env.Placement(
+            self.rank, self.world_size, 0, self.local_world_size, self.placement_source
+        )
+
+    def placed(self, placement: _env.Placement) -> LoaderConfig:
+        """This configuration at another rank and world size (a settled placement)."""
+        num_threads = self.num_threads
+        if not self.num_threads_given:
+            num_threads = _env.default_num_threads(self.num_workers, placement.local_world_size)
+        return dataclasses.replace(
+            self,
+            rank=placement.rank,
+            world_size=placement.world_size,
+            local_world_size=placement.local_world_size,
+            placement_source=placement.source,
+            num_threads=num_threads,
         )
 
     @property
@@ -221,13 +247,14 @@ class LoaderConfig:
 
     def agreement_payload(self) -> dict[str, Any]:
         """What every rank must have in common (rank, world size and the GPU are per rank)."""
+        # a default thread count follows each machine's CPUs: only a given one must agree
         return {
             "batch_size": self.batch_size,
             "num_workers": self.num_workers,
             "seed": self.seed,
             "capture": self.capture,
             "device": self.device,
-            "num_threads": self.num_threads,
+            "num_threads": self.num_threads if self.num_threads_given else "default",
             "prefetch": self.prefetch,
             "output": self.output,
             "on_error": self.on_error,

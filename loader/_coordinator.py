@@ -41,7 +41,7 @@ from ._errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from ._pool import WorkerPool, describe_exit
+from ._pool import WorkerHandle, WorkerPool, describe_exit
 from ._session import WorkerSession, WorkerState, choose_worker
 from ._validate import MAIN_GUARD_HINT
 from ._views import ReleaseQueue
@@ -49,6 +49,10 @@ from ._views import ReleaseQueue
 logger = logging.getLogger("loader")
 
 NOTHING_CAPTURED = "no operators were captured"
+
+#: With ``timeout`` set, the longest a replacement process may take to start (spawn, imports,
+#: sources) before its Hello, unless ``startup_timeout`` or ``timeout`` says otherwise.
+REPLACEMENT_START = 60.0
 
 #: Exception types of ``ipc`` a worker may raise, and the loader's class the trainer raises.
 KNOWN_TYPES: dict[tuple[str, str], type[Exception]] = {
@@ -99,6 +103,8 @@ class Coordinator:
         self.in_order = in_order
         self._arrivals: deque[int] = deque()  # in_order=False: workers, as their batches came
         self.restarts = 0
+        #: worker -> its replacement process, and the traces counted before it started
+        self._replacements: dict[int, tuple[WorkerHandle, int]] = {}
         #: the position load_state_dict() resumed from (its epoch's sources start there)
         self.resume_position: Position | None = None
         self.sessions: list[WorkerSession] = []
@@ -148,12 +154,15 @@ class Coordinator:
             session.signature_pending = True
         self._signatures_pending = len(self.sessions)
 
-    def start_epoch(self, epoch: int) -> None:
-        """Every worker runs ``epoch`` (each is READY, or ENDED with the last epoch drained)."""
+    def start_epoch(self, epoch: int, base_steps: list[int] | None = None) -> None:
+        """Every worker runs ``epoch`` (each is READY, or ENDED with the last epoch drained, or
+        still RUNNING the last epoch whose batches were all delivered: its end is awaited).
+        ``base_steps``: per worker, the epoch's step of its first batch (a resumed epoch)."""
+        self.finish_epoch()
         self._arrivals.clear()
-        for session in self.sessions:
-            assert not session.queue, "an epoch starts with batches of the last one queued"
+        for index, session in enumerate(self.sessions):
             session.received = session.delivered = session.step_offset = 0
+            session.base_step = 0 if base_steps is None else base_steps[index]
             session.last_step = None
             if session.state == WorkerState.STARTING:  # a replacement: starts it after Hello
                 session.after_start = (WorkerState.RUNNING, epoch)
@@ -161,6 +170,20 @@ class Coordinator:
                 continue
             session.move(WorkerState.RUNNING, epoch)
             session.handle.send(wire.StartEpoch(epoch))
+
+    def finish_epoch(self) -> None:
+        """Wait for the end of the epoch whose batches were all delivered (a trainer that stops
+        after ``len(loader)`` batches never asks for the end itself)."""
+        for session in self.sessions:
+            while session.open_in_epoch and not session.queue:
+                self.pump(session, self.wait_limit(session))
+            if session.queue:
+                raise self._fail(
+                    ProtocolError(
+                        f"{session.describe()} sent more batches of epoch {session.epoch} than "
+                        "its epoch has"
+                    )
+                )
 
     def abort_epoch(self, epoch: int) -> None:
         """Stop ``epoch`` everywhere and wait until every worker rebuilt its sources (READY)."""
@@ -207,10 +230,7 @@ class Coordinator:
         """
         while self._signatures_pending:
             waiting = next(s for s in self.sessions if s.signature_pending)
-            if waiting.received == 0 and not waiting.queue:
-                self.pump(waiting, self.trace_timeout)
-            else:
-                self.pump(waiting, self.timeout)
+            self.pump(waiting, self.wait_limit(waiting))
 
     def next_batch(self, cursor: int) -> tuple[WorkerSession, wire.BatchReady] | None:
         """The next batch in round-robin order from ``cursor``; None when the epoch is over."""
@@ -264,13 +284,42 @@ class Coordinator:
             self.pump(waiting, self.wait_limit(waiting))
 
     def wait_limit(self, session: WorkerSession) -> float | None:
-        """How long the trainer waits for ``session``'s next record: ``trace_timeout`` while a
-        (replacement) process starts or traces its first batch, else ``timeout``."""
-        if session.state == WorkerState.STARTING:
-            return self.startup_timeout
-        if session.signature_pending and session.received == 0:
-            return self.trace_timeout
-        return self.timeout
+        """How long the trainer waits for ``session``'s next record: ``startup_timeout`` while a
+        process starts or traces its first batch, else ``timeout``; a replacement, when
+        ``timeout`` is set, less (see :meth:`_limit`)."""
+        return self._limit(session)[0]
+
+    def _limit(self, session: WorkerSession) -> tuple[float | None, str]:
+        """:meth:`wait_limit`, and the setting it comes from, for messages.
+
+        A replacement (``timeout`` set) must not wait ``startup_timeout`` (300 s by default) for
+        a worker that hangs again, e.g. on the same sample: its start (spawn, imports, sources;
+        nothing loaded yet) gets :data:`REPLACEMENT_START` at most, and its traced first batch
+        ``timeout`` plus twice the longest trace this worker took before (what tracing costs
+        here, measured: a replacement traces the same loop again), so a hang is seen after
+        about ``timeout`` per restart."""
+        timeout = self.timeout
+        starting = session.state == WorkerState.STARTING
+        tracing = session.signature_pending and session.received == 0
+        traced = session.counters.trace_seconds
+        # a replacement process that has not traced yet (a later trace, after a rebuild, is
+        # bounded like any worker's)
+        replacement = self._replacements.get(session.index) == (session.handle, len(traced))
+        if timeout is not None and replacement and (starting or tracing):
+            if not starting and traced:
+                extra = round(2 * max(traced), 1)
+                return timeout + extra, (
+                    f"timeout={timeout:g}, plus {extra:g} s for a replacement to trace again: "
+                    "twice its first trace"
+                )
+            start = min(self.startup_timeout, max(timeout, REPLACEMENT_START))
+            return start, f"a replacement's start: at most {start:g} s"
+        if starting:
+            return self.startup_timeout, f"startup_timeout={self.startup_timeout:g}"
+        if tracing:
+            limit = self.trace_timeout
+            return limit, "" if limit is None else f"startup_timeout={limit:g}"
+        return timeout, "" if timeout is None else f"timeout={timeout:g}"
 
     # ------------------------------------------------------------------------------ healing
     def _hello(self, session: WorkerSession, message: wire.Hello) -> None:
@@ -291,13 +340,19 @@ class Coordinator:
 
     def _samples_failed(self, session: WorkerSession, message: wire.SamplesFailed) -> None:
         """on_error="skip": remember the samples and tell the other workers (each would
-        otherwise fail on them in a later epoch, and be replaced for it); the worker's exit
-        that follows is expected. Each sample is logged once, by whoever reported it first."""
+        otherwise fail on them in a later epoch, and be replaced for it, or log them again);
+        the worker's exit that follows is expected, unless it goes on (``exits=False``: their
+        ``load`` raised, or hung). Each sample is logged once, by whoever reported it first."""
         new = [
             (index, name)
             for index, name in zip(message.ids, message.names, strict=True)
             if index not in self.bad_samples
         ]
+        # the step counted in this process's epoch (a replacement's, or a resumed one's, starts
+        # at 0); a batch of the next epoch (prefetched across the epoch's end) counts from 0
+        step = message.step
+        if message.epoch == session.epoch:
+            step = session.epoch_step(step)
         for index, name in new:
             described = f"sample {index}" if name == str(index) else f"sample {index} ({name})"
             logger.warning(
@@ -306,11 +361,12 @@ class Coordinator:
                 session.index,
                 session.shard.describe(),
                 message.epoch,
-                message.step + session.step_offset,
+                step,
                 message.reason,
             )
         self.bad_samples.update(message.ids)
-        session.exit_expected = True
+        if message.exits:
+            session.exit_expected = True
         if new:
             found = wire.BadSamples(tuple(index for index, _ in new))
             for other in self.sessions:
@@ -341,6 +397,20 @@ class Coordinator:
             return
         reason = self._no_restart_reason(session)
         if reason is None:
+            hung: wire.LoadRunning | None = getattr(error, "_hung_load", None)
+            if hung is not None and session.handle.spec.on_error == "skip":
+                # a sample whose load hangs is skipped like one whose load raises: logged once,
+                # the other workers told, and the replacement (a restart: the stuck process
+                # is killed) makes its batch without it
+                hang = wire.SamplesFailed(
+                    hung.epoch,
+                    hung.step,
+                    (hung.index,),
+                    (hung.name,),
+                    f"its load() hangs: still running after {hung.seconds:.1f} s",
+                    exits=False,
+                )
+                self._samples_failed(session, hang)
             self._replace(session, cause)
             return
         if reason:
@@ -410,6 +480,7 @@ class Coordinator:
         session.received = 0
         session.last_step = None
         session.handle = self.pool.replace(session.index, spec)
+        self._replacements[session.index] = (session.handle, len(session.counters.trace_seconds))
         session.move(WorkerState.STARTING)
         self._poller = None  # type: ignore[assignment]
         if not session.signature_pending:
@@ -727,7 +798,9 @@ class Coordinator:
         stack = handle.read_stack(0.2)
         handle.exited = True
         last = (
-            "no batch yet" if session.last_step is None else f"last step sent {session.last_step}"
+            "no batch yet"
+            if session.last_step is None
+            else f"last step sent {session.epoch_step(session.last_step)}"
         )
         message = (
             f"{session.describe()} {text} unexpectedly "
@@ -757,11 +830,28 @@ class Coordinator:
                 stack = handle.read_stack(1.5)
             except (ProcessLookupError, OSError):
                 stack = ""
+        assert timeout is not None  # (a wait without a limit does not time out)
         waiting_for = "its first batch" if session.received == 0 else "a batch"
+        limit, setting = self._limit(session)
+        if limit != timeout:  # a wait of its own (a rebuild, a resume)
+            knobs = {self.timeout: "timeout", self.startup_timeout: "startup_timeout"}
+            setting = f"{knobs[timeout]}={timeout:g}" if timeout in knobs else f"{timeout:g} s"
+        step = session.epoch_step(session.next_step)  # the epoch's, not this process's
+        # the sample a load has been stuck on since (about) the wait began hangs; a load that
+        # started later is merely the one running when the wait, for a slow batch, ran out
+        running = wire.LoadRunning.find(stack)
+        hung = running if running is not None and running.seconds >= timeout / 2 else None
+        hangs = ""
+        if hung is not None:
+            named = (
+                f"sample {hung.index}"
+                if hung.name == str(hung.index)
+                else f"sample {hung.index} ({hung.name})"
+            )
+            hangs = f"; its load() hangs on {named} (running for {hung.seconds:.1f} s)"
         message = (
             f"{session.describe()} sent nothing for {timeout:g} s while the trainer waited for "
-            f"{waiting_for} (timeout=) "
-            f"[{self.where(session, session.epoch, session.next_step)}]"
+            f"{waiting_for} ({setting}) [{self.where(session, session.epoch, step)}]{hangs}"
         )
         message += (
             f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
@@ -769,9 +859,10 @@ class Coordinator:
             else "\n(the worker's stack could not be read)"
         )
         error = WorkerTimeoutError(message, worker=session.index, stack=stack)
-        error.step = session.next_step
+        error.step = step
         error.epoch = session.epoch
-        cause = f"sent nothing for {timeout:g} s (timeout=)"
+        error._hung_load = hung  # type: ignore[attr-defined]  # (for _heal_or_fail)
+        cause = f"sent nothing for {timeout:g} s ({setting}){hangs}"
         if stack.strip():
             cause += f"; stuck in: {_top_frames(stack)}"
         return error, cause

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -13,7 +14,13 @@ class Placement:
     world_size: int
     local_rank: int
     local_world_size: int
-    source: str  # "torch.distributed", "environment", "arguments" or "default"
+    source: str  # "torch.distributed", "environment", "arguments", "launcher" or "default"
+
+    @property
+    def provisional(self) -> bool:
+        """True when no group, launcher pair or argument fixed the rank: the loader settles it
+        from the process group when the first epoch starts (a launcher may set one up later)."""
+        return self.source in ("default", "launcher")
 
 
 def _env_int(name: str) -> int | None:
@@ -59,13 +66,21 @@ def discover_placement(rank: int | None, world_size: int | None) -> Placement:
         env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
         if env_rank is not None and env_world is not None:
             found, how = (env_rank, env_world), "environment"
-        elif (env_rank is None) != (env_world is None) and rank is None:
-            given, missing = ("RANK", "WORLD_SIZE") if env_world is None else ("WORLD_SIZE", "RANK")
+        elif env_rank is not None and env_world is None and rank is None:
             raise ValueError(
-                f"environment variable {given}={os.environ[given]!r} is set but {missing} is "
-                f"not: a launcher sets both (torchrun does); set {missing}, unset {given}, or "
+                f"environment variable RANK={os.environ['RANK']!r} is set but WORLD_SIZE is "
+                "not: a launcher sets both (torchrun does); set WORLD_SIZE, unset RANK, or "
                 "pass rank= and world_size="
             )
+        elif env_world is not None and env_rank is None and rank is None:
+            # Lightning's DDP launcher sets WORLD_SIZE, LOCAL_RANK and NODE_RANK but not RANK,
+            # and sets up the process group later (in fit): a guess, settled at the first epoch
+            guess = (local_rank or 0) + (_env_int("NODE_RANK") or 0) * (local_world or 0)
+            if not 0 <= guess < env_world:
+                guess = local_rank or 0 if 0 <= (local_rank or 0) < env_world else 0
+            found, how = (guess, env_world), "launcher"
+            if local_world is None and not _env_int("NODE_RANK"):
+                local_world = env_world  # one node: every rank shares this machine's CPUs
     if found is not None:
         if rank is not None and (rank, world_size) != found:
             raise ValueError(
@@ -81,7 +96,7 @@ def discover_placement(rank: int | None, world_size: int | None) -> Placement:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size}) ({how})")
     if local_rank is None:
-        local_rank = rank if how != "environment" and how != "torch.distributed" else 0
+        local_rank = rank if how in ("arguments", "default") else 0
     if local_world is None:
         local_world = 1
     return Placement(rank, world_size, local_rank, local_world, how)
@@ -113,3 +128,42 @@ def default_device_id(placement: Placement, visible_gpus: int) -> int:
     if worker.startswith("gw") and worker[2:].isdigit() and visible_gpus > 0:
         return int(worker[2:]) % visible_gpus
     return placement.local_rank % max(1, visible_gpus)
+
+
+def settle_placement(placement: Placement) -> Placement | None:
+    """The placement once the process group is known: None when ``placement`` stands, a new one
+    when a provisional placement meets a group that says otherwise. Raises ``ValueError`` when a
+    fixed placement contradicts the group, or when a launcher's WORLD_SIZE (without RANK) is
+    still not backed by a group at the first epoch."""
+    group = _torch_group()
+    if group is None:
+        if placement.source == "launcher":
+            raise ValueError(
+                f"environment variable WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} is set but "
+                "RANK is not, and no torch.distributed process group was set up by the first "
+                "epoch: the loader cannot tell its rank. Set RANK (torchrun does), initialise the "
+                "process group before the first epoch, or pass rank= and world_size="
+            )
+        return None
+    if group == (placement.rank, placement.world_size):
+        if placement.provisional:
+            return dataclasses.replace(placement, source="torch.distributed")
+        return None
+    if not placement.provisional:
+        raise ValueError(
+            f"the loader was built as rank {placement.rank} of {placement.world_size} "
+            f"({placement.source}), but the torch.distributed group says rank {group[0]} of "
+            f"{group[1]}; drop rank=/world_size= or fix the launcher"
+        )
+    local_rank = _env_int("LOCAL_RANK")
+    local_world = _env_int("LOCAL_WORLD_SIZE")
+    if local_world is None:
+        # a launcher on one node (Lightning's sets NODE_RANK=0): every rank shares this machine
+        local_world = group[1] if not _env_int("NODE_RANK") else placement.local_world_size
+    return Placement(
+        group[0],
+        group[1],
+        group[0] if local_rank is None else local_rank,
+        local_world,
+        "torch.distributed",
+    )

@@ -4,10 +4,13 @@ Order: within an epoch, batches come round-robin over workers (worker 0's first 
 first, ..., worker 0's second, ...), skipping workers whose shard has ended. The trainer always
 waits for the specific worker whose turn it is, so the sequence depends only on the seed.
 
-Epochs: ``iter(loader)`` starts the next epoch in every worker. Leaving an epoch early and calling
-``iter`` again aborts it everywhere first: every worker stops its loop, rebuilds its source and
-feeders for the next epoch (so DALI re-traces), and acknowledges; only then does the next epoch
-start, complete and from the start of every shard.
+Epochs follow the conventions every trainer assumes (torch's ``DataLoader``, Lightning,
+accelerate): ``len(loader)`` is the epoch's length; ``iter(loader)`` is lazy (nothing reaches a
+worker until the first ``next()``, and an iterator thrown away changes nothing); an iterator that
+has delivered its epoch's last batch is finished even if nobody calls ``next()`` again, so the
+next ``iter(loader)`` goes on with the next epoch, which the workers already prefetch. Leaving an
+epoch early and starting another aborts it everywhere first: every worker stops its loop,
+rebuilds its source and feeders for the next epoch (so DALI re-traces), and acknowledges.
 
 The Loader holds no worker state: it asks the coordinator (:mod:`loader._coordinator`), which
 owns every worker's lifecycle.
@@ -15,8 +18,10 @@ owns every worker's lifecycle.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -25,7 +30,7 @@ from typing import Any
 
 from workers import Shard
 
-from . import _checkpoint, _distributed
+from . import _checkpoint, _distributed, _env
 from ._checkpoint import Resume, SamplingInfo
 from ._config import LoaderConfig
 from ._coordinator import Coordinator
@@ -146,6 +151,28 @@ class Loader:
             max_skipped=max_skipped,
             in_order=in_order,
         )
+        self._epoch = 0
+        self._current: _EpochIterator | None = None
+        self._batches = 0
+        self._samples = 0
+        self._kind: str | None = None
+        self._ranks_traced = False
+        self._ranks_checked = False
+        self._ranks_checked_later = False  # re-laid: agreement is checked at the first epoch
+        self._created = time.monotonic()
+        self._ready_at: float | None = None
+        self._iterating_since: float | None = None
+        self._last_batch_at: float | None = None
+        self._first_batch: float | None = None
+        self._startup_wait_ns = 0
+        self._resume: Resume | None = None  # a loaded state, until its epoch is over
+        self._resume_steps: list[int] = []  # batches each worker has left in that epoch
+        self._skipped: dict[int, str] = {}  # sample id -> name, every sample skipped so far
+        self._epoch_skips = (0, 0)  # (epoch, samples skipped in it so far)
+        self._launch(config)
+
+    def _launch(self, config: LoaderConfig) -> None:
+        """Start ``config``'s workers and wait until each is ready (raises, closed, if not)."""
         self.config = config
         pool = WorkerPool(config.worker_specs(), config.start_method)
         trace_timeout = None if config.timeout is None else config.startup_timeout
@@ -161,22 +188,6 @@ class Loader:
         self._coordinator = coordinator
         self._finalizer = weakref.finalize(self, coordinator.close)
         self._closed = False
-        self._epoch = 0
-        self._current: _EpochIterator | None = None
-        self._batches = 0
-        self._samples = 0
-        self._kind: str | None = None
-        self._ranks_traced = False
-        self._created = time.monotonic()
-        self._ready_at: float | None = None
-        self._iterating_since: float | None = None
-        self._last_batch_at: float | None = None
-        self._first_batch: float | None = None
-        self._startup_wait_ns = 0
-        self._resume: Resume | None = None  # a loaded state, until its epoch is over
-        self._resume_steps: list[int] = []  # batches each worker has left in that epoch
-        self._skipped: dict[int, str] = {}  # sample id -> name, every sample skipped so far
-        self._epoch_skips = (0, 0)  # (epoch, samples skipped in it so far)
         try:
             coordinator.start(config.startup_timeout)
         except BaseException:
@@ -186,15 +197,61 @@ class Loader:
         self._startup_wait_ns = coordinator.wait_ns
         if config.on_error == "skip" or config.max_restarts:
             self._check_healable()
-        self._check_ranks_at_start()
+        if _distributed.group_size() > 1 and not self._ranks_checked_later:
+            self._check_ranks_at_start()  # a collective: only where every rank builds one
         logger.info(
-            "started %d workers (rank %d/%d, %d DALI threads each, capture=%s)",
+            "started %d workers (rank %d/%d%s, %d DALI threads each, capture=%s)",
             config.num_workers,
             config.rank,
             config.world_size,
+            ", until a process group says otherwise" if config.placement.provisional else "",
             config.num_threads,
             config.capture,
         )
+
+    def _settle(self) -> Coordinator:
+        """Rank and world size, final once a process group is up: a loader built before the
+        launcher set one up (Lightning's DDP, a DataModule's ``__init__``) re-lays its workers
+        for the group's rank before its first epoch. Costs nothing once settled."""
+        coordinator = self._require_open()
+        config = self.config
+        if config.placement_source == "torch.distributed" or (
+            not config.placement.provisional and _distributed.group_size() == 0
+        ):
+            return coordinator
+        try:
+            placement = _env.settle_placement(config.placement)
+        except ValueError:
+            self.close()
+            raise
+        if placement is None:
+            return coordinator
+        if (placement.rank, placement.world_size) == (config.rank, config.world_size):
+            self.config = config.placed(placement)  # confirmed: nothing to re-lay
+            return coordinator
+        started = self._current is not None and self._current.started
+        if started or self._resume is not None:
+            self.close()
+            raise RuntimeError(
+                f"the torch.distributed group makes this loader rank {placement.rank} of "
+                f"{placement.world_size}, but it already ran or resumed an epoch as rank "
+                f"{config.rank} of {config.world_size}: set the process group up before the "
+                "first epoch, or build the Loader after it (e.g. in train_dataloader())"
+            )
+        logger.info(
+            "rank %d of %d from the process group (the loader was built as rank %d of %d): "
+            "restarting its workers for that shard",
+            placement.rank,
+            placement.world_size,
+            config.rank,
+            config.world_size,
+        )
+        if self._finalizer is not None:
+            self._finalizer()
+        # no collective in here: other ranks may be settling without a re-lay
+        self._ranks_checked_later = True
+        self._launch(config.placed(placement))
+        return self._require_open()
 
     # ------------------------------------------------------------------------------ settings
     # Read-only views of ``config`` (a frozen LoaderConfig), for the user's convenience.
@@ -221,74 +278,94 @@ class Loader:
         return self._epoch
 
     def __iter__(self) -> Iterator[Any]:
-        coordinator = self._require_open()
-        if self._current is not None and not self._current.finished:
-            self._abort(self._current)
+        """An iterator over the next epoch. Lazy: the epoch starts at its first ``next()``, so
+        an iterator thrown away (Lightning makes one to check the loader) changes nothing.
+        Starting another while an epoch is half-delivered ends that epoch early everywhere."""
+        self._require_open()
+        current = self._current
+        if current is not None:
+            current.leave_accelerate()
+        if current is not None and current.started and not current.finished:
+            self._abort(current)
+        elif current is not None and not current.started:
+            current.replaced = True
         run = _EpochIterator(self, self._epoch)
-        resume = self._resume
-        if resume is not None and resume.epoch != run.epoch:
-            self._resume = resume = None  # that epoch is over (or was left for a newer one)
-        if resume is not None:
-            # round robin as if never interrupted: the next worker is the first of those that
-            # received the fewest batches of this rank
-            offsets = resume.offsets([shard.index for shard in self.config.shards])
-            run.cursor = offsets.index(min(offsets))
         self._current = run
-        coordinator.start_epoch(run.epoch)
-        self._epoch += 1
-        if self._iterating_since is None:
-            self._iterating_since = time.monotonic()
         return run
 
     def __len__(self) -> int:
-        """Batches this rank gets per epoch (known for :func:`sharded_source`,
-        :func:`sharded_files` and readers that stick to their shard); for an epoch resumed by
-        :meth:`load_state_dict`, the batches left in it."""
-        coordinator = self._require_open()
+        """Batches this rank gets per epoch, the same on every rank (known for
+        :func:`sharded_source`, :func:`sharded_files` and readers that stick to their shard).
+
+        As for torch's ``DataLoader``, it is the epoch's length even in an epoch resumed by
+        :meth:`load_state_dict`: the batches this rank had received before the save plus those
+        left, which the resumed iterator yields (a trainer that restores its own count of
+        batches done stops after ``len()`` exactly). Resumed on another layout, it is at least
+        the new layout's epoch length (the iterator then ends before ``len()``, as a trainer
+        expects of a shorter epoch). :meth:`remaining` gives the batches left.
+        """
+        self._settle()
+        epoch = self._active_epoch()
+        resume = self._resume
+        full = self._epoch_length()
+        if resume is not None and resume.epoch == epoch:
+            resumed = resume.before + sum(self._resume_steps)
+            # Another layout: the saving ranks' count plus what is left can be shorter than
+            # this layout's epochs. Lightning keeps the length it reads after the resume for
+            # every later epoch (it would cut them short), and ends an epoch early at the
+            # iterator's end: the longer of the two loses nothing.
+            return resumed if resume.continues else max(full, resumed)
+        return full
+
+    def remaining(self) -> int:
+        """Batches still to come in the epoch in progress (between epochs: in the next one,
+        which is shorter than ``len()`` after :meth:`load_state_dict`)."""
+        self._settle()
         current = self._current
-        epoch = current.epoch if current is not None and not current.finished else self._epoch
-        if self._resume is not None and self._resume.epoch == epoch:
+        if current is not None and current.started and not current.finished:
+            if current.expected is None:
+                self._epoch_length()  # raises: unknown for this source
+            assert current.expected is not None
+            return current.expected - current.delivered
+        resume = self._resume
+        if resume is not None and resume.epoch == self._epoch:
             return sum(self._resume_steps)
-        steps = [s.hello.steps_per_epoch if s.hello else None for s in coordinator.sessions]
-        if any(s is None for s in steps):
-            raise TypeError(
-                "len(loader) is unknown for this source: use sharded_source(), or a reader built "
-                "with stick_to_shard=True and pad_last_batch=True (every sample once per epoch, "
-                "padded rows flagged in batch.info.padded)"
-            )
-        return sum(s for s in steps if s is not None)
+        return self._epoch_length()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands: a small JSON-serialisable dict (O(shards)) to save with a
         checkpoint and give to :meth:`load_state_dict`.
 
         It counts, per global shard, the batches the trainer has received (handed out by the
-        iterator; prefetched ones do not count) in the epoch in progress (or, between epochs,
-        the next one). With a ``torch.distributed`` group up it is a collective: every rank calls
-        it and gets the same global dict; without one it describes this rank's shards. Costs no
-        message to the workers. Needs :func:`sharded_source` or :func:`sharded_files`.
+        iterator; prefetched ones do not count) in the epoch in progress; once an epoch's last
+        batch was handed out, it describes the next epoch with nothing received (whether or not
+        ``next()`` was called again). With a ``torch.distributed`` group up it is a collective:
+        every rank calls it and gets the same global dict; without one it describes this rank's
+        shards. Costs no message to the workers. Needs :func:`sharded_source` or
+        :func:`sharded_files`.
         """
-        coordinator = self._require_open()
+        coordinator = self._settle()
         sampling = self._sampling()
         current = self._current
         resume = self._resume
         shard_indices = [shard.index for shard in self.config.shards]
-        if current is not None and not current.finished:
-            epoch = current.epoch
-            if resume is not None and resume.epoch == epoch:
-                offsets, history = resume.offsets(shard_indices), resume.history()
-            else:
-                offsets, history = [0] * len(shard_indices), []
-            mine = [o + s.delivered for o, s in zip(offsets, coordinator.sessions, strict=True)]
+        epoch = self._active_epoch()
+        before = 0
+        if resume is not None and resume.epoch == epoch:
+            offsets, history = resume.offsets(shard_indices), resume.history()
+            before = resume.before
         else:
-            epoch = self._epoch
-            if resume is not None and resume.epoch == epoch:  # loaded, not started yet
-                offsets, history = resume.offsets(shard_indices), resume.history()
-                mine = offsets
-            else:
-                mine, history = [0] * len(shard_indices), []
+            offsets, history = [0] * len(shard_indices), []
+        if current is not None and current.started and not current.finished:
+            delivered = [s.delivered for s in coordinator.sessions]
+        else:
+            delivered = [0] * len(shard_indices)
+        mine = [o + d for o, d in zip(offsets, delivered, strict=True)]
+        steps = before + sum(delivered)
         config = self.config
-        gathered = _distributed.gather({"rank": config.rank, "received": mine, "epoch": epoch})
+        gathered = _distributed.gather(
+            {"rank": config.rank, "received": mine, "epoch": epoch, "steps": steps}
+        )
         if gathered is not None:
             epochs = {part["epoch"] for part in gathered}
             if len(epochs) > 1:
@@ -299,6 +376,9 @@ class Loader:
         received = _checkpoint.merge_ranks(
             mine, config.rank, config.num_workers, config.world_size, gathered
         )
+        rank_steps: list[int | None] = [None] * config.world_size
+        for part in gathered or [{"rank": config.rank, "steps": steps}]:
+            rank_steps[int(part["rank"])] = int(part["steps"])
         return _checkpoint.make_state(
             sampling=sampling,
             epoch=epoch,
@@ -306,6 +386,7 @@ class Loader:
             num_workers=config.num_workers,
             received=received,
             history=history,
+            steps=rank_steps,
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -319,7 +400,7 @@ class Loader:
         that cannot apply (another dataset size, seed or batch size, a newer format) raises
         ``ValueError`` naming the field, before any worker does anything.
         """
-        coordinator = self._require_open()
+        coordinator = self._settle()
         config = self.config
         resume = _checkpoint.parse_state(
             state,
@@ -328,12 +409,13 @@ class Loader:
             num_workers=config.num_workers,
             rank=config.rank,
         )
-        if self._current is not None and not self._current.finished:
-            self._abort(self._current)
+        current = self._current
+        if current is not None and current.started and not current.finished:
+            self._abort(current)
+            self._current = None
         steps = coordinator.seek(resume.epoch, resume.segments, resume.continues)
         self._resume, self._resume_steps = resume, steps
         self._epoch = resume.epoch
-        self._current = None
         try:
             _distributed.check_ranks(
                 "resumed epoch length", _distributed.gather({"steps": sum(steps)})
@@ -342,10 +424,11 @@ class Loader:
             self.close()
             raise
         logger.info(
-            "resuming epoch %d at %s (%s layout): %d batches left on this rank",
+            "resuming epoch %d at %s (%s layout): %d batches received before, %d left on this rank",
             resume.epoch,
             list(resume.segments[-1][1]),
             "same" if resume.continues else "new",
+            resume.before,
             sum(steps),
         )
 
@@ -427,6 +510,10 @@ class Loader:
         """A snapshot of per-worker and trainer-side counters."""
         coordinator = self._coordinator
         assert coordinator is not None
+        current = self._current
+        if current is not None and current.finished and not self.closed:
+            # an epoch over by count: its end (with the workers' counters) is on its way
+            coordinator.finish_epoch()
         workers = []
         for session in coordinator.sessions:
             counters = session.counters
@@ -470,6 +557,7 @@ class Loader:
         """Across ranks (when a process group is up): the same configuration and epoch length."""
         coordinator = self._coordinator
         assert coordinator is not None
+        self._ranks_checked = True
         steps = [s.hello.steps_per_epoch if s.hello else None for s in coordinator.sessions]
         payload = {
             **self.config.agreement_payload(),
@@ -515,14 +603,73 @@ class Loader:
         coordinator.abort_epoch(run.epoch)
         logger.info("epoch %d was left early; workers rebuilt their sources", run.epoch)
 
+    def _active_epoch(self) -> int:
+        """The epoch in progress, or between epochs the next one."""
+        current = self._current
+        if current is not None and current.started and not current.finished:
+            return current.epoch
+        return self._epoch
+
+    def _epoch_length(self) -> int:
+        """Batches of a whole epoch on this rank; ``TypeError`` when the source cannot say."""
+        coordinator = self._require_open()
+        steps = [s.hello.steps_per_epoch if s.hello else None for s in coordinator.sessions]
+        if any(s is None for s in steps):
+            raise TypeError(
+                "len(loader) is unknown for this source: use sharded_source(), or a reader built "
+                "with stick_to_shard=True and pad_last_batch=True (every sample once per epoch, "
+                "padded rows flagged in batch.info.padded)"
+            )
+        return sum(s for s in steps if s is not None)
+
+    def _start(self, run: _EpochIterator) -> Coordinator:
+        """The first ``next()`` of ``run``: settle the rank, start the epoch in every worker."""
+        coordinator = self._settle()
+        if not self._ranks_checked and _distributed.group_size() > 1:
+            self._check_ranks_at_start()
+        run.epoch = epoch = self._epoch
+        resume = self._resume
+        if resume is not None and resume.epoch != epoch:
+            self._resume = resume = None  # that epoch is over (or was left for a newer one)
+        base: list[int] | None = None
+        if resume is not None:
+            # round robin as if never interrupted: the next worker is the first of those that
+            # received the fewest batches of this rank
+            base = resume.offsets([shard.index for shard in self.config.shards])
+            run.cursor = base.index(min(base))
+            run.expected = sum(self._resume_steps)
+        else:
+            steps = [s.hello.steps_per_epoch if s.hello else None for s in coordinator.sessions]
+            run.expected = None if None in steps else sum(s for s in steps if s is not None)
+        coordinator.start_epoch(epoch, base)
+        run.started = True
+        self._epoch += 1
+        if self._iterating_since is None:
+            self._iterating_since = time.monotonic()
+        run.accelerate = _accelerate_state()
+        if run.accelerate is not None:
+            run.accelerate._add_dataloader(run)
+        return coordinator
+
+    def _finish(self, run: _EpochIterator) -> None:
+        run.finished = True
+        self._last_batch_at = time.monotonic()  # iteration lasts until the epoch's end
+
     def _next(self, run: _EpochIterator) -> Any:
         coordinator = self._require_open()
         if run.replaced:
             raise RuntimeError(
-                f"this iterator of epoch {run.epoch} was replaced by a newer iter(loader), which "
-                "ended that epoch early; iterate one epoch at a time"
+                f"this iterator of epoch {run.epoch} was replaced by a newer iter(loader) or "
+                "load_state_dict(); iterate one epoch at a time"
             )
         if run.finished:
+            run.leave_accelerate()
+            raise StopIteration
+        if not run.started:
+            coordinator = self._start(run)
+        if run.expected is not None and run.delivered >= run.expected:
+            self._finish(run)  # nothing left (a state saved at its epoch's end)
+            run.leave_accelerate()
             raise StopIteration
         coordinator.wait_signatures()
         if not self._ranks_traced:
@@ -533,11 +680,17 @@ class Loader:
             else coordinator.next_ready_batch()
         )
         if found is None:
-            run.finished = True
-            self._last_batch_at = time.monotonic()  # iteration lasts until the epoch's end
+            self._finish(run)
+            run.leave_accelerate()
             raise StopIteration
         session, descriptor = found
         run.cursor = (session.index + 1) % len(coordinator.sessions)
+        run.delivered += 1
+        if run.expected is not None and run.delivered >= run.expected:
+            # the epoch's last batch: the epoch is over now, not at a next() that a trainer
+            # stopping after len() batches never makes
+            self._finish(run)
+            run.end_of_dataloader = True
         return self._deliver(coordinator, session, descriptor)
 
     def _deliver(self, coordinator: Coordinator, session: WorkerSession, descriptor: Any) -> Any:
@@ -546,7 +699,7 @@ class Loader:
             self._kind = reference.output_kind if reference is not None else "dict"
         info = BatchInfo(
             epoch=descriptor.epoch,
-            step=descriptor.step + session.step_offset,
+            step=session.epoch_step(descriptor.step),
             worker=session.index,
             shard=session.shard.index,
             padded=descriptor.padded,
@@ -584,20 +737,59 @@ class Loader:
 
 
 class _EpochIterator:
-    """One epoch of a Loader. Obtained from ``iter(loader)``."""
+    """One epoch of a Loader. Obtained from ``iter(loader)``; started by its first ``next()``.
+
+    ``len(iterator)`` is the number of batches it still yields. It also speaks accelerate's
+    dataloader protocol (``end_of_dataloader``, ``remainder``): under an ``Accelerator`` with
+    gradient accumulation, gradients are synchronised at the epoch's last batch.
+    """
 
     def __init__(self, loader: Loader, epoch: int) -> None:
         self._loader = loader
-        self.epoch = epoch
+        self.epoch = epoch  # settled when it starts
         self.cursor = 0
+        self.started = False
         self.finished = False
         self.replaced = False
+        self.delivered = 0  # batches handed out by this iterator
+        self.expected: int | None = None  # batches it hands out in all, when known
+        self.end_of_dataloader = False  # accelerate: the last batch was handed out
+        self.remainder = -1  # accelerate: no samples of the last batch are duplicates to drop
+        self.accelerate: Any = None  # accelerate's GradientState, while registered with it
 
     def __iter__(self) -> _EpochIterator:
         return self
 
     def __next__(self) -> Any:
         return self._loader._next(self)
+
+    def __len__(self) -> int:
+        if self.finished or self.replaced:
+            return 0
+        if self.started:
+            if self.expected is None:
+                raise TypeError("the length of this epoch is unknown for this source")
+            return self.expected - self.delivered
+        return self._loader.remaining()
+
+    def leave_accelerate(self) -> None:
+        if self.accelerate is not None:
+            with contextlib.suppress(ValueError):
+                self.accelerate._remove_dataloader(self)
+            self.accelerate = None
+
+
+def _accelerate_state() -> Any:
+    """accelerate's ``GradientState`` when an ``Accelerator`` exists in this process, else None
+    (nothing of accelerate is imported or created here)."""
+    state = sys.modules.get("accelerate.state")
+    gradient_state = getattr(state, "GradientState", None)
+    if gradient_state is None or not getattr(gradient_state, "_shared_state", None):
+        return None
+    try:
+        return gradient_state()
+    except Exception:  # another accelerate version: the protocol is an extra, not a must
+        return None
 
 
 def _version() -> str:

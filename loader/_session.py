@@ -90,7 +90,8 @@ class WorkerSession:
         self.signature_pending = False  # a traced (or rebuilt) loop has yet to send one
         self.received = 0  # batches of ``epoch`` that arrived from this worker (queued or not)
         self.delivered = 0  # batches of ``epoch`` handed to the user
-        self.step_offset = 0  # a replacement's step 0 is this step of the epoch
+        self.step_offset = 0  # a replacement's step 0 is this step of the run
+        self.base_step = 0  # a resumed run's step 0 is this step of the epoch
         self.exit_expected = False  # the worker said it exits (SamplesFailed)
         self.resumed_steps: int | None = None  # batches of a resumed epoch (after Sought)
         self.last_step: int | None = None
@@ -122,8 +123,13 @@ class WorkerSession:
 
     @property
     def next_step(self) -> int:
-        """The step of the next batch the trainer expects from this worker."""
+        """The step of the next batch the trainer expects from this process."""
         return self.received
+
+    def epoch_step(self, step: int) -> int:
+        """The epoch's step of this process's ``step`` (a replacement or a resumed run starts
+        its count at 0; the user and every message count from the epoch's start)."""
+        return self.base_step + self.step_offset + step
 
     def describe(self) -> str:
         return self.handle.describe()

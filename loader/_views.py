@@ -107,16 +107,78 @@ class BatchInfo:
         return None if self.padded == 0 else -self.padded
 
 
+def _moved(value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``value.to(*args, **kwargs)`` for what has a ``to`` (tensors, nested batches), else
+    ``value`` (numpy arrays, ints): how a trainer moves a batch to its device."""
+    if isinstance(value, (list, tuple)) and not hasattr(value, "to"):
+        return type(value)(_moved(item, args, kwargs) for item in value)
+    to = getattr(value, "to", None)
+    return value if to is None or isinstance(value, np.ndarray) else to(*args, **kwargs)
+
+
 class LoadedBatch(dict[str, Any]):
-    """A delivered batch from a ``step`` that returned a dict: ``name -> array``."""
+    """A delivered batch from a ``step`` that returned a dict: ``name -> array``.
+
+    ``batch.to(device)`` moves every tensor and keeps ``info``: Lightning's and accelerate's
+    device transfer call it (they rebuild plain mappings without their attributes)."""
 
     info: BatchInfo
+
+    def to(self, *args: Any, **kwargs: Any) -> LoadedBatch:
+        moved = LoadedBatch((name, _moved(value, args, kwargs)) for name, value in self.items())
+        moved.info = self.info
+        return moved
 
 
 class LoadedTuple(tuple[Any, ...]):
-    """A delivered batch from a ``step`` that returned a tuple."""
+    """A delivered batch from a ``step`` that returned a tuple. ``batch.to(device)`` moves
+    every tensor and keeps ``info``."""
 
     info: BatchInfo
+
+    def to(self, *args: Any, **kwargs: Any) -> LoadedTuple:
+        moved = LoadedTuple(_moved(value, args, kwargs) for value in self)
+        moved.info = self.info
+        return moved
+
+
+def register_pytree_nodes() -> None:
+    """Let ``torch.utils._pytree`` (``tree_map``, ``torch.compile``, FSDP, ...) flatten the
+    batch types and rebuild them with ``info``. Idempotent; called when torch output is used."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from torch.utils import _pytree
+
+    def flatten_dict(batch: LoadedBatch) -> tuple[list[Any], Any]:
+        return list(batch.values()), (list(batch.keys()), getattr(batch, "info", None))
+
+    def unflatten_dict(values: Any, context: Any) -> LoadedBatch:
+        keys, info = context
+        rebuilt = LoadedBatch(zip(keys, values, strict=True))
+        rebuilt.info = info
+        return rebuilt
+
+    def flatten_tuple(batch: LoadedTuple) -> tuple[list[Any], Any]:
+        return list(batch), getattr(batch, "info", None)
+
+    def unflatten_tuple(values: Any, info: Any) -> LoadedTuple:
+        rebuilt = LoadedTuple(values)
+        rebuilt.info = info
+        return rebuilt
+
+    with contextlib.suppress(ValueError):  # registered already (another import path)
+        _pytree.register_pytree_node(
+            LoadedBatch, flatten_dict, unflatten_dict, serialized_type_name="loader.LoadedBatch"
+        )
+    with contextlib.suppress(ValueError):
+        _pytree.register_pytree_node(
+            LoadedTuple, flatten_tuple, unflatten_tuple, serialized_type_name="loader.LoadedTuple"
+        )
+
+
+_registered = False
 
 
 class LoadedArray(np.ndarray):
@@ -169,6 +231,7 @@ def to_output(value: Any, output: str, copy: bool) -> Any:
     if output == "torch":
         import torch
 
+        register_pytree_nodes()
         if isinstance(value, np.ndarray):
             return torch.from_numpy(value)
         return torch.from_dlpack(value)  # type: ignore[attr-defined]

@@ -603,3 +603,21 @@ def slow_start_source(shard: Shard) -> Any:
     from loader import sharded_source
 
     return sharded_source(shard, 64, _load_slow_start, 4, shuffle=False)
+
+
+def _load_hanging_at(index: int, at: int) -> Any:
+    if index == at:
+        import time
+
+        time.sleep(3600)  # until the trainer kills the process
+    return np.array([index], dtype=np.int64)
+
+
+def hanging_source(shard: Shard, at: int, total: int = 64) -> Any:
+    """sharded_source over ``total`` ids (shuffled, batches of 4) whose load never returns for
+    sample ``at``, in any process."""
+    import functools
+
+    from loader import sharded_source
+
+    return sharded_source(shard, total, functools.partial(_load_hanging_at, at=at), 4)

@@ -83,7 +83,9 @@ class Worker:
         self.ctx = _dali.make_context(self.spec.num_threads, self.spec.device_id)
         self.publisher = Publisher(self.spec, self.channel, self.ctx, self.wait_for_trainer)
         # epoch 0 from its start, or (a replacement) where its predecessor stopped
-        self.sources = build_sources(self.spec, self.shard, self.set_phase, self.bad_samples)
+        self.sources = build_sources(
+            self.spec, self.shard, self.set_phase, self.bad_samples, self.report_skipped
+        )
         self.phase = Phase.IDLE
         self.channel.send(
             wire.Hello(
@@ -102,7 +104,9 @@ class Worker:
         self.sources = None
         gc.collect()  # lets DALI shut the torn-down pipeline's threads down now
         shard = self.shard.for_epoch(epoch, position)
-        self.sources = build_sources(self.spec, shard, self.set_phase, self.bad_samples)
+        self.sources = build_sources(
+            self.spec, shard, self.set_phase, self.bad_samples, self.report_skipped
+        )
         self.phase = Phase.IDLE
         self.rebuilds += 1
         self.last_epoch_done = None  # the next epoch sends a signature again, even when eager
@@ -375,6 +379,30 @@ class Worker:
             )
         )
         raise Stop
+
+    def report_skipped(self, epoch: int, step: int, index: int, name: str, reason: str) -> None:
+        """on_error="skip": sample ``index``'s ``load`` raised, so batch ``step`` of ``epoch``
+        was made without it. The trainer logs it (once, whichever worker reports it first) and
+        tells the other workers, which then replace it without loading it; this one goes on."""
+        with contextlib.suppress(ChannelClosed, OSError):
+            self.channel.send(
+                wire.SamplesFailed(epoch, step, (index,), (name,), reason, exits=False)
+            )
+
+    def load_in_progress(self) -> wire.LoadRunning | None:
+        """The sample whose ``load`` runs now (on the prefetch thread), and for how long; for
+        the trainer, which asks for the stack of a worker that sent nothing for too long."""
+        sampled = None if self.sources is None else self.sources.sampled
+        loading = None if sampled is None else sampled.loading
+        if sampled is None or loading is None:
+            return None
+        index, started = loading
+        try:
+            name = sampled.name(index)
+        except Exception:
+            name = str(index)
+        epoch, step = sampled.loading_batch
+        return wire.LoadRunning(index, time.monotonic() - started, name, epoch, step)
 
     def call_step(self, inputs: Any, feeders: dict[str, Any]) -> Any:
         if isinstance(inputs, Mapping):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import functools
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ import sys
 import threading
 import warnings
 from multiprocessing.connection import Connection
+from typing import Any
 
 from ipc import ChannelClosed, ControlChannel, wire
 
@@ -63,19 +65,32 @@ def _set_parent_death_signal(parent_pid: int) -> None:
         os._exit(0)  # the trainer died before the signal was armed
 
 
+def _add_load_in_progress(worker: Worker, stack: Connection, signum: int, frame: Any) -> None:
+    """After faulthandler's dump: the sample whose ``load`` runs, as one line the trainer
+    parses (:class:`wire.LoadRunning`). Runs on the main thread, which waits for that load
+    (a wait that signals interrupt) when a ``load`` hangs."""
+    with contextlib.suppress(Exception):
+        running = worker.load_in_progress()
+        if running is not None:
+            os.write(stack.fileno(), running.line().encode("utf-8", "replace"))
+
+
 def run_worker(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connection) -> None:
     """Process entry point. Never returns normally: the process exits when serving ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    channel = ControlChannel(conn)
+    worker = Worker(spec, channel)
     faulthandler.enable(file=stack.fileno(), all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=stack.fileno(), all_threads=True, chain=False)
+    # SIGUSR1 (the trainer waited in vain): faulthandler writes every thread's stack at once;
+    # chained after it, the main thread adds the sample a ``load`` is stuck on, if any
+    signal.signal(signal.SIGUSR1, functools.partial(_add_load_in_progress, worker, stack))
+    faulthandler.register(signal.SIGUSR1, file=stack.fileno(), all_threads=True, chain=True)
     if spec.parent_death_signal:
         _set_parent_death_signal(spec.parent_pid)
     threading.Thread(
         target=_watch_trainer, args=(alive,), daemon=True, name="trainer-watch"
     ).start()
 
-    channel = ControlChannel(conn)
-    worker = Worker(spec, channel)
     logging.getLogger().handlers[:] = [_RelayHandler(channel)]
     logging.getLogger().setLevel(spec.log_level)
     warnings.showwarning = worker.relay_warning

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,6 +78,14 @@ class BatchedSamples:
         self.fed: deque[FedBatch] = deque()
         self.on_error = "raise"  # set by the worker from the Loader's on_error
         self.bad: set[int] = set()  # sample ids known to fail: replaced without loading
+        #: set by the worker: called (on the loop's thread) for each sample whose ``load``
+        #: raised under on_error="skip", with (epoch, step, id, name, reason); logged if unset
+        self.report_skipped: Callable[[int, int, int, str, str], None] | None = None
+        #: the load running now: (sample id, time.monotonic() at its start), and the batch
+        #: (epoch, step) loaded last or now; read when the trainer asks a stuck worker for its
+        #: stack
+        self.loading: tuple[int, float] | None = None
+        self.loading_batch: tuple[int, int] = (-1, -1)
         #: set by the worker: one iteration runs every epoch in turn (see ``__iter__``)
         self.continuous = False
         self.steps = steps_per_epoch(total, shard.count, batch_size, drop_last)
@@ -102,11 +111,14 @@ class BatchedSamples:
 
     def _load(self, index: int) -> Any:
         """``load(index)``; an exception leaves tagged with the phase and the sample id."""
+        self.loading = (index, time.monotonic())
         try:
             return self.load(index)
         except Exception as error:
             error._loader_phase = f"load, sample {index}"  # type: ignore[attr-defined]
             raise
+        finally:
+            self.loading = None
 
     def name(self, index: int) -> str:
         """A sample's name: a file's path for sharded_files, else its id."""
@@ -121,13 +133,13 @@ class BatchedSamples:
     def load_batch(self, chunk: np.ndarray[Any, Any]) -> LoadedSamples:
         """Every sample of a batch; with ``on_error="skip"`` a sample whose ``load`` raises (or
         that is known bad) is replaced by a repeat of a good sample of the same batch.
-        May run on the prefetch thread: it logs nothing itself (see ``LoadedSamples``)."""
+        May run on the prefetch thread: it reports nothing itself (see ``LoadedSamples``)."""
         ids = [int(index) for index in chunk]
         if self.on_error != "skip":
             return LoadedSamples([self._load(index) for index in ids])
         samples: list[Any] = []
         failed: list[int] = []
-        notes: list[str] = []
+        errors: list[tuple[int, str]] = []
         for row, index in enumerate(ids):
             if index in self.bad:
                 samples.append(None)
@@ -137,9 +149,7 @@ class BatchedSamples:
                 samples.append(self._load(index))
             except Exception as error:
                 self.bad.add(index)
-                notes.append(
-                    f"skipped {self.describe(index)}: load raised {type(error).__name__}: {error}"
-                )
+                errors.append((index, f"load raised {type(error).__name__}: {error}"[:300]))
                 samples.append(None)
                 failed.append(row)
         if not failed:
@@ -153,7 +163,7 @@ class BatchedSamples:
         for row in failed:
             samples[row] = good
         skipped = tuple(dict.fromkeys(ids[row] for row in failed))
-        return LoadedSamples(samples, tuple(failed), skipped, notes)
+        return LoadedSamples(samples, tuple(failed), skipped, errors)
 
     def __iter__(self) -> Iterator[Any]:
         """One epoch of batches; with ``continuous`` set, every epoch after it too, in order
@@ -201,13 +211,15 @@ class BatchedSamples:
         # buffers; the last few are kept alive here all the same.
         alive: deque[list[Any]] = deque(maxlen=_KEEP_ALIVE)
         with ThreadPoolExecutor(1, thread_name_prefix="sample-prefetch") as prefetch:
+            self.loading_batch = (epoch, 0)
             pending: Future[LoadedSamples] = prefetch.submit(self.load_batch, batches[0][0])
             for step, (_chunk, pad_rows) in enumerate(batches):
                 loaded = pending.result()
                 if step + 1 < len(batches):
+                    self.loading_batch = (epoch, step + 1)  # (one load_batch at a time)
                     pending = prefetch.submit(self.load_batch, batches[step + 1][0])
-                for note in loaded.notes:
-                    logger.warning("%s", note)  # on this (the loop's) thread: relayed
+                for index, reason in loaded.errors:  # on this (the loop's) thread
+                    self._skipped_on_load(epoch, step, index, reason)
                 self.fed.append(FedBatch(epoch, step, pad_rows, loaded.replaced, loaded.skipped))
                 samples = loaded.samples
                 outputs = [
@@ -224,6 +236,15 @@ class BatchedSamples:
                     yield ndd.as_batch(outputs[0])
                 else:
                     yield tuple(ndd.as_batch(arrays) for arrays in outputs)
+
+    def _skipped_on_load(self, epoch: int, step: int, index: int, reason: str) -> None:
+        """A sample whose ``load`` raised was left out of batch ``step`` of ``epoch``: the
+        worker tells the trainer (which logs it once for all workers, and tells the others);
+        without a worker, it is logged here."""
+        if self.report_skipped is not None:
+            self.report_skipped(epoch, step, index, self.name(index), reason)
+        else:
+            logger.warning("skipped %s: %s", self.describe(index), reason)
 
 
 def _batch_arrays(
@@ -256,12 +277,13 @@ class FedBatch:
 
 @dataclass
 class LoadedSamples:
-    """One batch's samples as loaded; ``notes``: what to log (from the loop's thread)."""
+    """One batch's samples as loaded; ``errors``: (id, reason) of each sample whose ``load``
+    raised, to report from the loop's thread."""
 
     samples: list[Any]
     replaced: tuple[int, ...] = ()
     skipped: tuple[int, ...] = ()
-    notes: list[str] = field(default_factory=list)
+    errors: list[tuple[int, str]] = field(default_factory=list)
 
 
 def sharded_source(

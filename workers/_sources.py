@@ -51,9 +51,11 @@ def build_sources(
     shard: Shard,
     set_phase: Callable[[Phase], None],
     bad_samples: set[int] | None = None,
+    report_skipped: Callable[[int, int, int, str, str], None] | None = None,
 ) -> Sources:
     """Call ``source(shard)`` and ``feeders(shard)``, check and probe what they return.
-    ``bad_samples``: sample ids found failing, replaced from now on (``on_error="skip"``)."""
+    ``bad_samples``: sample ids found failing, replaced from now on (``on_error="skip"``);
+    ``report_skipped``: told of each sample whose ``load`` raised (see ``BatchedSamples``)."""
     _dali.seed_random(shard.seed + shard.epoch * shard.count)
     set_phase(Phase.SOURCE)
     source = spec.source(shard)
@@ -66,6 +68,7 @@ def build_sources(
     if sampled is not None:
         sampled.on_error = spec.on_error
         sampled.bad = bad_samples if bad_samples is not None else set()
+        sampled.report_skipped = report_skipped
         built.steps_per_epoch = len(sampled)
         built.first_epoch_steps = sampled.first_epoch_steps
         if sampled.batch_size != spec.batch_size:

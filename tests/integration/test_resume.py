@@ -80,8 +80,13 @@ def test_same_layout_resumes_the_uninterrupted_stream(taken: int) -> None:
     with make() as loader:
         loader.load_state_dict(state)
         assert loader.epoch == 0
-        assert len(loader) == 8 - taken
-        after = stream(loader, epochs=2)
+        # len() is the epoch's length, as for torch's DataLoader; the iterator yields the rest
+        assert len(loader) == 8
+        assert loader.remaining() == 8 - taken
+        iterator = iter(loader)
+        assert len(iterator) == 8 - taken
+        after = [real_ids(b) for b in iterator]
+        after += stream(loader, epochs=1)
     assert digest(before + after) == digest(uninterrupted)
 
 
@@ -91,15 +96,32 @@ def test_a_state_taken_at_an_epochs_end_resumes_with_the_next_epoch() -> None:
     with make() as loader:
         before = stream(loader, epochs=1)
         more, state = take(loader, 8)  # every batch of epoch 1
-    assert state["epoch"] == 1 and state["received"] == [4, 4]
+    # the last batch was handed out: epoch 1 is over, without a next() that says so
+    assert state["epoch"] == 2 and state["received"] == [0, 0] and state["steps"] == [0]
     with make() as loader:
         loader.load_state_dict(state)
-        assert len(loader) == 0
+        assert len(loader) == loader.remaining() == 8
+        after = stream(loader)  # epoch 2, whole
+        assert [w.traces for w in loader.stats().workers] == [1, 1]
+    assert digest(before + more + after) == digest(uninterrupted)
+
+
+def test_a_state_at_an_epochs_end_in_the_old_form_resumes_with_nothing_left() -> None:
+    """A state that says "epoch 1, every batch received" (written before an epoch's end was
+    known without a last next()): len() is the whole epoch, nothing of it is left."""
+    with make() as loader:
+        uninterrupted = stream(loader, epochs=3)
+        state = loader.state_dict()
+    state = {**state, "epoch": 1, "received": [4, 4]}
+    del state["steps"]
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert len(loader) == 8 and loader.remaining() == 0
         assert stream(loader) == []  # what is left of epoch 1: nothing
         after = stream(loader)  # epoch 2, whole
         # the empty epoch traced nothing: one trace per worker, at epoch 2's first step
         assert [w.traces for w in loader.stats().workers] == [1, 1]
-    assert digest(before + more + after) == digest(uninterrupted)
+    assert digest(after) == digest(uninterrupted[16:])
 
 
 @pytest.mark.parametrize(
@@ -125,7 +147,9 @@ def test_another_layout_delivers_the_rest_of_the_epoch_once(
             warnings.simplefilter("always")
             with make(new_workers, rank, new_world) as loader:
                 loader.load_state_dict(state)
-                expected = len(loader)
+                expected = loader.remaining()
+                # the saving ranks had each received 3 batches: len() counts them
+                assert len(loader) == 3 + expected
                 batches = stream(loader)
                 steps.add(len(batches))
                 assert len(batches) == expected

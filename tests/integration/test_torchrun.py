@@ -264,7 +264,8 @@ def test_killed_job_resumes_on_one_rank_and_covers_the_epoch_once(
     assert [e["epoch"] for e in resumed["epochs"]] == [0, 1]
     rest, epoch1 = resumed["epochs"]
     # the 50 - 32 samples not yet received, 6 per new shard: 2 batches each on 3 workers
-    assert rest["steps"] == rest["len"] == 6
+    assert rest["steps"] == rest["remaining"] == 6
+    assert rest["len"] == 4 + 6  # the epoch's length: what each old rank received, plus the rest
     seen = [i for rec in killed for i in rec["epochs"][0]["ids"]] + rest["ids"]
     assert sorted(seen) == list(range(50)), "epoch 0 is not the dataset exactly once"
     assert sorted(epoch1["ids"]) == list(range(50))
@@ -309,7 +310,8 @@ def test_killed_job_resumes_on_the_same_layout_with_the_uninterrupted_stream(
         assert before["step"] == 3 and after["resumed_from"] == 3
         assert [e["epoch"] for e in after["epochs"]] == [0, 1]
         rest, epoch1 = after["epochs"]
-        assert rest["steps"] == rest["len"] == 8 - 3
+        assert rest["steps"] == rest["remaining"] == 8 - 3
+        assert rest["len"] == 8  # the epoch's length, as for torch's DataLoader
         assert before["epochs"][0]["ids"] + rest["ids"] == uninterrupted["epochs"][0]["ids"], (
             f"rank {rank}: the resumed epoch 0 is not the uninterrupted stream"
         )
