@@ -443,7 +443,7 @@ class Coordinator:
             session.sources_for = (epoch, position)
             session.after_start = (WorkerState.RUNNING, epoch)
             session.step_offset = session.delivered
-            where = f"goes on at batch {session.delivered} of epoch {epoch}"
+            where = f"goes on at batch {session.epoch_step(0)} of epoch {epoch}"
         elif state == WorkerState.REBUILDING:
             session.after_start = (WorkerState.REBUILDING, epoch)
             where = f"resumes epoch {epoch}"
@@ -751,7 +751,10 @@ class Coordinator:
         return ", ".join(parts)
 
     def relay_failure(self, session: WorkerSession, failure: wire.WorkerFailure) -> BaseException:
-        where = self.where(session, failure.epoch, failure.step)
+        step = failure.step
+        if step is not None and failure.epoch == session.epoch:
+            step = session.epoch_step(step)  # the epoch's, not this process's
+        where = self.where(session, failure.epoch, step)
         message = f"{failure.message} [{where}, in {failure.phase}]"
         for pattern, hint in HINTS:
             if pattern in failure.message:
@@ -764,7 +767,7 @@ class Coordinator:
             ("worker", session.index),
             ("shard", session.shard.index),
             ("epoch", failure.epoch),
-            ("step", failure.step),
+            ("step", step),
             ("phase", failure.phase),
             ("remote_traceback", failure.traceback),
         ):
