@@ -217,8 +217,14 @@ class Coordinator:
             session.resumed_steps = None
             session.handle.send(message)
         for session in self.sessions:
-            while session.state == WorkerState.REBUILDING:
-                self.pump(session, self.trace_timeout)
+            # a condition on the session, not one state: a worker that dies while rebuilding
+            # is replaced by a process that builds its sources at the position, then says Hello
+            while session.state == WorkerState.REBUILDING or (
+                session.state == WorkerState.STARTING
+                and session.after_start[0] == WorkerState.REBUILDING
+            ):
+                starting = session.state == WorkerState.STARTING
+                self.pump(session, self.wait_limit(session) if starting else self.trace_timeout)
         self._expect_signatures()
         return [s.resumed_steps or 0 for s in self.sessions]
 

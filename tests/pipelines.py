@@ -621,3 +621,11 @@ def hanging_source(shard: Shard, at: int, total: int = 64) -> Any:
     from loader import sharded_source
 
     return sharded_source(shard, total, functools.partial(_load_hanging_at, at=at), 4)
+
+
+def dying_on_seek_source(shard: Shard, marker: str) -> Any:
+    """sample_source; worker 1's process dies (SIGKILL) the first time it builds its sources at
+    a resumed position (load_state_dict's seek)."""
+    if shard.position is not None and shard.worker == 1 and _once(marker):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return sample_source(shard)

@@ -50,21 +50,25 @@ def test_an_epoch_taken_by_its_length_costs_no_rebuild() -> None:
     assert epochs[0] != epochs[1]  # each its own shuffle: no epoch was repeated or skipped
 
 
-def test_a_thrown_away_iterator_changes_nothing() -> None:
-    with make() as loader:
-        reference = first(loader, 3)
+def test_len_is_the_epochs_length_before_and_after_a_resume() -> None:
+    """Thrown-away iterators change nothing; a resumed epoch has the epoch's len(), yields the
+    rest with the epoch's step numbers, and a state taken in it counts every batch received
+    (resumed twice in one epoch: the first run's batches too)."""
+
+    def steps(batches: list[Any]) -> list[tuple[int, int]]:
+        return [(b.info.worker, b.info.step) for b in batches]
+
     with make() as loader:
         for _ in range(3):
-            iter(loader)
+            iter(loader)  # thrown away: starts nothing, not even the epoch counter
         assert loader.epoch == 0 and loader.remaining() == 8
         assert loader.state_dict()["epoch"] == 0
-        assert first(loader, 3) == reference
-        assert [w.rebuilds for w in loader.stats().workers] == [0, 0]
-
-
-def test_len_is_the_epochs_length_before_and_after_a_resume() -> None:
-    with make() as loader:
-        uninterrupted = [first(loader, 8), first(loader, 8)]
+        numbers, epoch0 = [], []
+        for batch in loader:
+            numbers.append((batch.info.worker, batch.info.step))
+            epoch0.append(ids(batch))
+        uninterrupted = [epoch0, first(loader, 8)]
+        del batch
     with make() as loader:
         before = first(loader, 5)
         assert len(loader) == 8 and loader.remaining() == 3
@@ -76,57 +80,40 @@ def test_len_is_the_epochs_length_before_and_after_a_resume() -> None:
         assert loader.remaining() == 3
         iterator = iter(loader)
         assert len(iterator) == 3
-        rest = [ids(b) for b in iterator]
+        sixth = next(iterator)
+        assert (sixth.info.worker, sixth.info.step) == numbers[5]  # the epoch's step, not 0
+        again = json.loads(json.dumps(loader.state_dict()))
+        rest = [ids(sixth)] + [ids(b) for b in iterator]
+        del sixth
         assert len(loader) == 8 and loader.remaining() == 8
         after = first(loader, 8)
     assert before + rest == uninterrupted[0]
     assert after == uninterrupted[1]
-
-
-def test_step_numbers_are_the_epochs_after_a_resume() -> None:
+    assert again["steps"] == [6]  # 5 before the first resume, 1 after it
     with make() as loader:
-        steps = [(b.info.worker, b.info.step) for b in loader]
-    with make() as loader:
-        first(loader, 5)
-        state = loader.state_dict()
-    with make() as loader:
-        loader.load_state_dict(state)
-        resumed = [(b.info.worker, b.info.step) for b in loader]
-    assert resumed == steps[5:]
+        loader.load_state_dict(again)
+        assert (len(loader), loader.remaining()) == (8, 2)
+        last = list(loader)
+        assert [ids(b) for b in last] == uninterrupted[0][6:]
+        assert steps(last) == numbers[6:]
+        del last
 
 
-def test_a_state_in_a_resumed_epoch_counts_every_batch_received() -> None:
-    """Resumed twice in one epoch: len() still counts what every earlier run received."""
+def test_received_counts_must_be_counts_within_the_epoch() -> None:
     with make() as loader:
         first(loader, 2)
         state = loader.state_dict()
-    with make() as loader:
-        loader.load_state_dict(state)
-        first(loader, 3)
-        state = loader.state_dict()
-    assert state["steps"] == [5]
-    with make() as loader:
-        loader.load_state_dict(state)
-        assert (len(loader), loader.remaining()) == (8, 3)
-
-
-@pytest.mark.parametrize(
-    ("received", "match"),
-    [
-        ([999, 0], r"received: shard 0 of 2 received 999 batches, but an epoch"),
-        ([3.0, 2.0], r"received\[0\]: 3.0 is not a count of batches"),
-        ([-1, 0], r"received\[0\]: -1 is not a count"),
-        ([True, 0], r"received\[0\]: True is not a count"),
-    ],
-)
-def test_received_counts_must_be_counts_within_the_epoch(received: list[Any], match: str) -> None:
-    with make() as loader:
-        first(loader, 2)
-        state = loader.state_dict()
-        with pytest.raises(ValueError, match=match):
-            loader.load_state_dict({**state, "received": received})
+        for received, match in (
+            ([999, 0], r"received: shard 0 of 2 received 999 batches, but an epoch"),
+            ([3.0, 2.0], r"received\[0\]: 3.0 is not a count of batches"),
+            ([-1, 0], r"received\[0\]: -1 is not a count"),
+            ([True, 0], r"received\[0\]: True is not a count"),
+        ):
+            with pytest.raises(ValueError, match=match):
+                loader.load_state_dict({**state, "received": received})
         with pytest.raises(ValueError, match=r"^steps: "):
             loader.load_state_dict({**state, "steps": [1, 2, 3]})
+        assert loader.remaining() == 6  # nothing was applied: the epoch goes on
 
 
 def test_batch_info_survives_a_device_transfer() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from loader import Loader
+from loader import Loader, steps_per_epoch
 from loader.sample import list_images
 from tests import pipelines as P
 
@@ -148,8 +148,10 @@ def test_another_layout_delivers_the_rest_of_the_epoch_once(
             with make(new_workers, rank, new_world) as loader:
                 loader.load_state_dict(state)
                 expected = loader.remaining()
-                # the saving ranks had each received 3 batches: len() counts them
-                assert len(loader) == 3 + expected
+                # the saving ranks had each received 3 batches: len() counts them, and is never
+                # shorter than this layout's epochs (a trainer keeps it for the next ones)
+                full = steps_per_epoch(TOTAL, new_world * new_workers, 4, False) * new_workers
+                assert len(loader) == max(full, 3 + expected)
                 batches = stream(loader)
                 steps.add(len(batches))
                 assert len(batches) == expected
@@ -234,3 +236,19 @@ def test_sharded_files_read_an_image_folder_exactly_once(image_root: Path) -> No
     with Loader(folder, P.bytes_and_label_step, batch_size=4, num_workers=2) as loader:
         got = sorted(i for b in loader for i in real_ids(b))
     assert got == sorted(labels)  # class folder labels, every file once
+
+
+def test_a_worker_killed_during_a_resume_is_replaced_and_counted(tmp_path: Path) -> None:
+    """A worker that dies while rebuilding its sources for load_state_dict() is replaced; the
+    seek waits for the replacement's own position, so len() and the resumed epoch are exact."""
+    with make() as loader:
+        uninterrupted = stream(loader, epochs=2)
+    with make() as loader:
+        before, state = take(loader, 3)
+    source = functools.partial(P.dying_on_seek_source, marker=str(tmp_path / "died"))
+    with make(source=source, max_restarts=1) as loader:
+        loader.load_state_dict(state)
+        assert loader.stats().restarts == 1  # worker 1 died in the seek and was replaced
+        assert (len(loader), loader.remaining()) == (8, 5)
+        after = stream(loader, epochs=2)
+    assert digest(before + after) == digest(uninterrupted)
