@@ -38,7 +38,7 @@ from ._errors import LoaderClosedError, SkipLimitError
 from ._pool import WorkerPool
 from ._session import WorkerSession
 from ._validate import check_not_importing_main
-from ._views import BatchInfo, build_batch, current_stream
+from ._views import BatchInfo, build_batch, current_stream, register_pytree_nodes
 
 logger = logging.getLogger("loader")
 
@@ -174,6 +174,8 @@ class Loader:
     def _launch(self, config: LoaderConfig) -> None:
         """Start ``config``'s workers and wait until each is ready (raises, closed, if not)."""
         self.config = config
+        if config.output == "torch":
+            register_pytree_nodes()
         pool = WorkerPool(config.worker_specs(), config.start_method)
         trace_timeout = None if config.timeout is None else config.startup_timeout
         coordinator = Coordinator(

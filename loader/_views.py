@@ -144,7 +144,8 @@ class LoadedTuple(tuple[Any, ...]):
 
 def register_pytree_nodes() -> None:
     """Let ``torch.utils._pytree`` (``tree_map``, ``torch.compile``, FSDP, ...) flatten the
-    batch types and rebuild them with ``info``. Idempotent; called when torch output is used."""
+    batch types and rebuild them with ``info``. Idempotent; a loader with torch output calls it
+    once, at its start (not per batch)."""
     global _registered
     if _registered:
         return
@@ -231,7 +232,6 @@ def to_output(value: Any, output: str, copy: bool) -> Any:
     if output == "torch":
         import torch
 
-        register_pytree_nodes()
         if isinstance(value, np.ndarray):
             return torch.from_numpy(value)
         return torch.from_dlpack(value)  # type: ignore[attr-defined]
