@@ -64,6 +64,43 @@ def _reduce(record: Any) -> tuple[Any, tuple[Any, ...]]:
     return type(record), tuple(getattr(record, name) for name in record.__slots__)
 
 
+# --------------------------------------------------------------------------- shared values
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """What decides an epoch's samples for a ``sharded_source``/``sharded_files`` root: the same
+    on every rank, worker and run. ``Hello`` carries it; the trainer checks and saves it."""
+
+    __reduce__ = _reduce
+
+    total: int
+    batch_size: int
+    seed: int
+    shuffle: bool
+    drop_last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where epoch ``epoch`` stands: ``segments`` of ``(num_shards, batches received per
+    shard)``, oldest first (each a layout a run used). ``Seek`` carries it.
+
+    ``continues``: the run that uses this position has the layout of the last segment (same
+    world size and workers), so each shard goes on with its own batches; otherwise the samples
+    not yet received are split among the new shards.
+    """
+
+    __reduce__ = _reduce
+
+    epoch: int
+    segments: tuple[tuple[int, tuple[int, ...]], ...]
+    continues: bool = False
+
+    def __post_init__(self) -> None:
+        for count, received in self.segments:
+            if count < 1 or len(received) != count or any(r < 0 for r in received):
+                raise ValueError(f"a position segment needs {count} counts >= 0, got {received}")
+
+
 # --------------------------------------------------------------------------- trainer -> worker
 @dataclass(frozen=True, slots=True)
 class StartEpoch:
@@ -106,15 +143,11 @@ class CudaFreeEvents:
 
 @dataclass(frozen=True, slots=True)
 class Seek:
-    """Rebuild the sources for ``epoch``, resumed from a position: ``segments`` of
-    ``(num_shards, batches received per shard)``, oldest first; ``continues`` when this layout
-    is the last segment's (each shard goes on with its own batches)."""
+    """Rebuild the sources to start ``position.epoch`` at ``position``."""
 
     __reduce__ = _reduce
 
-    epoch: int
-    segments: tuple[tuple[int, tuple[int, ...]], ...]
-    continues: bool
+    position: Position
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +178,9 @@ class Hello:
     num_threads: int
     device_id: int | None
     steps_per_epoch: int | None  # None when the source cannot tell in advance
-    #: (total, batch_size, seed, shuffle, drop_last) of a sharded_source/sharded_files root,
-    #: whose position the loader can save and resume; None for any other source
-    sampling: tuple[int, int, int, bool, bool] | None = None
+    #: a sharded_source/sharded_files root's sampling, whose position the loader can save and
+    #: resume; None for any other source
+    sampling: Sampling | None = None
     #: batches of the epoch the sources were built for (fewer when started mid-epoch)
     first_epoch_steps: int | None = None
 

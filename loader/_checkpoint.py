@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ipc.wire import Sampling
+
 FORMAT = 1
 
 #: Why a DALI reader (or a plain ExternalSource) cannot be resumed.
@@ -23,17 +25,6 @@ NOT_RESUMABLE = (
     "reader or a plain ExternalSource, and DALI capture mode cannot checkpoint a reader "
     "(execution-model rule 11)"
 )
-
-
-@dataclass(frozen=True)
-class SamplingInfo:
-    """What the workers' sources said decides each epoch's samples."""
-
-    total: int
-    batch_size: int
-    seed: int
-    shuffle: bool
-    drop_last: bool
 
 
 @dataclass(frozen=True)
@@ -61,7 +52,7 @@ class Resume:
 
 def make_state(
     *,
-    sampling: SamplingInfo,
+    sampling: Sampling,
     epoch: int,
     world_size: int,
     num_workers: int,
@@ -89,7 +80,7 @@ def make_state(
 def parse_state(
     state: Any,
     *,
-    sampling: SamplingInfo,
+    sampling: Sampling,
     world_size: int,
     num_workers: int,
     rank: int,
@@ -191,7 +182,7 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_within(what: str, counts: Sequence[int], sampling: SamplingInfo) -> None:
+def _check_within(what: str, counts: Sequence[int], sampling: Sampling) -> None:
     """No shard can have received more batches than its epoch has."""
     from workers import steps_per_epoch
 

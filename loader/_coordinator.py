@@ -209,8 +209,8 @@ class Coordinator:
     ) -> list[int]:
         """Every worker rebuilds its sources to start ``epoch`` at a saved position; returns the
         batches each has left in that epoch."""
-        message = wire.Seek(epoch, segments, continues)
         self.resume_position = Position(epoch, segments, continues)
+        message = wire.Seek(self.resume_position)
         for session in self.sessions:
             session.sources_for = (epoch, self.resume_position)
             session.move(WorkerState.REBUILDING, epoch)

@@ -28,10 +28,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ipc.wire import Sampling
 from workers import Shard
 
 from . import _checkpoint, _distributed, _env
-from ._checkpoint import Resume, SamplingInfo
+from ._checkpoint import Resume
 from ._config import LoaderConfig
 from ._coordinator import Coordinator
 from ._errors import LoaderClosedError, SkipLimitError
@@ -480,13 +481,14 @@ class Loader:
             return self.config.max_skipped
         return max(8, math.ceil(0.01 * self._sampling().total))
 
-    def _sampling(self) -> SamplingInfo:
+    def _sampling(self) -> Sampling:
         coordinator = self._require_open()
         found = {s.hello.sampling if s.hello else None for s in coordinator.sessions}
         if None in found or len(found) != 1:
             raise TypeError(_checkpoint.NOT_RESUMABLE)
-        total, batch_size, seed, shuffle, drop_last = next(iter(found))  # type: ignore[misc]
-        return SamplingInfo(total, batch_size, seed, shuffle, drop_last)
+        sampling = next(iter(found))
+        assert sampling is not None
+        return sampling
 
     def close(self) -> None:
         """Stop every worker and release all shared memory. Idempotent; bounded in time."""

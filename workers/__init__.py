@@ -6,11 +6,11 @@ DALI in the child, so importing this package does not import DALI.
 
 from typing import Any
 
+from ipc.wire import Position, Sampling
+
 from ._entry import run_worker
 from ._phase import Phase
 from ._positions import (
-    Position,
-    Sampling,
     continue_from,
     plan_epoch,
     shard_indices,

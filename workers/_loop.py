@@ -28,10 +28,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ipc import ChannelClosed, ControlChannel, wire
+from ipc.wire import Position
 
 from . import _dali
 from ._phase import Phase
-from ._positions import Position
 from ._publish import Publisher, describe_outputs, normalize_outputs
 from ._sources import Sources, build_sources, delivery_info
 from ._spec import WorkerSpec
@@ -147,11 +147,11 @@ class Worker:
 
     def seek(self, message: wire.Seek) -> None:
         """Rebuild the sources to start ``message.epoch`` at a saved position."""
-        position = Position(message.epoch, message.segments, message.continues)
-        self.rebuild_sources(message.epoch, "the trainer resumes from a saved position", position)
+        position = message.position
+        self.rebuild_sources(position.epoch, "the trainer resumes from a saved position", position)
         assert self.sources is not None
         steps = self.sources.first_epoch_steps
-        self.channel.send(wire.Sought(message.epoch, -1 if steps is None else steps))
+        self.channel.send(wire.Sought(position.epoch, -1 if steps is None else steps))
 
     def wait_for_trainer(self) -> None:
         """Handle one record from the trainer, inside an epoch (while blocked on slots)."""

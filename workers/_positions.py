@@ -20,43 +20,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ipc.wire import Position, Sampling
+
 #: One batch: its sample ids (always ``batch_size`` of them) and how many trailing rows are padding.
 Batch = tuple[np.ndarray[Any, Any], int]
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """What decides an epoch's samples: the same on every rank, worker and run."""
-
-    total: int
-    batch_size: int
-    seed: int
-    shuffle: bool
-    drop_last: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Position:
-    """Where epoch ``epoch`` stands: ``segments`` of ``(num_shards, received per shard)``.
-
-    ``continues``: the run that uses this position has the layout of the last segment (same
-    world size and workers), so each shard goes on with its own batches; otherwise the samples
-    not yet received are split among the new shards.
-    """
-
-    epoch: int
-    segments: tuple[tuple[int, tuple[int, ...]], ...]
-    continues: bool = False
-
-    def __post_init__(self) -> None:
-        for count, received in self.segments:
-            if count < 1 or len(received) != count or any(r < 0 for r in received):
-                raise ValueError(f"a position segment needs {count} counts >= 0, got {received}")
 
 
 def epoch_permutation(total: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray[Any, Any]:

@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from ._positions import Batch, Sampling, shard_batches, steps_per_epoch
+from ipc.wire import Sampling
+
+from ._positions import Batch, shard_batches, steps_per_epoch
 from ._shard import Shard
 
 logger = logging.getLogger("workers")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ._positions import Position
+from ipc.wire import Position
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ipc import wire
+
 from . import _dali, _sampling
 from ._phase import Phase
 from ._shard import Shard
@@ -37,13 +39,10 @@ class Sources:
         """The ``sharded_source`` bookkeeping behind the source, if it is one."""
         return _sampling.padding_of(self.source)
 
-    def sampling(self) -> tuple[int, int, int, bool, bool] | None:
+    def sampling(self) -> wire.Sampling | None:
         """What the trainer needs to save and check positions; None when it cannot."""
         sampled = self.sampled
-        if sampled is None:
-            return None
-        s = sampled.sampling
-        return (s.total, s.batch_size, s.seed, s.shuffle, s.drop_last)
+        return None if sampled is None else sampled.sampling
 
 
 def build_sources(
