@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ipc.wire import Sampling
+from ipc.wire import Position, Sampling
 
 FORMAT = 1
 
@@ -29,25 +29,58 @@ NOT_RESUMABLE = (
 
 @dataclass(frozen=True)
 class Resume:
-    """A loaded state, as it applies to this loader."""
+    """A loaded state, as it applies to this loader: the one resume position, and the batches
+    this rank's trainer had received in the epoch before the save (as it counted them, over
+    every earlier layout): ``len(loader)`` is that plus the batches left."""
 
-    epoch: int
-    segments: tuple[tuple[int, tuple[int, ...]], ...]
-    continues: bool  # same world size and workers: every shard goes on with its own batches
-    #: batches this rank's trainer had received in the epoch before the save (as it counted
-    #: them, over every earlier layout): ``len(loader)`` is this plus the batches left
+    position: Position
     before: int = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.position.epoch
+
+    @property
+    def continues(self) -> bool:
+        """Same world size and workers: every shard goes on with its own batches."""
+        return self.position.continues
 
     def history(self) -> list[tuple[int, tuple[int, ...]]]:
         """Segments before this run's layout."""
-        return list(self.segments[:-1] if self.continues else self.segments)
+        segments = self.position.segments
+        return list(segments[:-1] if self.continues else segments)
 
     def offsets(self, shard_indices: Sequence[int]) -> list[int]:
         """Batches each of this rank's shards had received before this run."""
         if not self.continues:
             return [0] * len(shard_indices)
-        received = self.segments[-1][1]
+        received = self.position.segments[-1][1]
         return [received[index] for index in shard_indices]
+
+    def epoch_length(self, full: int, left: int) -> int:
+        """``len(loader)`` in the resumed epoch: the batches received before plus ``left``.
+        On another layout, at least a whole epoch of this layout (``full``): the saving ranks'
+        count plus what is left can be shorter, and Lightning keeps the length it reads after a
+        resume for every later epoch (it would cut them short) while it ends an epoch early at
+        the iterator's end; the longer of the two loses nothing."""
+        resumed = self.before + left
+        return resumed if self.continues else max(full, resumed)
+
+    def progress(
+        self, shard_indices: Sequence[int], delivered: Sequence[int]
+    ) -> tuple[list[int], list[tuple[int, tuple[int, ...]]], int]:
+        """Where the resumed epoch stands after ``delivered`` more batches per shard of this
+        rank: each shard's received count, the earlier layouts, this rank's batch count."""
+        offsets = self.offsets(shard_indices)
+        mine = [o + d for o, d in zip(offsets, delivered, strict=True)]
+        return mine, self.history(), self.before + sum(delivered)
+
+    def first_turn(self, shard_indices: Sequence[int]) -> tuple[list[int], int]:
+        """Per shard of this rank, the epoch's step of its first batch in the resumed run, and
+        the worker whose turn is first: round robin as if never interrupted, the first of those
+        that received the fewest batches."""
+        base = self.offsets(shard_indices)
+        return base, base.index(min(base))
 
 
 def make_state(
@@ -175,7 +208,7 @@ def parse_state(
             f"world size {saved_world}"
         )
     before = _received_before(steps, filled, saved_world, saved_workers, rank, continues)
-    return Resume(epoch, (*history, (count, filled)), continues, before)
+    return Resume(Position(epoch, (*history, (count, filled)), continues), before)
 
 
 def _is_count(value: Any) -> bool:
@@ -247,3 +280,21 @@ def merge_ranks(
         for offset, value in enumerate(part["received"]):
             received[start + offset] = value
     return received
+
+
+def rank_steps(
+    steps: int, rank: int, world_size: int, gathered: Sequence[Mapping[str, Any]] | None
+) -> list[int | None]:
+    """Per rank, the batches its trainer received in the epoch (every rank's when gathered,
+    else this rank's only); the ranks must be in the same epoch."""
+    if gathered is not None:
+        epochs = {part["epoch"] for part in gathered}
+        if len(epochs) > 1:
+            raise RuntimeError(
+                f"ranks are in different epochs ({sorted(epochs)}): call state_dict() on "
+                "every rank at the same step"
+            )
+    counts: list[int | None] = [None] * world_size
+    for part in gathered or [{"rank": rank, "steps": steps}]:
+        counts[int(part["rank"])] = int(part["steps"])
+    return counts

@@ -7,6 +7,8 @@ multiprocess loader can go through.
 
 from __future__ import annotations
 
+from typing import Any
+
 import ipc
 
 
@@ -50,6 +52,8 @@ class WorkerTimeoutError(LoaderError):
         self.stack = stack
         self.epoch: int | None = None
         self.step: int | None = None  # the step the trainer was waiting for
+        #: the sample whose ``load`` hangs in the worker, when that is why it sent nothing
+        self.hung_load: Any = None
 
 
 class StartupError(LoaderError):

@@ -12,79 +12,37 @@ next ``iter(loader)`` goes on with the next epoch, which the workers already pre
 epoch early and starting another aborts it everywhere first: every worker stops its loop,
 rebuilds its source and feeders for the next epoch (so DALI re-traces), and acknowledges.
 
-The Loader holds no worker state: it asks the coordinator (:mod:`loader._coordinator`), which
-owns every worker's lifecycle.
+This module is a facade: configuration, epochs and the public API. Workers are driven by the
+coordinator (:mod:`loader._coordinator`); the state arithmetic is :mod:`loader._checkpoint`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from ipc.wire import Sampling
+from ipc.wire import Position, Sampling
 from workers import Shard
 
 from . import _checkpoint, _distributed, _env
 from ._checkpoint import Resume
 from ._config import LoaderConfig
 from ._coordinator import Coordinator
-from ._errors import LoaderClosedError, SkipLimitError
+from ._epochs import EpochIterator
+from ._errors import LoaderClosedError
+from ._healing import Healing, Timeouts
 from ._pool import WorkerPool
-from ._session import WorkerSession
+from ._session import Delivery
+from ._stats import LoaderStats, TrainerCounters, WorkerStats
 from ._validate import check_not_importing_main
-from ._views import BatchInfo, build_batch, current_stream, register_pytree_nodes
+from ._views import build_batch, current_stream, register_pytree_nodes
 
 logger = logging.getLogger("loader")
 
-
-@dataclass(frozen=True)
-class WorkerStats:
-    worker: int
-    shard: int
-    pid: int | None
-    steps: int
-    traces: int
-    rebuilds: int
-    trace_seconds: tuple[float, ...]
-    busy_seconds: float
-    blocked_seconds: float
-    batches_per_second: float  # batches per second of the worker's busy time
-    bytes: int
-    restarts: int = 0  # times this worker's process was replaced
-
-
-@dataclass(frozen=True)
-class LoaderStats:
-    """Counters of one loader. ``startup_seconds`` (construction until every worker is ready)
-    is kept apart from ``iteration_seconds`` (the first ``iter(loader)`` until the latest
-    delivered batch or epoch end), which the rates are computed over."""
-
-    workers: tuple[WorkerStats, ...]
-    batches: int
-    samples: int  # real samples delivered (padded and replaced rows are not counted)
-    bytes_moved: int
-    wait_seconds: float  # the trainer's time waiting for workers after startup
-    slots_in_use: int
-    skipped: tuple[tuple[int, str], ...]  # (sample id, name) of each sample skipped, once
-    restarts: int  # worker processes replaced so far
-    startup_seconds: float
-    iteration_seconds: float
-    time_to_first_batch: float | None  # from the first iter(loader)
-
-    @property
-    def samples_per_second(self) -> float:
-        return 0.0 if self.iteration_seconds <= 0 else self.samples / self.iteration_seconds
-
-    @property
-    def batches_per_second(self) -> float:
-        return 0.0 if self.iteration_seconds <= 0 else self.batches / self.iteration_seconds
+__all__ = ["Loader", "LoaderStats", "WorkerStats"]
 
 
 class Loader:
@@ -123,53 +81,21 @@ class Loader:
         max_skipped: int | None = None,
         in_order: bool = True,
     ) -> None:
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "source", "step")}
         self._closed = True  # until the pool is up; close() must work on a half-built loader
         self._coordinator: Coordinator | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
         check_not_importing_main()
-        config = LoaderConfig.build(
-            source,
-            step,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            feeders=feeders,
-            device=device,
-            device_id=device_id,
-            num_threads=num_threads,
-            prefetch=prefetch,
-            output=output,
-            copy=copy,
-            capture=capture,
-            seed=seed,
-            timeout=timeout,
-            start_method=start_method,
-            rank=rank,
-            world_size=world_size,
-            startup_timeout=startup_timeout,
-            shm_limit=shm_limit,
-            max_restarts=max_restarts,
-            on_error=on_error,
-            max_skipped=max_skipped,
-            in_order=in_order,
-        )
+        config = LoaderConfig.build(source, step, **arguments)
         self._epoch = 0
-        self._current: _EpochIterator | None = None
-        self._batches = 0
-        self._samples = 0
+        self._current: EpochIterator | None = None
         self._kind: str | None = None
         self._ranks_traced = False
         self._ranks_checked = False
         self._ranks_checked_later = False  # re-laid: agreement is checked at the first epoch
-        self._created = time.monotonic()
-        self._ready_at: float | None = None
-        self._iterating_since: float | None = None
-        self._last_batch_at: float | None = None
-        self._first_batch: float | None = None
-        self._startup_wait_ns = 0
+        self._counters = TrainerCounters(created=time.monotonic())
         self._resume: Resume | None = None  # a loaded state, until its epoch is over
         self._resume_steps: list[int] = []  # batches each worker has left in that epoch
-        self._skipped: dict[int, str] = {}  # sample id -> name, every sample skipped so far
-        self._epoch_skips = (0, 0)  # (epoch, samples skipped in it so far)
         self._launch(config)
 
     def _launch(self, config: LoaderConfig) -> None:
@@ -177,16 +103,22 @@ class Loader:
         self.config = config
         if config.output == "torch":
             register_pytree_nodes()
-        pool = WorkerPool(config.worker_specs(), config.start_method)
-        trace_timeout = None if config.timeout is None else config.startup_timeout
-        coordinator = Coordinator(
-            pool,
+        timeouts = Timeouts(
             timeout=config.timeout,
-            trace_timeout=trace_timeout,
-            stream_of=current_stream(config.output) if config.device == "gpu" else None,
+            trace=None if config.timeout is None else config.startup_timeout,
+            startup=config.startup_timeout,
+        )
+        healing = Healing(
             max_restarts=config.max_restarts,
-            startup_timeout=config.startup_timeout,
+            on_error=config.on_error,
+            max_skipped=config.max_skipped,
+            timeouts=timeouts,
+        )
+        coordinator = Coordinator(
+            WorkerPool(config.worker_specs(), config.start_method),
+            healing,
             in_order=config.in_order,
+            stream_of=current_stream(config.output) if config.device == "gpu" else None,
         )
         self._coordinator = coordinator
         self._finalizer = weakref.finalize(self, coordinator.close)
@@ -196,8 +128,8 @@ class Loader:
         except BaseException:
             self.close()
             raise
-        self._ready_at = time.monotonic()
-        self._startup_wait_ns = coordinator.wait_ns
+        self._counters.ready_at = time.monotonic()
+        self._counters.startup_wait_ns = coordinator.wait_ns
         if config.on_error == "skip" or config.max_restarts:
             self._check_healable()
         if _distributed.group_size() > 1 and not self._ranks_checked_later:
@@ -288,11 +220,11 @@ class Loader:
         current = self._current
         if current is not None:
             current.leave_accelerate()
-        if current is not None and current.started and not current.finished:
-            self._abort(current)
-        elif current is not None and not current.started:
-            current.replaced = True
-        run = _EpochIterator(self, self._epoch)
+            if current.in_progress:
+                self._abort(current)
+            elif not current.started:
+                current.replaced = True
+        run = EpochIterator(self, self._epoch)
         self._current = run
         return run
 
@@ -308,24 +240,17 @@ class Loader:
         expects of a shorter epoch). :meth:`remaining` gives the batches left.
         """
         self._settle()
-        epoch = self._active_epoch()
         resume = self._resume
-        full = self._epoch_length()
-        if resume is not None and resume.epoch == epoch:
-            resumed = resume.before + sum(self._resume_steps)
-            # Another layout: the saving ranks' count plus what is left can be shorter than
-            # this layout's epochs. Lightning keeps the length it reads after the resume for
-            # every later epoch (it would cut them short), and ends an epoch early at the
-            # iterator's end: the longer of the two loses nothing.
-            return resumed if resume.continues else max(full, resumed)
-        return full
+        if resume is not None and resume.epoch == self._active_epoch():
+            return resume.epoch_length(self._epoch_length(), sum(self._resume_steps))
+        return self._epoch_length()
 
     def remaining(self) -> int:
         """Batches still to come in the epoch in progress (between epochs: in the next one,
         which is shorter than ``len()`` after :meth:`load_state_dict`)."""
         self._settle()
         current = self._current
-        if current is not None and current.started and not current.finished:
+        if current is not None and current.in_progress:
             if current.expected is None:
                 self._epoch_length()  # raises: unknown for this source
             assert current.expected is not None
@@ -349,47 +274,28 @@ class Loader:
         """
         coordinator = self._settle()
         sampling = self._sampling()
-        current = self._current
-        resume = self._resume
-        shard_indices = [shard.index for shard in self.config.shards]
-        epoch = self._active_epoch()
-        before = 0
-        if resume is not None and resume.epoch == epoch:
-            offsets, history = resume.offsets(shard_indices), resume.history()
-            before = resume.before
-        else:
-            offsets, history = [0] * len(shard_indices), []
-        if current is not None and current.started and not current.finished:
-            delivered = [s.delivered for s in coordinator.sessions]
-        else:
-            delivered = [0] * len(shard_indices)
-        mine = [o + d for o, d in zip(offsets, delivered, strict=True)]
-        steps = before + sum(delivered)
         config = self.config
+        epoch = self._active_epoch()
+        resume = self._resume
+        if resume is None or resume.epoch != epoch:
+            resume = Resume(Position(epoch, ()))  # nothing received before this run
+        current = self._current
+        in_progress = current is not None and current.in_progress
+        delivered = coordinator.delivered() if in_progress else [0] * config.num_workers
+        mine, history, steps = resume.progress([s.index for s in config.shards], delivered)
         gathered = _distributed.gather(
             {"rank": config.rank, "received": mine, "epoch": epoch, "steps": steps}
         )
-        if gathered is not None:
-            epochs = {part["epoch"] for part in gathered}
-            if len(epochs) > 1:
-                raise RuntimeError(
-                    f"ranks are in different epochs ({sorted(epochs)}): call state_dict() on "
-                    "every rank at the same step"
-                )
-        received = _checkpoint.merge_ranks(
-            mine, config.rank, config.num_workers, config.world_size, gathered
-        )
-        rank_steps: list[int | None] = [None] * config.world_size
-        for part in gathered or [{"rank": config.rank, "steps": steps}]:
-            rank_steps[int(part["rank"])] = int(part["steps"])
         return _checkpoint.make_state(
             sampling=sampling,
             epoch=epoch,
             world_size=config.world_size,
             num_workers=config.num_workers,
-            received=received,
+            received=_checkpoint.merge_ranks(
+                mine, config.rank, config.num_workers, config.world_size, gathered
+            ),
             history=history,
-            steps=rank_steps,
+            steps=_checkpoint.rank_steps(steps, config.rank, config.world_size, gathered),
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -413,82 +319,25 @@ class Loader:
             rank=config.rank,
         )
         current = self._current
-        if current is not None and current.started and not current.finished:
+        if current is not None and current.in_progress:
             self._abort(current)
             self._current = None
-        steps = coordinator.seek(resume.epoch, resume.segments, resume.continues)
+        steps = coordinator.seek(resume.position)
         self._resume, self._resume_steps = resume, steps
         self._epoch = resume.epoch
-        try:
-            _distributed.check_ranks(
+        self._collective(
+            lambda: _distributed.check_ranks(
                 "resumed epoch length", _distributed.gather({"steps": sum(steps)})
             )
-        except BaseException:
-            self.close()
-            raise
+        )
         logger.info(
             "resuming epoch %d at %s (%s layout): %d batches received before, %d left on this rank",
             resume.epoch,
-            list(resume.segments[-1][1]),
+            list(resume.position.segments[-1][1]),
             "same" if resume.continues else "new",
             resume.before,
             sum(steps),
         )
-
-    def _check_healable(self) -> None:
-        """on_error="skip" needs sample ids: a sharded_source/sharded_files root."""
-        coordinator = self._coordinator
-        assert coordinator is not None
-        positional = all(s.hello is not None and s.hello.sampling for s in coordinator.sessions)
-        if self.config.on_error == "skip" and not positional:
-            self.close()
-            raise ValueError(
-                "on_error='skip' needs a source that knows its sample ids: sharded_files() or "
-                "sharded_source(); a DALI reader cannot leave a sample out (its pipeline is "
-                "disabled by any error)"
-            )
-        if self.config.max_restarts and not positional:
-            logger.warning(
-                "max_restarts=%d, but the source is a DALI reader (or a plain ExternalSource), "
-                "which cannot start mid-shard: a dead worker will raise, not be replaced. Use "
-                "sharded_files() or sharded_source() to heal",
-                self.config.max_restarts,
-            )
-
-    def _note_skipped(self, descriptor: Any) -> None:
-        """Count skipped samples; more than ``max_skipped`` in an epoch is a pipeline bug."""
-        for index, name in zip(descriptor.skipped, descriptor.skipped_names, strict=True):
-            self._skipped.setdefault(index, name)
-        epoch, count = self._epoch_skips
-        count = (count if epoch == descriptor.epoch else 0) + len(descriptor.skipped)
-        self._epoch_skips = (descriptor.epoch, count)
-        limit = self._max_skipped()
-        if count > limit:
-            error = SkipLimitError(
-                f"{count} samples were skipped in epoch {descriptor.epoch}, more than "
-                f"max_skipped={limit}: that is a pipeline bug, not bad data (last: "
-                f"{descriptor.skipped_names[-1]}). Fix step() or the data, or raise max_skipped="
-            )
-            coordinator = self._coordinator
-            assert coordinator is not None
-            coordinator.failure = error
-            coordinator.close()
-            raise error
-
-    def _max_skipped(self) -> int:
-        """``max_skipped``, by default 1% of an epoch's samples (at least 8)."""
-        if self.config.max_skipped is not None:
-            return self.config.max_skipped
-        return max(8, math.ceil(0.01 * self._sampling().total))
-
-    def _sampling(self) -> Sampling:
-        coordinator = self._require_open()
-        found = {s.hello.sampling if s.hello else None for s in coordinator.sessions}
-        if None in found or len(found) != 1:
-            raise TypeError(_checkpoint.NOT_RESUMABLE)
-        sampling = next(iter(found))
-        assert sampling is not None
-        return sampling
 
     def close(self) -> None:
         """Stop every worker and release all shared memory. Idempotent; bounded in time."""
@@ -507,8 +356,7 @@ class Loader:
         return self._closed or self._coordinator is None or self._coordinator.pool.closed
 
     def worker_pids(self) -> list[int]:
-        coordinator = self._require_open()
-        return [s.handle.pid for s in coordinator.sessions if s.handle.pid is not None]
+        return self._require_open().pids()
 
     def stats(self) -> LoaderStats:
         """A snapshot of per-worker and trainer-side counters."""
@@ -518,75 +366,163 @@ class Loader:
         if current is not None and current.finished and not self.closed:
             # an epoch over by count: its end (with the workers' counters) is on its way
             coordinator.finish_epoch()
-        workers = []
-        for session in coordinator.sessions:
-            counters = session.counters
-            busy = counters.busy_ns / 1e9
-            workers.append(
-                WorkerStats(
-                    worker=session.index,
-                    shard=session.shard.index,
-                    pid=session.handle.pid,
-                    steps=counters.steps,
-                    traces=counters.traces,
-                    rebuilds=counters.rebuilds,
-                    trace_seconds=tuple(counters.trace_seconds),
-                    busy_seconds=busy,
-                    blocked_seconds=counters.blocked_ns / 1e9,
-                    batches_per_second=counters.steps / busy if busy > 0 else 0.0,
-                    bytes=counters.bytes,
-                    restarts=counters.restarts,
-                )
-            )
-        ready = self._ready_at if self._ready_at is not None else time.monotonic()
-        iterating = 0.0
-        if self._iterating_since is not None and self._last_batch_at is not None:
-            iterating = self._last_batch_at - self._iterating_since
-        return LoaderStats(
-            workers=tuple(workers),
-            batches=self._batches,
-            samples=self._samples,
-            bytes_moved=sum(w.bytes for w in workers),
-            wait_seconds=(coordinator.wait_ns - self._startup_wait_ns) / 1e9,
-            slots_in_use=sum(s.reader.held for s in coordinator.sessions),
-            skipped=tuple(self._skipped.items()),
-            restarts=coordinator.restarts,
-            startup_seconds=ready - self._created,
-            iteration_seconds=iterating,
-            time_to_first_batch=self._first_batch,
-        )
+        return coordinator.stats(self._counters)
 
-    # ------------------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------------------ epochs
+    def _start(self, run: EpochIterator) -> Coordinator:
+        """The first ``next()`` of ``run``: settle the rank, start the epoch in every worker."""
+        coordinator = self._settle()
+        if not self._ranks_checked and _distributed.group_size() > 1:
+            self._check_ranks_at_start()
+        run.epoch = epoch = self._epoch
+        resume = self._resume
+        if resume is not None and resume.epoch != epoch:
+            self._resume = resume = None  # that epoch is over (or was left for a newer one)
+        if resume is not None:
+            base, cursor = resume.first_turn([shard.index for shard in self.config.shards])
+            run.expected = sum(self._resume_steps)
+            coordinator.start_epoch(epoch, base, cursor)
+        else:
+            run.expected = coordinator.steps_per_epoch()
+            coordinator.start_epoch(epoch)
+        run.started = True
+        self._epoch += 1
+        if self._counters.iterating_since is None:
+            self._counters.iterating_since = time.monotonic()
+        run.join_accelerate()
+        return coordinator
+
+    def _next(self, run: EpochIterator) -> Any:
+        coordinator = self._require_open()
+        if run.replaced:
+            raise RuntimeError(
+                f"this iterator of epoch {run.epoch} was replaced by a newer iter(loader) or "
+                "load_state_dict(); iterate one epoch at a time"
+            )
+        if not run.started:
+            coordinator = self._start(run)
+        delivery = None
+        if not run.finished and (run.expected is None or run.delivered < run.expected):
+            coordinator.wait_signatures()
+            if not self._ranks_traced:
+                self._check_ranks_traced()
+            delivery = coordinator.next_batch()
+        if delivery is None:  # over (or nothing left: a state saved at its epoch's end)
+            if not run.finished:
+                run.finished = True
+                self._counters.last_batch_at = time.monotonic()
+            run.leave_accelerate()
+            raise StopIteration
+        run.handed_out()
+        return self._hand_out(coordinator, delivery)
+
+    def _hand_out(self, coordinator: Coordinator, delivery: Delivery) -> Any:
+        """The user's batch over a delivered slot (views, or private copies)."""
+        if self._kind is None:
+            self._kind = coordinator.output_kind(delivery.info.worker)
+        config = self.config
+        descriptor = delivery.descriptor
+        batch = build_batch(
+            delivery.arrays,
+            delivery.lease,
+            descriptor,
+            self._kind,
+            delivery.info,
+            output=config.output,
+            copy=config.copy,
+            releases=coordinator.releases.queue,
+            owner=delivery.reader,
+        )
+        worker, reader = delivery.info.worker, delivery.reader
+        del delivery  # (its views: with copy=True the batch holds private copies)
+        if config.copy:
+            coordinator.release_at_once(worker, reader, descriptor)
+        real = config.batch_size - descriptor.padded
+        # a row filled in for a skipped sample (on_error="skip") is a repeat, like padding
+        real -= sum(1 for row in descriptor.replaced if row < real)
+        self._counters.handed_out(time.monotonic(), real)
+        return batch
+
+    def _abort(self, run: EpochIterator) -> None:
+        """Stop ``run`` in every worker and wait until each has rebuilt its sources."""
+        coordinator = self._require_open()
+        run.finished = True
+        run.replaced = True
+        coordinator.abort_epoch(run.epoch)
+        logger.info("epoch %d was left early; workers rebuilt their sources", run.epoch)
+
+    def _active_epoch(self) -> int:
+        """The epoch in progress, or between epochs the next one."""
+        current = self._current
+        return current.epoch if current is not None and current.in_progress else self._epoch
+
+    def _epoch_length(self) -> int:
+        """Batches of a whole epoch on this rank; ``TypeError`` when the source cannot say."""
+        steps = self._require_open().steps_per_epoch()
+        if steps is None:
+            raise TypeError(
+                "len(loader) is unknown for this source: use sharded_source(), or a reader built "
+                "with stick_to_shard=True and pad_last_batch=True (every sample once per epoch, "
+                "padded rows flagged in batch.info.padded)"
+            )
+        return steps
+
+    def _sampling(self) -> Sampling:
+        sampling = self._require_open().sampling()
+        if sampling is None:
+            raise TypeError(_checkpoint.NOT_RESUMABLE)
+        return sampling
+
+    # ------------------------------------------------------------------------------ checks
+    def _check_healable(self) -> None:
+        """on_error="skip" needs sample ids: a sharded_source/sharded_files root."""
+        positional = self._require_open().sampling() is not None
+        if self.config.on_error == "skip" and not positional:
+            self.close()
+            raise ValueError(
+                "on_error='skip' needs a source that knows its sample ids: sharded_files() or "
+                "sharded_source(); a DALI reader cannot leave a sample out (its pipeline is "
+                "disabled by any error)"
+            )
+        if self.config.max_restarts and not positional:
+            logger.warning(
+                "max_restarts=%d, but the source is a DALI reader (or a plain ExternalSource), "
+                "which cannot start mid-shard: a dead worker will raise, not be replaced. Use "
+                "sharded_files() or sharded_source() to heal",
+                self.config.max_restarts,
+            )
+
     def _check_ranks_at_start(self) -> None:
         """Across ranks (when a process group is up): the same configuration and epoch length."""
-        coordinator = self._coordinator
-        assert coordinator is not None
         self._ranks_checked = True
-        steps = [s.hello.steps_per_epoch if s.hello else None for s in coordinator.sessions]
         payload = {
             **self.config.agreement_payload(),
             "loader_version": _version(),
-            "steps_per_epoch": None if None in steps else sum(s for s in steps if s is not None),
+            "steps_per_epoch": self._require_open().steps_per_epoch(),
         }
-        try:
-            _distributed.check_ranks("configuration", _distributed.gather(payload))
-        except BaseException:
-            self.close()
-            raise
+        self._collective(
+            lambda: _distributed.check_ranks("configuration", _distributed.gather(payload))
+        )
 
     def _check_ranks_traced(self) -> None:
         """Across ranks, once per loader: the traced signature (outputs, capture, DALI)."""
-        coordinator = self._coordinator
-        assert coordinator is not None
         self._ranks_traced = True
-        reference = coordinator.reference
+        reference = self._require_open().reference
         payload = {} if reference is None else dict(reference.agreement_fields())
         payload.pop("device_id", None)  # each rank drives its own GPU
+        self._collective(
+            lambda: _distributed.check_ranks("traced signature", _distributed.gather(payload))
+        )
+
+    def _collective(self, check: Callable[[], None]) -> None:
+        """Run a cross-rank check; a disagreement closes the loader before it leaves."""
         try:
-            _distributed.check_ranks("traced signature", _distributed.gather(payload))
+            check()
         except BaseException as error:
-            coordinator.failure = error
-            coordinator.close()
+            coordinator = self._coordinator
+            if coordinator is not None:
+                coordinator.fail(error)
+            self.close()
             raise
 
     def _require_open(self) -> Coordinator:
@@ -598,202 +534,6 @@ class Loader:
         if self._closed or coordinator is None or coordinator.pool.closed:
             raise LoaderClosedError("the loader is closed")
         return coordinator
-
-    def _abort(self, run: _EpochIterator) -> None:
-        """Stop ``run`` in every worker and wait until each has rebuilt its sources."""
-        coordinator = self._require_open()
-        run.finished = True
-        run.replaced = True
-        coordinator.abort_epoch(run.epoch)
-        logger.info("epoch %d was left early; workers rebuilt their sources", run.epoch)
-
-    def _active_epoch(self) -> int:
-        """The epoch in progress, or between epochs the next one."""
-        current = self._current
-        if current is not None and current.started and not current.finished:
-            return current.epoch
-        return self._epoch
-
-    def _epoch_length(self) -> int:
-        """Batches of a whole epoch on this rank; ``TypeError`` when the source cannot say."""
-        coordinator = self._require_open()
-        steps = [s.hello.steps_per_epoch if s.hello else None for s in coordinator.sessions]
-        if any(s is None for s in steps):
-            raise TypeError(
-                "len(loader) is unknown for this source: use sharded_source(), or a reader built "
-                "with stick_to_shard=True and pad_last_batch=True (every sample once per epoch, "
-                "padded rows flagged in batch.info.padded)"
-            )
-        return sum(s for s in steps if s is not None)
-
-    def _start(self, run: _EpochIterator) -> Coordinator:
-        """The first ``next()`` of ``run``: settle the rank, start the epoch in every worker."""
-        coordinator = self._settle()
-        if not self._ranks_checked and _distributed.group_size() > 1:
-            self._check_ranks_at_start()
-        run.epoch = epoch = self._epoch
-        resume = self._resume
-        if resume is not None and resume.epoch != epoch:
-            self._resume = resume = None  # that epoch is over (or was left for a newer one)
-        base: list[int] | None = None
-        if resume is not None:
-            # round robin as if never interrupted: the next worker is the first of those that
-            # received the fewest batches of this rank
-            base = resume.offsets([shard.index for shard in self.config.shards])
-            run.cursor = base.index(min(base))
-            run.expected = sum(self._resume_steps)
-        else:
-            steps = [s.hello.steps_per_epoch if s.hello else None for s in coordinator.sessions]
-            run.expected = None if None in steps else sum(s for s in steps if s is not None)
-        coordinator.start_epoch(epoch, base)
-        run.started = True
-        self._epoch += 1
-        if self._iterating_since is None:
-            self._iterating_since = time.monotonic()
-        run.accelerate = _accelerate_state()
-        if run.accelerate is not None:
-            run.accelerate._add_dataloader(run)
-        return coordinator
-
-    def _finish(self, run: _EpochIterator) -> None:
-        run.finished = True
-        self._last_batch_at = time.monotonic()  # iteration lasts until the epoch's end
-
-    def _next(self, run: _EpochIterator) -> Any:
-        coordinator = self._require_open()
-        if run.replaced:
-            raise RuntimeError(
-                f"this iterator of epoch {run.epoch} was replaced by a newer iter(loader) or "
-                "load_state_dict(); iterate one epoch at a time"
-            )
-        if run.finished:
-            run.leave_accelerate()
-            raise StopIteration
-        if not run.started:
-            coordinator = self._start(run)
-        if run.expected is not None and run.delivered >= run.expected:
-            self._finish(run)  # nothing left (a state saved at its epoch's end)
-            run.leave_accelerate()
-            raise StopIteration
-        coordinator.wait_signatures()
-        if not self._ranks_traced:
-            self._check_ranks_traced()
-        found = (
-            coordinator.next_batch(run.cursor)
-            if self.config.in_order
-            else coordinator.next_ready_batch()
-        )
-        if found is None:
-            self._finish(run)
-            run.leave_accelerate()
-            raise StopIteration
-        session, descriptor = found
-        run.cursor = (session.index + 1) % len(coordinator.sessions)
-        run.delivered += 1
-        if run.expected is not None and run.delivered >= run.expected:
-            # the epoch's last batch: the epoch is over now, not at a next() that a trainer
-            # stopping after len() batches never makes
-            self._finish(run)
-            run.end_of_dataloader = True
-        return self._deliver(coordinator, session, descriptor)
-
-    def _deliver(self, coordinator: Coordinator, session: WorkerSession, descriptor: Any) -> Any:
-        if self._kind is None:
-            reference = coordinator.reference or session.signature
-            self._kind = reference.output_kind if reference is not None else "dict"
-        info = BatchInfo(
-            epoch=descriptor.epoch,
-            step=session.epoch_step(descriptor.step),
-            worker=session.index,
-            shard=session.shard.index,
-            padded=descriptor.padded,
-            replaced=descriptor.replaced,
-            skipped=descriptor.skipped,
-            skipped_names=descriptor.skipped_names,
-        )
-        if descriptor.skipped:
-            self._note_skipped(descriptor)
-        arrays, lease = session.reader.arrays(descriptor)
-        copy = self.config.copy
-        batch = build_batch(
-            arrays,
-            lease,
-            descriptor,
-            self._kind,
-            info,
-            output=self.config.output,
-            copy=copy,
-            releases=coordinator.releases,
-            owner=session.reader,
-        )
-        del arrays, lease
-        if copy:
-            coordinator.release_now(session, descriptor)
-        self._batches += 1
-        real = self.config.batch_size - descriptor.padded
-        # a row filled in for a skipped sample (on_error="skip") is a repeat, like padding
-        self._samples += real - sum(1 for row in descriptor.replaced if row < real)
-        now = time.monotonic()
-        self._last_batch_at = now
-        if self._first_batch is None and self._iterating_since is not None:
-            self._first_batch = now - self._iterating_since
-        return batch
-
-
-class _EpochIterator:
-    """One epoch of a Loader. Obtained from ``iter(loader)``; started by its first ``next()``.
-
-    ``len(iterator)`` is the number of batches it still yields. It also speaks accelerate's
-    dataloader protocol (``end_of_dataloader``, ``remainder``): under an ``Accelerator`` with
-    gradient accumulation, gradients are synchronised at the epoch's last batch.
-    """
-
-    def __init__(self, loader: Loader, epoch: int) -> None:
-        self._loader = loader
-        self.epoch = epoch  # settled when it starts
-        self.cursor = 0
-        self.started = False
-        self.finished = False
-        self.replaced = False
-        self.delivered = 0  # batches handed out by this iterator
-        self.expected: int | None = None  # batches it hands out in all, when known
-        self.end_of_dataloader = False  # accelerate: the last batch was handed out
-        self.remainder = -1  # accelerate: no samples of the last batch are duplicates to drop
-        self.accelerate: Any = None  # accelerate's GradientState, while registered with it
-
-    def __iter__(self) -> _EpochIterator:
-        return self
-
-    def __next__(self) -> Any:
-        return self._loader._next(self)
-
-    def __len__(self) -> int:
-        if self.finished or self.replaced:
-            return 0
-        if self.started:
-            if self.expected is None:
-                raise TypeError("the length of this epoch is unknown for this source")
-            return self.expected - self.delivered
-        return self._loader.remaining()
-
-    def leave_accelerate(self) -> None:
-        if self.accelerate is not None:
-            with contextlib.suppress(ValueError):
-                self.accelerate._remove_dataloader(self)
-            self.accelerate = None
-
-
-def _accelerate_state() -> Any:
-    """accelerate's ``GradientState`` when an ``Accelerator`` exists in this process, else None
-    (nothing of accelerate is imported or created here)."""
-    state = sys.modules.get("accelerate.state")
-    gradient_state = getattr(state, "GradientState", None)
-    if gradient_state is None or not getattr(gradient_state, "_shared_state", None):
-        return None
-    try:
-        return gradient_state()
-    except Exception:  # another accelerate version: the protocol is an extra, not a must
-        return None
 
 
 def _version() -> str:

@@ -1,10 +1,11 @@
-"""The worker lifecycle and the round-robin choice (no processes)."""
+"""The worker lifecycle and the order workers are served in (no processes)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loader._session import WorkerState, choose_worker
+from loader._order import choose_worker
+from loader._session import Aborting, Idle, Running, Stopped, WorkerState
 
 
 def test_round_robin_starts_at_the_cursor_and_wraps() -> None:
@@ -57,21 +58,28 @@ def test_lifecycle_allows_only_the_documented_transitions() -> None:
 
     session = WorkerSession(_Handle())  # type: ignore[arg-type]
     assert session.state == WorkerState.STARTING
-    with pytest.raises(AssertionError, match=r"STARTING.*ENDED"):
-        session.move(WorkerState.ENDED, 0)
-    session.move(WorkerState.READY)
-    session.move(WorkerState.RUNNING, 0)
+    session.go(Idle(0), up=True)
+    with pytest.raises(AssertionError, match=r"READY.*ENDED"):
+        session.go(Running(0, ended=True))
+    session.go(Running(0))
+    assert session.state == WorkerState.RUNNING
     assert session.open_in_epoch and session.epoch == 0
-    session.move(WorkerState.ENDED)
-    assert not session.open_in_epoch
-    session.move(WorkerState.RUNNING, 1)
-    session.move(WorkerState.ABORTING, 1)
+    session.go(Running(0, ended=True))
+    assert session.state == WorkerState.ENDED and not session.open_in_epoch
+    session.go(Running(1))
+    session.go(Aborting(1))
     with pytest.raises(AssertionError):
-        session.move(WorkerState.RUNNING, 2)  # an aborting worker must rebuild first
-    session.move(WorkerState.READY)
-    session.move(WorkerState.STARTING)  # a replacement process, from any live state
-    session.move(WorkerState.RUNNING, 2)  # ... goes on with its epoch
-    session.move(WorkerState.FAILED)  # from anywhere
+        session.go(Running(2))  # an aborting worker must rebuild first
+    session.go(Idle(2))
+    assert session.state == WorkerState.READY
+    session.replaced(_Handle(), Idle(2), 0)  # type: ignore[arg-type]  # a new process
+    assert session.state == WorkerState.STARTING
+    session.go(Running(2))  # a command to a starting process: it runs the epoch once up
+    assert session.state == WorkerState.STARTING and session.open_in_epoch
+    session.go(Running(2), up=True)  # ... and goes on with its epoch
+    assert session.state == WorkerState.RUNNING
+    session.go(Stopped(failed=True))  # from anywhere
+    assert session.state == WorkerState.FAILED
     with pytest.raises(AssertionError):
-        session.move(WorkerState.READY)
+        session.go(Idle(3))
     session.reader.close()
