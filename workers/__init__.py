@@ -13,6 +13,7 @@ from ._phase import Phase
 from ._positions import (
     continue_from,
     plan_epoch,
+    shard_batches,
     shard_indices,
     steps_per_epoch,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "list_files",
     "plan_epoch",
     "run_worker",
+    "shard_batches",
     "shard_indices",
     "sharded_files",
     "sharded_source",

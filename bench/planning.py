@@ -1,0 +1,148 @@
+"""Epoch planning alone (no data, no DALI, no processes): ``python -m bench.planning [--quick]``.
+
+What a worker computes before its first batch of an epoch, timed and measured (peak of Python and
+numpy allocations, by ``tracemalloc``):
+
+* plan: one shard's batches of a fresh epoch (``shard_batches`` with no position);
+* reshard: a position with arbitrary received counts on one layout, then one shard's batches on a
+  layout of half as many shards (what a worker of a resumed run on half the ranks computes).
+
+Cases: 1B samples on 65,536 shards (targets: plan <= 0.1 s and <= 50 MB, reshard <= 0.5 s), 100M
+on 8,192 and 10M on 1,024, batches of 256; next to today's ``workers._positions`` as of
+:data:`BASELINE` (read with ``git show``: one permutation of the whole epoch) where it fits:
+10M, and 100M without ``--quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+import tracemalloc
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ipc.wire import Position, Sampling
+from workers import shard_batches, steps_per_epoch
+
+#: The last commit that planned epochs from one permutation of the whole dataset.
+BASELINE = "db4938cf24f1a1007df49401ec0458df1dc315e2"
+
+BATCH = 256
+#: At 1B samples on 65,536 shards: (column, what, unit, at most).
+TARGETS = [
+    ("plan_seconds", "plan", "s", 0.1),
+    ("plan_mb", "plan", "MB", 50.0),
+    ("reshard_seconds", "reshard", "s", 0.5),
+]
+
+ShardBatches = Callable[[Sampling, int, int, int, Position | None], list[Any]]
+
+
+def baseline() -> ShardBatches | None:
+    """``shard_batches`` of :data:`BASELINE`, or None when git cannot show it."""
+    root = Path(__file__).resolve().parents[1]
+    shown = subprocess.run(
+        ["git", "-C", str(root), "show", f"{BASELINE}:workers/_positions.py"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if shown.returncode:
+        return None
+    module = types.ModuleType("baseline_positions")
+    exec(compile(shown.stdout, f"{BASELINE[:7]}:workers/_positions.py", "exec"), module.__dict__)
+    function: ShardBatches = module.shard_batches
+    return function
+
+
+def measure(call: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Best seconds of ``repeats`` calls, then the peak MB of one call under tracemalloc."""
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - started)
+    tracemalloc.start()
+    try:
+        call()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return min(seconds), peak / 2**20
+
+
+def run_case(
+    plan: ShardBatches, total: int, shards: int, repeats: int
+) -> dict[str, float | int | str]:
+    sampling = Sampling(total, BATCH, 0, True, False)
+    steps = steps_per_epoch(total, shards, BATCH, False)
+    received = np.random.default_rng(1).integers(0, steps + 1, shards).tolist()
+    position = Position(3, ((shards, tuple(received)),))
+    new = shards // 2
+    plan_seconds, plan_mb = measure(lambda: plan(sampling, 3, new + 1, shards, None), repeats)
+    reshard_seconds, reshard_mb = measure(
+        lambda: plan(sampling, 3, new // 2, new, position), repeats
+    )
+    return {
+        "total": total,
+        "shards": shards,
+        "plan_seconds": plan_seconds,
+        "plan_mb": plan_mb,
+        "reshard_seconds": reshard_seconds,
+        "reshard_mb": reshard_mb,
+        "position_json_bytes": len(json.dumps(received)),
+    }
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'samples':>13} {'shards':>17} {'planning':<18} {'plan s':>9} {'plan MB':>9} "
+        f"{'reshard s':>10} {'reshard MB':>11}"
+    ]
+    for row in rows:
+        layout = f"{row['shards']:,} -> {row['shards'] // 2:,}"
+        lines.append(
+            f"{row['total']:>13,} {layout:>17} {row['planning']:<18} "
+            f"{row['plan_seconds']:>9.4f} {row['plan_mb']:>9.1f} "
+            f"{row['reshard_seconds']:>10.4f} {row['reshard_mb']:>11.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.planning", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="the baseline at 10M only (< 20 s)")
+    args = parser.parse_args()
+    cases = [(10**9, 65_536), (10**8, 8_192), (10**7, 1_024)]
+    rows = [
+        {"planning": "per position", **run_case(shard_batches, total, shards, repeats=5)}
+        for total, shards in cases
+    ]
+    old = baseline()
+    if old is None:
+        print(f"(today's planning not shown: git cannot show {BASELINE[:7]})")
+    else:
+        for total, shards in cases[2:] if args.quick else cases[1:]:
+            row = run_case(old, total, shards, repeats=1)
+            rows.append({"planning": f"whole ({BASELINE[:7]})", **row})
+    print(f"one shard's plan, batches of {BATCH}; best of 5 (whole-epoch planning: 1 run)\n")
+    print(render(rows))
+    target = rows[0]
+    print("\ntargets at 1B samples / 65,536 shards:")
+    for column, what, unit, most in TARGETS:
+        verdict = "met" if target[column] <= most else "MISSED"
+        print(f"  {what}: {target[column]:.3g} {unit} (at most {most:g} {unit}): {verdict}")
+    print(
+        f"a position of 65,536 shards' received counts: {target['position_json_bytes']:,} bytes "
+        "as JSON"
+    )
+
+
+if __name__ == "__main__":
+    main()
