@@ -130,6 +130,41 @@ def parse_state(
         )
     if version < 1:
         raise ValueError(f"format: {version} is not a valid state format")
+    _check_sampling(state, sampling)
+    epoch = _field(state, "epoch", int)
+    if epoch < 0:
+        raise ValueError(f"epoch: {epoch} is negative")
+    saved_world, saved_workers = _layout(state)
+    count = saved_world * saved_workers
+    received = _field(state, "received", list)
+    if len(received) != count:
+        raise ValueError(f"received: {len(received)} counts for a layout of {count} shards")
+    history = _history(state, sampling)
+    for index, value in enumerate(received):
+        if value is not None and not _is_count(value):
+            raise ValueError(
+                f"received[{index}]: {value!r} is not a count of batches (a whole number >= 0, "
+                "or null for a rank the state does not describe)"
+            )
+    continues = (saved_world, saved_workers) == (world_size, num_workers)
+    mine = range(rank * num_workers, (rank + 1) * num_workers)
+    needed = mine if continues else range(count)
+    missing = [index for index in needed if received[index] is None]
+    if missing:
+        raise ValueError(
+            f"received: the counts of shards {missing} are missing: the state was taken without "
+            "a torch.distributed group, so it describes one rank only. Resume it with the same "
+            "world size and workers, or take states with the process group up"
+        )
+    filled = tuple(0 if r is None else int(r) for r in received)
+    _check_within("received", filled, sampling)
+    steps = _steps(state, saved_world)
+    before = _received_before(steps, filled, saved_world, saved_workers, rank, continues)
+    return Resume(Position(epoch, (*history, (count, filled)), continues), before)
+
+
+def _check_sampling(state: Mapping[str, Any], sampling: Sampling) -> None:
+    """The state's seed, batch size and sampling must be this loader's."""
     for name, expected in (
         ("seed", sampling.seed),
         ("batch_size", sampling.batch_size),
@@ -153,9 +188,10 @@ def parse_state(
                 f"sampling.{name}: the state was taken with {name}={value!r} ({what}), this "
                 f"loader's source has {expected_value!r}; a state only applies to the same data"
             )
-    epoch = _field(state, "epoch", int)
-    if epoch < 0:
-        raise ValueError(f"epoch: {epoch} is negative")
+
+
+def _layout(state: Mapping[str, Any]) -> tuple[int, int]:
+    """The saved world size and workers per rank."""
     layout = _field(state, "layout", Mapping)
     saved_world = layout.get("world_size")
     saved_workers = layout.get("num_workers")
@@ -164,10 +200,11 @@ def parse_state(
         or min(saved_world, saved_workers) < 1
     ):
         raise ValueError(f"layout: {dict(layout)} is not a world size and a worker count")
-    count = saved_world * saved_workers
-    received = _field(state, "received", list)
-    if len(received) != count:
-        raise ValueError(f"received: {len(received)} counts for a layout of {count} shards")
+    return saved_world, saved_workers
+
+
+def _history(state: Mapping[str, Any], sampling: Sampling) -> list[tuple[int, tuple[int, ...]]]:
+    """Earlier layouts of the saved epoch, oldest first."""
     history: list[tuple[int, tuple[int, ...]]] = []
     for entry in _field(state, "history", list):
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
@@ -179,24 +216,11 @@ def parse_state(
             raise ValueError(f"history: {entry!r} needs {shards} whole counts >= 0")
         _check_within(f"history {entry!r}", done, sampling)
         history.append((shards, tuple(done)))
-    for index, value in enumerate(received):
-        if value is not None and not _is_count(value):
-            raise ValueError(
-                f"received[{index}]: {value!r} is not a count of batches (a whole number >= 0, "
-                "or null for a rank the state does not describe)"
-            )
-    continues = (saved_world, saved_workers) == (world_size, num_workers)
-    mine = range(rank * num_workers, (rank + 1) * num_workers)
-    needed = mine if continues else range(count)
-    missing = [index for index in needed if received[index] is None]
-    if missing:
-        raise ValueError(
-            f"received: the counts of shards {missing} are missing: the state was taken without "
-            "a torch.distributed group, so it describes one rank only. Resume it with the same "
-            "world size and workers, or take states with the process group up"
-        )
-    filled = tuple(0 if r is None else int(r) for r in received)
-    _check_within("received", filled, sampling)
+    return history
+
+
+def _steps(state: Mapping[str, Any], saved_world: int) -> list[int | None] | None:
+    """Per saved rank, the batches its trainer received (None in a state without them)."""
     steps = state.get("steps")
     if steps is not None and (
         not isinstance(steps, list)
@@ -207,8 +231,7 @@ def parse_state(
             f"steps: {steps!r} is not one count of batches (or null) per rank of the saved "
             f"world size {saved_world}"
         )
-    before = _received_before(steps, filled, saved_world, saved_workers, rank, continues)
-    return Resume(Position(epoch, (*history, (count, filled)), continues), before)
+    return steps
 
 
 def _is_count(value: Any) -> bool:

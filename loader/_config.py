@@ -116,16 +116,7 @@ class LoaderConfig:
         on_error = check_choice(on_error, "on_error", ("raise", "skip"))
         if max_skipped is not None:
             max_skipped = check_positive_int(max_skipped, "max_skipped", minimum=0)
-        check_importable(source, "source")
-        check_importable(step, "step")
-        if feeders is not None:
-            if isinstance(feeders, Mapping):
-                raise TypeError(
-                    "feeders must be a module-level function feeders(shard) -> {name: "
-                    "ndd.ExternalSource}, not a dict of instances: every worker loop needs its "
-                    "own feeders (rule 4c), so the loader builds them in each worker"
-                )
-            check_importable(feeders, "feeders")
+        _check_functions(source, step, feeders)
         if device == "gpu" and output == "numpy":
             raise ValueError(
                 "device='gpu' delivers batches in GPU memory: pass output='torch' or "
@@ -133,25 +124,8 @@ class LoaderConfig:
             )
         if device == "cpu" and output == "cupy":
             raise ValueError("output='cupy' needs device='gpu'")
-        if output == "torch":
-            _require_module(
-                "torch", "output='torch' needs PyTorch: pip install 'dali-capture-loader[torch]'"
-            )
-        if output == "cupy":
-            _require_module(
-                "cupy", "output='cupy' needs CuPy: pip install 'dali-capture-loader[gpu]'"
-            )
         placement = _env.discover_placement(rank, world_size)
-        if device == "gpu":
-            visible = require_gpu()
-            # the CUDA slot ring is CuPy's, whatever the output library
-            _require_module(
-                "cupy", "device='gpu' needs CuPy: pip install 'dali-capture-loader[gpu]'"
-            )
-            if device_id is None:
-                device_id = _env.default_device_id(placement, visible)
-        elif device_id is not None:
-            raise ValueError("device_id= is only meaningful with device='gpu'")
+        device_id = _check_device(device, output, device_id, placement)
         return cls(
             source=source,
             step=step,
@@ -299,3 +273,36 @@ def require_gpu() -> int:
             "(check CUDA_VISIBLE_DEVICES); use device='cpu'"
         )
     return int(count.value)
+
+
+def _check_functions(source: Any, step: Any, feeders: Any) -> None:
+    """``source``, ``step`` and ``feeders`` must be importable by name in a spawned worker."""
+    check_importable(source, "source")
+    check_importable(step, "step")
+    if feeders is not None:
+        if isinstance(feeders, Mapping):
+            raise TypeError(
+                "feeders must be a module-level function feeders(shard) -> {name: "
+                "ndd.ExternalSource}, not a dict of instances: every worker loop needs its "
+                "own feeders (rule 4c), so the loader builds them in each worker"
+            )
+        check_importable(feeders, "feeders")
+
+
+def _check_device(device: str, output: str, device_id: Any, placement: _env.Placement) -> Any:
+    """The libraries ``device`` and ``output`` need, and the GPU (``device_id``) to use."""
+    if output == "torch":
+        _require_module(
+            "torch", "output='torch' needs PyTorch: pip install 'dali-capture-loader[torch]'"
+        )
+    if output == "cupy":
+        _require_module("cupy", "output='cupy' needs CuPy: pip install 'dali-capture-loader[gpu]'")
+    if device == "gpu":
+        visible = require_gpu()
+        # the CUDA slot ring is CuPy's, whatever the output library
+        _require_module("cupy", "device='gpu' needs CuPy: pip install 'dali-capture-loader[gpu]'")
+        if device_id is None:
+            device_id = _env.default_device_id(placement, visible)
+    elif device_id is not None:
+        raise ValueError("device_id= is only meaningful with device='gpu'")
+    return device_id

@@ -128,6 +128,7 @@ class Coordinator:
     def seek(self, position: Position) -> list[int]:
         """Every worker rebuilds its sources to start ``position.epoch`` at ``position``;
         returns the batches each has left in that epoch."""
+        self.finish_epoch()  # (an epoch over by count: its end is on its way)
         for session in self.sessions:
             self._send(session, session.seek(position))
         self._until(_idle, self._command_limit)
@@ -394,6 +395,7 @@ class Coordinator:
             raise self._fail(decision.error)
         if decision.budgeted:
             session.counters.restarts += 1
+        session.drop_process()
         handle = self.pool.replace(session.index, decision.spec)
         session.replaced(handle, decision.target, decision.first_step)
         self.healing.started(session)

@@ -18,6 +18,7 @@ from ipc import wire
 from ipc.wire import Position
 from workers import WorkerSpec, continue_from
 
+from ._config import LoaderConfig
 from ._errors import SkipLimitError
 from ._pool import WorkerHandle
 from ._session import Aborting, Idle, Running, Seeking, Stopped, Target, WorkerSession
@@ -268,3 +269,21 @@ class Healing:
             limit = self.timeouts.trace
             return limit, "" if limit is None else f"startup_timeout={limit:g}"
         return timeout, "" if timeout is None else f"timeout={timeout:g}"
+
+
+def check_healable(config: LoaderConfig, positional: bool) -> None:
+    """on_error="skip" and max_restarts need a source that knows its sample ids (``positional``:
+    a sharded_source/sharded_files root): ``ValueError`` for a skip, a warning for restarts."""
+    if config.on_error == "skip" and not positional:
+        raise ValueError(
+            "on_error='skip' needs a source that knows its sample ids: sharded_files() or "
+            "sharded_source(); a DALI reader cannot leave a sample out (its pipeline is "
+            "disabled by any error)"
+        )
+    if config.max_restarts and not positional:
+        logger.warning(
+            "max_restarts=%d, but the source is a DALI reader (or a plain ExternalSource), "
+            "which cannot start mid-shard: a dead worker will raise, not be replaced. Use "
+            "sharded_files() or sharded_source() to heal",
+            config.max_restarts,
+        )

@@ -27,13 +27,13 @@ from typing import Any
 from ipc.wire import Position, Sampling
 from workers import Shard
 
-from . import _checkpoint, _distributed, _env
+from . import _checkpoint, _distributed, _ranks
 from ._checkpoint import Resume
 from ._config import LoaderConfig
 from ._coordinator import Coordinator
 from ._epochs import EpochIterator
 from ._errors import LoaderClosedError
-from ._healing import Healing, Timeouts
+from ._healing import Healing, Timeouts, check_healable
 from ._pool import WorkerPool
 from ._session import Delivery
 from ._stats import LoaderStats, TrainerCounters, WorkerStats
@@ -90,9 +90,7 @@ class Loader:
         self._epoch = 0
         self._current: EpochIterator | None = None
         self._kind: str | None = None
-        self._ranks_traced = False
-        self._ranks_checked = False
-        self._ranks_checked_later = False  # re-laid: agreement is checked at the first epoch
+        self._checks = _ranks.RankChecks()
         self._counters = TrainerCounters(created=time.monotonic())
         self._resume: Resume | None = None  # a loaded state, until its epoch is over
         self._resume_steps: list[int] = []  # batches each worker has left in that epoch
@@ -132,8 +130,8 @@ class Loader:
         self._counters.startup_wait_ns = coordinator.wait_ns
         if config.on_error == "skip" or config.max_restarts:
             self._check_healable()
-        if _distributed.group_size() > 1 and not self._ranks_checked_later:
-            self._check_ranks_at_start()  # a collective: only where every rank builds one
+        if _distributed.group_size() > 1 and not self._checks.deferred:
+            self._check_configuration()  # a collective: only where every rank builds one
         logger.info(
             "started %d workers (rank %d/%d%s, %d DALI threads each, capture=%s)",
             config.num_workers,
@@ -146,46 +144,32 @@ class Loader:
 
     def _settle(self) -> Coordinator:
         """Rank and world size, final once a process group is up: a loader built before the
-        launcher set one up (Lightning's DDP, a DataModule's ``__init__``) re-lays its workers
-        for the group's rank before its first epoch. Costs nothing once settled."""
+        launcher set one up re-lays its workers for the group's rank before its first epoch.
+        Costs nothing once settled."""
         coordinator = self._require_open()
         config = self.config
-        if config.placement_source == "torch.distributed" or (
-            not config.placement.provisional and _distributed.group_size() == 0
-        ):
-            return coordinator
+        started = (self._current is not None and self._current.started) or bool(self._resume)
         try:
-            placement = _env.settle_placement(config.placement)
-        except ValueError:
+            settled, relay = _ranks.settle(config, started=started)
+        except (ValueError, RuntimeError):
             self.close()
             raise
-        if placement is None:
+        self.config = settled
+        if not relay:
             return coordinator
-        if (placement.rank, placement.world_size) == (config.rank, config.world_size):
-            self.config = config.placed(placement)  # confirmed: nothing to re-lay
-            return coordinator
-        started = self._current is not None and self._current.started
-        if started or self._resume is not None:
-            self.close()
-            raise RuntimeError(
-                f"the torch.distributed group makes this loader rank {placement.rank} of "
-                f"{placement.world_size}, but it already ran or resumed an epoch as rank "
-                f"{config.rank} of {config.world_size}: set the process group up before the "
-                "first epoch, or build the Loader after it (e.g. in train_dataloader())"
-            )
         logger.info(
             "rank %d of %d from the process group (the loader was built as rank %d of %d): "
             "restarting its workers for that shard",
-            placement.rank,
-            placement.world_size,
+            settled.rank,
+            settled.world_size,
             config.rank,
             config.world_size,
         )
         if self._finalizer is not None:
             self._finalizer()
         # no collective in here: other ranks may be settling without a re-lay
-        self._ranks_checked_later = True
-        self._launch(config.placed(placement))
+        self._checks.deferred = True
+        self._launch(settled)
         return self._require_open()
 
     # ------------------------------------------------------------------------------ settings
@@ -325,11 +309,7 @@ class Loader:
         steps = coordinator.seek(resume.position)
         self._resume, self._resume_steps = resume, steps
         self._epoch = resume.epoch
-        self._collective(
-            lambda: _distributed.check_ranks(
-                "resumed epoch length", _distributed.gather({"steps": sum(steps)})
-            )
-        )
+        self._collective(lambda: _ranks.RankChecks.resumed(sum(steps)))
         logger.info(
             "resuming epoch %d at %s (%s layout): %d batches received before, %d left on this rank",
             resume.epoch,
@@ -372,8 +352,8 @@ class Loader:
     def _start(self, run: EpochIterator) -> Coordinator:
         """The first ``next()`` of ``run``: settle the rank, start the epoch in every worker."""
         coordinator = self._settle()
-        if not self._ranks_checked and _distributed.group_size() > 1:
-            self._check_ranks_at_start()
+        if not self._checks.configuration_checked and _distributed.group_size() > 1:
+            self._check_configuration()
         run.epoch = epoch = self._epoch
         resume = self._resume
         if resume is not None and resume.epoch != epoch:
@@ -404,8 +384,10 @@ class Loader:
         delivery = None
         if not run.finished and (run.expected is None or run.delivered < run.expected):
             coordinator.wait_signatures()
-            if not self._ranks_traced:
-                self._check_ranks_traced()
+            if not self._checks.traced_checked:
+                reference = coordinator.reference
+                fields = None if reference is None else dict(reference.agreement_fields())
+                self._collective(lambda: self._checks.traced(fields))
             delivery = coordinator.next_batch()
         if delivery is None:  # over (or nothing left: a state saved at its epoch's end)
             if not run.finished:
@@ -475,44 +457,15 @@ class Loader:
 
     # ------------------------------------------------------------------------------ checks
     def _check_healable(self) -> None:
-        """on_error="skip" needs sample ids: a sharded_source/sharded_files root."""
-        positional = self._require_open().sampling() is not None
-        if self.config.on_error == "skip" and not positional:
+        try:
+            check_healable(self.config, self._require_open().sampling() is not None)
+        except ValueError:
             self.close()
-            raise ValueError(
-                "on_error='skip' needs a source that knows its sample ids: sharded_files() or "
-                "sharded_source(); a DALI reader cannot leave a sample out (its pipeline is "
-                "disabled by any error)"
-            )
-        if self.config.max_restarts and not positional:
-            logger.warning(
-                "max_restarts=%d, but the source is a DALI reader (or a plain ExternalSource), "
-                "which cannot start mid-shard: a dead worker will raise, not be replaced. Use "
-                "sharded_files() or sharded_source() to heal",
-                self.config.max_restarts,
-            )
+            raise
 
-    def _check_ranks_at_start(self) -> None:
-        """Across ranks (when a process group is up): the same configuration and epoch length."""
-        self._ranks_checked = True
-        payload = {
-            **self.config.agreement_payload(),
-            "loader_version": _version(),
-            "steps_per_epoch": self._require_open().steps_per_epoch(),
-        }
-        self._collective(
-            lambda: _distributed.check_ranks("configuration", _distributed.gather(payload))
-        )
-
-    def _check_ranks_traced(self) -> None:
-        """Across ranks, once per loader: the traced signature (outputs, capture, DALI)."""
-        self._ranks_traced = True
-        reference = self._require_open().reference
-        payload = {} if reference is None else dict(reference.agreement_fields())
-        payload.pop("device_id", None)  # each rank drives its own GPU
-        self._collective(
-            lambda: _distributed.check_ranks("traced signature", _distributed.gather(payload))
-        )
+    def _check_configuration(self) -> None:
+        steps = self._require_open().steps_per_epoch()
+        self._collective(lambda: self._checks.configuration(self.config, steps))
 
     def _collective(self, check: Callable[[], None]) -> None:
         """Run a cross-rank check; a disagreement closes the loader before it leaves."""
@@ -534,9 +487,3 @@ class Loader:
         if self._closed or coordinator is None or coordinator.pool.closed:
             raise LoaderClosedError("the loader is closed")
         return coordinator
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__

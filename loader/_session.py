@@ -182,12 +182,17 @@ class WorkerSession:
         elif isinstance(target, Seeking):
             self.epoch = target.position.epoch
 
+    def drop_process(self) -> None:
+        """Before a replacement: the old process's queued batches and slot regions go (the
+        trainer's side of every region is closed before the worker that exports it dies)."""
+        self.queue.clear()
+        self.reader.close()
+
     def replaced(self, handle: WorkerHandle, target: Target, first_step: int) -> None:
         """A new process for this worker, that does ``target`` once it said Hello."""
         self.go(target, up=False)
         self.handle = handle
-        self.queue.clear()
-        self.reader.close()
+        self.drop_process()
         self.reader = SlotReader(handle.spec.num_slots, self.index)
         self.received = 0
         self.last_step = None

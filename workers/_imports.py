@@ -6,6 +6,11 @@ DALI's import time (about 1.0 of 1.7 s on the 2-core machine), and a worker proc
 before its first batch. While DALI is imported in a worker, ``import torch`` is made to fail, so
 DALI falls back to its no-torch aliases; afterwards imports are untouched, and a source or step
 that imports torch gets it as usual.
+
+It helps only where torch is not imported already: under ``spawn`` a worker imports the trainer's
+main module first, and under ``forkserver`` on Python 3.11 every forked worker re-imports it too,
+so a main script with ``import torch`` at its top (as most training scripts have) gains nothing.
+``DALI_LOADER_DEFER_TORCH=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -14,9 +19,13 @@ import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from types import ModuleType
+
+#: The environment variable that turns the deferral off (``0``).
+SWITCH = "DALI_LOADER_DEFER_TORCH"
 
 
 class _TorchDeferred(importlib.abc.MetaPathFinder):
@@ -36,8 +45,13 @@ class _TorchDeferred(importlib.abc.MetaPathFinder):
 @contextlib.contextmanager
 def torch_deferred() -> Iterator[None]:
     """Within the block, ``import torch`` fails unless torch is already imported. Does nothing
-    when ``torchdata`` is installed: DALI then imports its torchdata nodes, which need torch."""
-    if "torch" in sys.modules or importlib.util.find_spec("torchdata") is not None:
+    when switched off (``DALI_LOADER_DEFER_TORCH=0``) or when ``torchdata`` is installed: DALI
+    then imports its torchdata nodes, which need torch."""
+    if (
+        "torch" in sys.modules
+        or os.environ.get(SWITCH, "1") == "0"
+        or importlib.util.find_spec("torchdata") is not None
+    ):
         yield
         return
     finder = _TorchDeferred()

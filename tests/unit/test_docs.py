@@ -187,3 +187,14 @@ def test_the_quickstart_is_two_commands_and_the_second_is_the_ci_s() -> None:
     assert len(commands) == 2, commands
     assert commands[1] == _ci_command()
     assert "python -m loader" in commands[0]
+
+
+def test_the_design_pages_lifecycle_is_the_worker_state_docstring() -> None:
+    from loader._session import WorkerState
+
+    docstring = WorkerState.__doc__ or ""
+    table = textwrap.dedent(docstring.split("::", 1)[1]).strip()
+    text = (DOCS / "design.md").read_text(encoding="utf-8")
+    section = text[text.index("## A worker's lifecycle") :]
+    block = section[section.index("```text") + len("```text") : section.index("```\n\nIn short")]
+    assert block.strip() == table, "docs/design.md's lifecycle differs from WorkerState's"

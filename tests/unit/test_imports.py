@@ -45,3 +45,19 @@ def test_the_hook_is_removed_when_the_import_fails() -> None:
     with pytest.raises(ZeroDivisionError), torch_deferred():
         raise ZeroDivisionError
     assert sys.meta_path == finders
+
+
+def test_the_switch_turns_the_deferral_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torchdata") is not None:
+        pytest.skip("torchdata is installed: the deferral is off anyway")
+    finders = list(sys.meta_path)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setenv("DALI_LOADER_DEFER_TORCH", "0")
+    with torch_deferred():
+        assert sys.meta_path == finders
+    monkeypatch.setenv("DALI_LOADER_DEFER_TORCH", "1")
+    with torch_deferred():
+        assert len(sys.meta_path) == len(finders) + 1
+    assert sys.meta_path == finders
