@@ -30,7 +30,7 @@ from ._loader import Loader, LoaderStats, WorkerStats
 from ._views import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple
 from .sample import ensure_sample_dataset, list_images
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AgreementError",

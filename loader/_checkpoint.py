@@ -16,7 +16,8 @@ from typing import Any
 
 from ipc.wire import Position, Sampling
 
-FORMAT = 1
+#: 2: epochs are ordered by a seeded bijection (O(shard) planning); format 1's order differed.
+FORMAT = 2
 
 #: Why a DALI reader (or a plain ExternalSource) cannot be resumed.
 NOT_RESUMABLE = (
@@ -127,6 +128,12 @@ def parse_state(
         raise ValueError(
             f"format: this state has format {version}, newer than this loader's {FORMAT}; "
             "upgrade dali-capture-loader"
+        )
+    if version == 1:
+        raise ValueError(
+            "format: this state has format 1, from a loader before 0.2 whose order of samples "
+            "differs from this one's, so it cannot say which samples are left; finish that run "
+            "with the version that saved it, or start the epoch again (drop the loader's state)"
         )
     if version < 1:
         raise ValueError(f"format: {version} is not a valid state format")

@@ -181,7 +181,7 @@ def test_resume_costs_the_same_at_any_position() -> None:
     times = {}
     for fraction in (0.0, 0.9):
         state = {
-            "format": 1,
+            "format": 2,
             "seed": 0,
             "epoch": 0,
             "batch_size": 4,
@@ -206,7 +206,8 @@ def test_a_state_that_cannot_apply_names_its_field() -> None:
         with pytest.raises(ValueError, match=r"^seed: "):
             loader.load_state_dict(state)
         for field, value, match in (
-            ("format", 2, "^format: "),
+            ("format", 3, "^format: .*newer"),
+            ("format", 1, "^format: .*order of samples differs"),
             ("batch_size", 8, "^batch_size: "),
             ("sampling", {"total": 31, "shuffle": True, "drop_last": False}, "sampling.total"),
             ("received", [1], "^received: "),
