@@ -1,4 +1,4 @@
-"""Epoch planning alone (no data, no DALI, no processes): ``python -m bench.planning [--quick]``.
+"""Epoch planning alone (no data, no DALI, no processes): ``python -m bench.plan [--quick]``.
 
 What a worker computes before its first batch of an epoch, timed and measured (peak of Python and
 numpy allocations, by ``tracemalloc``):
@@ -116,7 +116,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.planning", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="the baseline at 10M only (< 20 s)")
     args = parser.parse_args()
     cases = [(10**9, 65_536), (10**8, 8_192), (10**7, 1_024)]
