@@ -17,6 +17,8 @@ import nvidia.dali as dali
 import nvidia.dali.experimental.dynamic as ndd
 import nvidia.dali.types as dali_types
 
+from ._sampling import BatchedSamples
+
 DALI_VERSION: str = str(dali.__version__)
 
 
@@ -26,6 +28,21 @@ def is_reader(source: object) -> bool:
 
 def is_external_source(source: object) -> bool:
     return isinstance(source, ndd.ExternalSource)
+
+
+class ShardedExternalSource(ndd.ExternalSource):
+    """The ``ndd.ExternalSource`` that ``sharded_source``/``sharded_files`` return: DALI's own,
+    which keeps its source only as a callback, plus the :class:`BatchedSamples` it pulls from,
+    for the worker to find behind the root ``source(shard)`` returned."""
+
+    def __init__(self, samples: BatchedSamples) -> None:
+        super().__init__(samples, num_outputs=samples.num_outputs, cycle="raise")
+        self.samples = samples
+
+
+def sharded_samples(source: object) -> BatchedSamples | None:
+    """The :class:`BatchedSamples` behind a ``sharded_source``/``sharded_files`` root, else None."""
+    return source.samples if isinstance(source, ShardedExternalSource) else None
 
 
 def describe_source_error(source: object) -> str | None:

@@ -9,6 +9,9 @@ Invariants:
 * Everything DALI happens on the process's main thread: one EvalContext for the worker's whole
   life (rule 8), at most one capture loop at a time, always on that thread (rule 10).
 * The control channel is read and written by the main thread only.
+* The worker owns its control state (``Worker.control``: ``on_error`` and the samples known to
+  fail, for the process's life; ``Sources.feed``: the batches in flight, per built source) and
+  hands it to a sharded source (:mod:`workers._control`); only the main thread writes it.
 * A slot is written only between acquiring it and publishing it; the worker never touches a
   published slot until the trainer's ``Release`` for that exact generation arrives.
 * Every exception becomes one ``WorkerFailure`` record, in order after the batches already sent;
@@ -31,6 +34,7 @@ from ipc import ChannelClosed, ControlChannel, wire
 from ipc.wire import Position
 
 from . import _dali
+from ._control import SampleControl
 from ._phase import Phase
 from ._publish import Publisher, describe_outputs, normalize_outputs
 from ._sources import Sources, build_sources, delivery_info
@@ -71,8 +75,8 @@ class Worker:
         #: the iterator, and the epoch its next batch belongs to
         self.stream: Iterator[Any] | None = None
         self.stream_epoch: int | None = None
-        #: samples known to fail (on_error="skip"): replaced without loading
-        self.bad_samples: set[int] = set(spec.bad_samples)
+        #: on_error and the samples known to fail (replaced without loading), for every source
+        self.control = SampleControl(spec.on_error, spec.bad_samples, self.report_skipped)
 
     def set_phase(self, phase: Phase) -> None:
         self.phase = phase
@@ -83,9 +87,7 @@ class Worker:
         self.ctx = _dali.make_context(self.spec.num_threads, self.spec.device_id)
         self.publisher = Publisher(self.spec, self.channel, self.ctx, self.wait_for_trainer)
         # epoch 0 from its start, or (a replacement) where its predecessor stopped
-        self.sources = build_sources(
-            self.spec, self.shard, self.set_phase, self.bad_samples, self.report_skipped
-        )
+        self.sources = build_sources(self.spec, self.shard, self.set_phase, self.control)
         self.phase = Phase.IDLE
         self.channel.send(
             wire.Hello(
@@ -104,9 +106,7 @@ class Worker:
         self.sources = None
         gc.collect()  # lets DALI shut the torn-down pipeline's threads down now
         shard = self.shard.for_epoch(epoch, position)
-        self.sources = build_sources(
-            self.spec, shard, self.set_phase, self.bad_samples, self.report_skipped
-        )
+        self.sources = build_sources(self.spec, shard, self.set_phase, self.control)
         self.phase = Phase.IDLE
         self.rebuilds += 1
         self.last_epoch_done = None  # the next epoch sends a signature again, even when eager
@@ -133,7 +133,7 @@ class Worker:
         elif isinstance(message, wire.Shutdown):
             raise ShutdownRequested
         elif isinstance(message, wire.BadSamples):
-            self.bad_samples.update(message.ids)  # the set the sources replace from
+            self.control.add_bad(message.ids)  # the set the sources replace from
         elif isinstance(message, wire.Seek):
             if in_epoch:
                 raise wire.ProtocolError("Seek during an epoch")
@@ -269,14 +269,12 @@ class Worker:
         reader) when the trainer starts that epoch."""
         sources, spec = self.sources, self.spec
         assert sources is not None
-        sampled = sources.sampled
         if not continuous:
-            if sampled is not None:
-                sampled.continuous = False
+            sources.feed.continuous = False
             return _dali.epoch_iterator(sources.source, spec.batch_size, self.ctx, spec.capture)
         if self.stream is None:
-            assert sampled is not None
-            sampled.continuous = True
+            assert sources.sampled is not None
+            sources.feed.continuous = True
             self.stream = _dali.epoch_iterator(
                 sources.source, spec.batch_size, self.ctx, spec.capture
             )

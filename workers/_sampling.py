@@ -6,13 +6,20 @@ helpers here let the loader decide instead, deterministically from the seed and 
 (:mod:`workers._positions` does the arithmetic):
 
 * :class:`BatchedSamples` turns a shard's part of each epoch into full batches of ``batch_size``
-  and remembers, per batch yielded, how many rows are padding; the worker attaches that count to
+  and records, per batch yielded, how many rows are padding; the worker attaches that count to
   the delivered batch (``info.padded``). Built for a shard that carries a saved position, its
   first epoch starts where that position stopped (nothing before it is loaded).
 * :func:`sharded_source` puts it in an ``ndd.ExternalSource`` ready to return from
-  ``source(shard)``, over any ``load(index)``.
+  ``source(shard)``, over any ``load(index)``; the worker finds it there by the source's type
+  (``_dali.ShardedExternalSource``).
 * :func:`sharded_files` does the same over image files (an ImageFolder or a list), yielding the
   encoded bytes and the label of each file, for DALI's decoders.
+
+A :class:`BatchedSamples` holds the user's state only. The worker's control state (``on_error``,
+the samples known to fail, the records of batches in flight, whether one iteration runs every
+epoch) is owned by the worker (:mod:`workers._control`) and handed over with
+:meth:`BatchedSamples.bind`; unbound, it loads every sample, raises when a ``load`` raises and runs
+one epoch per iteration.
 """
 
 from __future__ import annotations
@@ -31,13 +38,11 @@ import numpy as np
 
 from ipc.wire import Sampling
 
+from ._control import FedBatch, FeedState, SampleControl
 from ._positions import Batch, shard_batches, steps_per_epoch
 from ._shard import Shard
 
 logger = logging.getLogger("workers")
-
-#: Attribute set on an ExternalSource built here; the worker reads padding counts from it.
-PADDING_ATTRIBUTE = "_dali_capture_loader_padding"
 
 #: Batches whose arrays a source keeps referenced after yielding them.
 _KEEP_ALIVE = 4
@@ -76,23 +81,23 @@ class BatchedSamples:
         self.sampling = Sampling(total, batch_size, shard.seed - shard.index, shuffle, drop_last)
         self.epoch = shard.epoch
         self.position = shard.position
-        #: one entry per batch handed to DALI and not yet delivered, oldest first
-        self.fed: deque[FedBatch] = deque()
-        self.on_error = "raise"  # set by the worker from the Loader's on_error
-        self.bad: set[int] = set()  # sample ids known to fail: replaced without loading
-        #: set by the worker: called (on the loop's thread) for each sample whose ``load``
-        #: raised under on_error="skip", with (epoch, step, id, name, reason); logged if unset
-        self.report_skipped: Callable[[int, int, int, str, str], None] | None = None
-        #: the load running now: (sample id, time.monotonic() at its start), and the batch
-        #: (epoch, step) loaded last or now; read when the trainer asks a stuck worker for its
-        #: stack
+        # the worker's, handed over by ``bind``; until then, a control state of its own
+        self._control = SampleControl()
+        self._feed = FeedState()
+        #: the load running now: (sample id, time.monotonic() at its start; written by the
+        #: thread that loads), and the batch (epoch, step) loaded last or now (written by the
+        #: main thread); read when the trainer asks a stuck worker for its stack
         self.loading: tuple[int, float] | None = None
         self.loading_batch: tuple[int, int] = (-1, -1)
-        #: set by the worker: one iteration runs every epoch in turn (see ``__iter__``)
-        self.continuous = False
         self.steps = steps_per_epoch(total, shard.count, batch_size, drop_last)
         #: batches of the first epoch these sources run (fewer when resumed mid-epoch)
         self.first_epoch_steps = len(self.batches_for_epoch(self.epoch))
+
+    def bind(self, control: SampleControl, feed: FeedState) -> None:
+        """Take the worker's control state (before the first epoch): ``control`` decides how
+        failing samples are handled, ``feed`` records the batches handed to DALI."""
+        self._control = control
+        self._feed = feed
 
     @property
     def total(self) -> int:
@@ -135,22 +140,24 @@ class BatchedSamples:
     def load_batch(self, chunk: np.ndarray[Any, Any]) -> LoadedSamples:
         """Every sample of a batch; with ``on_error="skip"`` a sample whose ``load`` raises (or
         that is known bad) is replaced by a repeat of a good sample of the same batch.
-        May run on the prefetch thread: it reports nothing itself (see ``LoadedSamples``)."""
+        May run on the prefetch thread: it writes no shared state and reports nothing itself
+        (the caller does both from ``LoadedSamples.errors``)."""
         ids = [int(index) for index in chunk]
-        if self.on_error != "skip":
+        if not self._control.skip:
             return LoadedSamples([self._load(index) for index in ids])
         samples: list[Any] = []
         failed: list[int] = []
         errors: list[tuple[int, str]] = []
+        raised: set[int] = set()  # ids whose load raised in this batch (one may repeat)
         for row, index in enumerate(ids):
-            if index in self.bad:
+            if index in raised or index in self._control.bad:
                 samples.append(None)
                 failed.append(row)
                 continue
             try:
                 samples.append(self._load(index))
             except Exception as error:
-                self.bad.add(index)
+                raised.add(index)
                 errors.append((index, f"load raised {type(error).__name__}: {error}"[:300]))
                 samples.append(None)
                 failed.append(row)
@@ -168,15 +175,16 @@ class BatchedSamples:
         return LoadedSamples(samples, tuple(failed), skipped, errors)
 
     def __iter__(self) -> Iterator[Any]:
-        """One epoch of batches; with ``continuous`` set, every epoch after it too, in order
-        (the worker then counts each epoch's steps itself, and DALI's prefetch runs on into the
-        next epoch while the last batches of this one are delivered, as it does for a reader)."""
+        """One epoch of batches; when the worker's feed state is ``continuous``, every epoch
+        after it too, in order (the worker then counts each epoch's steps itself, and DALI's
+        prefetch runs on into the next epoch while the last batches of this one are delivered,
+        as it does for a reader)."""
         while True:
             epoch = self.epoch
             self.epoch += 1
             batches = self.batches_for_epoch(epoch)
             yield from self._epoch(epoch, batches)
-            if not self.continuous or (not batches and self.steps == 0):
+            if not self._feed.continuous or (not batches and self.steps == 0):
                 return
 
     def epoch_steps(self, epoch: int) -> int:
@@ -188,16 +196,16 @@ class BatchedSamples:
         without (replaced as known bad: they cannot have broken it). A step past the epoch's
         end is in the next one when the batches are continuous. None past the last batch."""
         batches = self.batches_for_epoch(epoch)
-        if step >= len(batches) and self.continuous:
+        if step >= len(batches) and self._feed.continuous:
             step -= len(batches)
             epoch += 1
             batches = self.batches_for_epoch(epoch)
         if step >= len(batches):
             return None
         # ``bad`` grows while batches are in flight (another worker's finds arrive any time):
-        # what a batch was loaded without is in its entry, until the batch is delivered
-        fed = next((f for f in self.fed if (f.epoch, f.step) == (epoch, step)), None)
-        replaced = frozenset(self.bad if fed is None else fed.skipped)
+        # what a batch was loaded without is in its record, until the batch is delivered
+        fed = self._feed.find(epoch, step)
+        replaced = self._control.bad if fed is None else frozenset(fed.skipped)
         return [int(index) for index in batches[step][0]], replaced
 
     def _epoch(self, epoch: int, batches: list[Batch]) -> Iterator[Any]:
@@ -217,12 +225,14 @@ class BatchedSamples:
             pending: Future[LoadedSamples] = prefetch.submit(self.load_batch, batches[0][0])
             for step, (_chunk, pad_rows) in enumerate(batches):
                 loaded = pending.result()
+                if loaded.errors:  # remembered here (main thread) before the next batch loads
+                    self._control.add_bad(index for index, _reason in loaded.errors)
                 if step + 1 < len(batches):
                     self.loading_batch = (epoch, step + 1)  # (one load_batch at a time)
                     pending = prefetch.submit(self.load_batch, batches[step + 1][0])
-                for index, reason in loaded.errors:  # on this (the loop's) thread
+                for index, reason in loaded.errors:
                     self._skipped_on_load(epoch, step, index, reason)
-                self.fed.append(FedBatch(epoch, step, pad_rows, loaded.replaced, loaded.skipped))
+                self._feed.fed(FedBatch(epoch, step, pad_rows, loaded.replaced, loaded.skipped))
                 samples = loaded.samples
                 outputs = [
                     _batch_arrays(
@@ -243,8 +253,9 @@ class BatchedSamples:
         """A sample whose ``load`` raised was left out of batch ``step`` of ``epoch``: the
         worker tells the trainer (which logs it once for all workers, and tells the others);
         without a worker, it is logged here."""
-        if self.report_skipped is not None:
-            self.report_skipped(epoch, step, index, self.name(index), reason)
+        report = self._control.report_skipped
+        if report is not None:
+            report(epoch, step, index, self.name(index), reason)
         else:
             logger.warning("skipped %s: %s", self.describe(index), reason)
 
@@ -265,22 +276,10 @@ def _batch_arrays(
     return np.stack(arrays)
 
 
-@dataclass(frozen=True, slots=True)
-class FedBatch:
-    """A batch handed to DALI: what the worker attaches to it when it is delivered, and what
-    it was loaded without (for searching it, should it fail)."""
-
-    epoch: int
-    step: int
-    padded: int  # trailing rows of padding
-    replaced: tuple[int, ...] = ()  # rows filled with a repeat of a good sample (on_error="skip")
-    skipped: tuple[int, ...] = ()  # the sample ids those rows would have held
-
-
 @dataclass
 class LoadedSamples:
     """One batch's samples as loaded; ``errors``: (id, reason) of each sample whose ``load``
-    raised, to report from the loop's thread."""
+    raised, to remember and report on the main thread."""
 
     samples: list[Any]
     replaced: tuple[int, ...] = ()
@@ -304,7 +303,7 @@ def sharded_source(
     remainder instead of padding), batches are always full, and padded rows are reported in the
     delivered batch's ``info.padded``. The loader can save and resume its position.
     """
-    import nvidia.dali.experimental.dynamic as ndd
+    from ._dali import ShardedExternalSource
 
     samples = BatchedSamples(
         shard,
@@ -315,9 +314,7 @@ def sharded_source(
         shuffle=shuffle,
         drop_last=drop_last,
     )
-    source = ndd.ExternalSource(samples, num_outputs=num_outputs, cycle="raise")
-    setattr(source, PADDING_ATTRIBUTE, samples)
-    return source
+    return ShardedExternalSource(samples)
 
 
 def list_files(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
@@ -420,8 +417,3 @@ def sharded_files(
         shuffle=shuffle,
         drop_last=drop_last,
     )
-
-
-def padding_of(source: object) -> BatchedSamples | None:
-    found = getattr(source, PADDING_ATTRIBUTE, None)
-    return found if isinstance(found, BatchedSamples) else None

@@ -4,6 +4,11 @@
 return, and learns what the loader must know before the first epoch: how many batches the shard
 yields per epoch (when the source can tell) and, for a reader that pads its shard, where the
 shard's real samples end, so padded rows are flagged like ``sharded_source``'s.
+
+Behind a ``sharded_source``/``sharded_files`` root, :func:`build_sources` hands the
+:class:`~workers._sampling.BatchedSamples` the worker's :class:`~workers._control.SampleControl`
+(the worker's for its whole life) and a new :class:`~workers._control.FeedState` (this build's,
+kept in :attr:`Sources.feed`); :func:`delivery_info` takes each delivered batch's record from it.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from typing import Any
 
 from ipc import wire
 
-from . import _dali, _sampling
+from . import _dali
+from ._control import FeedState, SampleControl
 from ._phase import Phase
+from ._sampling import BatchedSamples
 from ._shard import Shard
 from ._spec import WorkerSpec
 
@@ -25,6 +32,10 @@ class Sources:
     """One shard's driving source and feeders, built for one epoch."""
 
     source: Any
+    #: The ``sharded_source``/``sharded_files`` bookkeeping behind the source, if it is one.
+    sampled: BatchedSamples | None = None
+    #: The batches the sampled source handed to DALI, and whether it runs on across epochs.
+    feed: FeedState = field(default_factory=FeedState)
     feeders: dict[str, Any] = field(default_factory=dict)
     #: Batches per epoch, or None when the source cannot tell in advance.
     steps_per_epoch: int | None = None
@@ -33,11 +44,6 @@ class Sources:
     #: For a reader that sticks to its shard and pads its last batch: the shard's real samples
     #: (rows past them are padding). None otherwise.
     reader_real_samples: int | None = None
-
-    @property
-    def sampled(self) -> _sampling.BatchedSamples | None:
-        """The ``sharded_source`` bookkeeping behind the source, if it is one."""
-        return _sampling.padding_of(self.source)
 
     def sampling(self) -> wire.Sampling | None:
         """What the trainer needs to save and check positions; None when it cannot."""
@@ -49,25 +55,21 @@ def build_sources(
     spec: WorkerSpec,
     shard: Shard,
     set_phase: Callable[[Phase], None],
-    bad_samples: set[int] | None = None,
-    report_skipped: Callable[[int, int, int, str, str], None] | None = None,
+    control: SampleControl,
 ) -> Sources:
     """Call ``source(shard)`` and ``feeders(shard)``, check and probe what they return.
-    ``bad_samples``: sample ids found failing, replaced from now on (``on_error="skip"``);
-    ``report_skipped``: told of each sample whose ``load`` raised (see ``BatchedSamples``)."""
+    ``control``: the worker's, handed to a sharded source (see the module docstring)."""
     _dali.seed_random(shard.seed + shard.epoch * shard.count)
     set_phase(Phase.SOURCE)
     source = spec.source(shard)
     problem = _dali.describe_source_error(source)
     if problem is not None:
         raise TypeError(problem)
-    built = Sources(source)
+    built = Sources(source, _dali.sharded_samples(source))
     probed = _dali.probe_reader(source, spec.batch_size)
     sampled = built.sampled
     if sampled is not None:
-        sampled.on_error = spec.on_error
-        sampled.bad = bad_samples if bad_samples is not None else set()
-        sampled.report_skipped = report_skipped
+        sampled.bind(control, built.feed)
         built.steps_per_epoch = len(sampled)
         built.first_epoch_steps = sampled.first_epoch_steps
         if sampled.batch_size != spec.batch_size:
@@ -111,9 +113,8 @@ def delivery_info(
     """Of step ``step``'s batch: rows of padding, replaced rows, skipped sample ids and their
     names. Padding is counted by ``sharded_source``, or is what lies past the shard's real
     samples for a reader that sticks to its shard and pads its last batch."""
-    sampled = sources.sampled
-    if sampled is not None and sampled.fed:
-        fed = sampled.fed.popleft()
+    sampled, fed = sources.sampled, sources.feed.delivered()  # only a sampled source feeds
+    if sampled is not None and fed is not None:
         names = tuple(sampled.name(index) for index in fed.skipped)
         return fed.padded, fed.replaced, fed.skipped, names
     padded = 0

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from workers import Position, Shard
+from workers._control import FeedState, SampleControl
 from workers._sampling import BatchedSamples, _batch_arrays, read_file
 
 
@@ -22,6 +23,14 @@ def _id(index: int) -> Any:
 def _samples(total: int = 30, batch: int = 4, shard: Shard | None = None) -> BatchedSamples:
     shard = shard or Shard.make(rank=0, world_size=1, worker=1, num_workers=2, seed=5)
     return BatchedSamples(shard, total, _id, batch)
+
+
+def _continuous(samples: BatchedSamples, control: SampleControl | None = None) -> FeedState:
+    """Bind ``samples`` as the worker does for a loop that runs on across epochs."""
+    feed = FeedState()
+    feed.continuous = True
+    samples.bind(control or SampleControl(), feed)
+    return feed
 
 
 def _ids(batch: Any) -> list[int]:
@@ -40,15 +49,18 @@ def test_one_iteration_is_one_epoch_unless_continuous() -> None:
 
 def test_a_continuous_iteration_runs_every_epoch_in_turn_with_their_padding() -> None:
     samples = _samples()
-    samples.continuous = True
+    feed = _continuous(samples)
     stream = iter(samples)
     steps = len(samples)
     for epoch in range(3):
         got = [_ids(next(stream)) for _ in range(samples.epoch_steps(epoch))]
         assert got == _expected(samples, epoch)
-        assert [samples.fed.popleft().padded for _ in range(steps)] == [
-            padded for _, padded in samples.batches_for_epoch(epoch)
+        delivered = [feed.delivered() for _ in range(steps)]
+        assert [(fed.epoch, fed.step, fed.padded) for fed in delivered if fed] == [
+            (epoch, step, padded)
+            for step, (_, padded) in enumerate(samples.batches_for_epoch(epoch))
         ]
+    assert feed.delivered() is None
     assert sum(padded for _, padded in samples.batches_for_epoch(0)) == 1  # 15 ids, 4 batches
 
 
@@ -57,7 +69,7 @@ def test_a_resumed_continuous_iteration_finishes_its_epoch_then_runs_whole_ones(
     whole = _samples(shard=base)
     position = Position(0, ((2, (3, 1)),), continues=True)  # worker 0 received 3 batches
     samples = _samples(shard=base.for_epoch(0, position))
-    samples.continuous = True
+    _continuous(samples)
     assert samples.epoch_steps(0) == 1 and samples.epoch_steps(1) == len(whole) == 4
     stream = iter(samples)
     got = [_ids(next(stream)) for _ in range(1 + 4)]
@@ -69,7 +81,7 @@ def test_batch_at_goes_on_into_the_next_epoch_only_when_continuous() -> None:
     last = len(samples) - 1
     assert samples.batch_at(0, last) == (_expected(samples, 0)[last], frozenset())
     assert samples.batch_at(0, last + 1) is None
-    samples.continuous = True
+    _continuous(samples)
     assert samples.batch_at(0, last + 1) == (_expected(samples, 1)[0], frozenset())
 
 
@@ -77,21 +89,60 @@ def test_batch_at_knows_which_ids_a_loaded_batch_replaced() -> None:
     """A sample found bad after a batch was loaded was in it (and may have broken it); one
     known bad before the load was replaced there and cannot have."""
     samples = _samples()
-    samples.on_error = "skip"
     first, second = _expected(samples, 0)[:2]
-    samples.bad = {first[0]}
+    control = SampleControl("skip", {first[0]})
+    samples.bind(control, FeedState())
     stream = iter(samples)
     assert first[0] not in _ids(next(stream))  # replaced by a good sample of the batch
     assert second[0] in _ids(next(stream))
-    samples.bad.add(second[0])  # learnt after batch 1 was loaded (another worker's find)
+    control.add_bad([second[0]])  # learnt after batch 1 was loaded (another worker's find)
     assert samples.batch_at(0, 0) == (first, frozenset({first[0]}))
     assert samples.batch_at(0, 1) == (second, frozenset())
+
+
+def test_a_load_that_raises_is_remembered_reported_once_and_not_loaded_again() -> None:
+    """on_error="skip": the failing id joins the worker's bad set (before the next batch loads)
+    and is reported once; the next epochs replace it without calling ``load``."""
+    shard = Shard.make(rank=0, world_size=1, worker=0, num_workers=1, seed=5)
+    loads: list[int] = []
+
+    def load(index: int) -> Any:
+        loads.append(index)
+        if index == 5:
+            raise OSError("corrupt")
+        return _id(index)
+
+    samples = BatchedSamples(shard, 16, load, 4)
+    reports: list[tuple[int, int, int, str, str]] = []
+    control = SampleControl("skip", (), lambda *report: reports.append(report))
+    _continuous(samples, control)
+    stream = iter(samples)
+    batches = [_ids(next(stream)) for _ in range(3 * len(samples))]
+    assert control.bad == {5}
+    assert all(5 not in batch for batch in batches)
+    assert loads.count(5) == 1
+    step = next(k for k, ids in enumerate(_expected(samples, 0)) if 5 in ids)
+    assert reports == [(0, step, 5, "5", "load raised OSError: corrupt")]
+
+
+def test_a_sharded_source_is_found_by_its_type() -> None:
+    import nvidia.dali.experimental.dynamic as ndd
+
+    from workers import sharded_source
+    from workers._dali import sharded_samples
+
+    shard = Shard.make(rank=0, world_size=1, worker=0, num_workers=1, seed=5)
+    source = sharded_source(shard, 30, _id, 4)
+    assert isinstance(source, ndd.ExternalSource)
+    found = sharded_samples(source)
+    assert isinstance(found, BatchedSamples) and (found.total, found.batch_size) == (30, 4)
+    assert sharded_samples(ndd.ExternalSource(_samples(), cycle="raise")) is None
 
 
 def test_a_shard_without_batches_ends_a_continuous_iteration() -> None:
     shard = Shard.make(rank=0, world_size=1, worker=1, num_workers=2, seed=0)
     samples = BatchedSamples(shard, 5, _id, 4, drop_last=True)  # 2 per shard: no full batch
-    samples.continuous = True
+    _continuous(samples)
     assert len(samples) == 0
     assert list(samples) == []
 

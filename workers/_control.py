@@ -1,0 +1,103 @@
+"""The worker's control state for a ``sharded_source``/``sharded_files`` root. Runs in the worker.
+
+A :class:`~workers._sampling.BatchedSamples` is the user's object and holds the user's state (the
+shard, ``load``, the sampling, the epoch it is at). What the worker decides about its samples, and
+what it must remember of the batches in flight, lives here; the worker makes these objects and
+hands them to the source with ``BatchedSamples.bind``:
+
+* :class:`SampleControl` -- one per worker process, for its whole life (it outlives rebuilt
+  sources): ``on_error``, the sample ids known to fail, and where a failed ``load`` is reported.
+* :class:`FeedState` -- one per built source (``Sources.feed``): a :class:`FedBatch` record per
+  batch handed to DALI and not yet delivered, and whether one iteration runs every epoch in turn.
+
+Threads: a source loads samples on its prefetch thread; everything else runs on the worker's main
+thread (DALI pulls the source there, and the control channel is read there). Both objects are
+written by the main thread only. The prefetch thread only reads :attr:`SampleControl.bad`: a
+frozenset that each write replaces whole (never changes in place), so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+#: Told of a sample whose ``load`` raised under ``on_error="skip"``:
+#: (epoch, step, sample id, sample name, reason).
+ReportSkipped = Callable[[int, int, int, str, str], None]
+
+
+class SampleControl:
+    """The worker's decisions about samples, kept across rebuilt sources.
+
+    ``bad``: sample ids known to fail (from the trainer at spawn, from its ``BadSamples``, and from
+    this worker's own failed loads), replaced without loading under ``on_error="skip"``.
+    ``report_skipped``: called for each sample whose ``load`` raised; None logs it instead.
+    Written only on the thread that made it (the worker's main thread); ``bad`` may be read on any.
+    """
+
+    def __init__(
+        self,
+        on_error: str = "raise",
+        bad: Iterable[int] = (),
+        report_skipped: ReportSkipped | None = None,
+    ) -> None:
+        self.on_error = on_error
+        self.report_skipped = report_skipped
+        self._bad = frozenset(bad)
+        self._writer = threading.get_ident()
+
+    @property
+    def skip(self) -> bool:
+        """``on_error="skip"``: a failing sample is replaced, not raised."""
+        return self.on_error == "skip"
+
+    @property
+    def bad(self) -> frozenset[int]:
+        """The sample ids known to fail, as of now (a snapshot: later finds replace it)."""
+        return self._bad
+
+    def add_bad(self, ids: Iterable[int]) -> None:
+        """Remember more failing samples; main thread only (the prefetch thread reads ``bad``)."""
+        assert threading.get_ident() == self._writer, "bad samples written off the main thread"
+        found = frozenset(ids) - self._bad
+        if found:
+            self._bad = self._bad | found
+
+
+@dataclass(frozen=True, slots=True)
+class FedBatch:
+    """A batch handed to DALI: what the worker attaches to it when it is delivered, and what
+    it was loaded without (for searching it, should it fail)."""
+
+    epoch: int
+    step: int
+    padded: int  # trailing rows of padding
+    replaced: tuple[int, ...] = ()  # rows filled with a repeat of a good sample (on_error="skip")
+    skipped: tuple[int, ...] = ()  # the sample ids those rows would have held
+
+
+class FeedState:
+    """One built source's batches in flight, and how its iteration runs; main thread only.
+
+    ``continuous``: one iteration of the source runs every epoch in turn (set by the worker before
+    it starts the capture loop; see ``BatchedSamples.__iter__``).
+    """
+
+    def __init__(self) -> None:
+        self.continuous = False
+        #: one record per batch handed to DALI and not yet delivered, oldest first
+        self._fed: deque[FedBatch] = deque()
+
+    def fed(self, batch: FedBatch) -> None:
+        """The source handed ``batch`` to DALI."""
+        self._fed.append(batch)
+
+    def delivered(self) -> FedBatch | None:
+        """The oldest batch handed to DALI, now delivered; None when none is recorded."""
+        return self._fed.popleft() if self._fed else None
+
+    def find(self, epoch: int, step: int) -> FedBatch | None:
+        """The record of batch ``step`` of ``epoch``, while it is in flight."""
+        return next((f for f in self._fed if (f.epoch, f.step) == (epoch, step)), None)
