@@ -65,6 +65,12 @@ class InOrder:
         """(Arrivals do not change the order.)"""
 
     def choose(self, sessions: Sequence[WorkerSession]) -> Decision:
+        turn = sessions[self.cursor]
+        if turn.queue:  # (the usual cases, decided without looking at the others)
+            self.cursor = (self.cursor + 1) % len(sessions)
+            return Take(turn.index)
+        if turn.open_in_epoch:
+            return Wait(turn.index, (turn.index,))
         index = choose_worker(
             self.cursor, [bool(s.queue) for s in sessions], [s.open_in_epoch for s in sessions]
         )
