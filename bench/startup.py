@@ -85,15 +85,16 @@ def run_row(directory: Path, method: str, torch: bool, defer: bool) -> dict[str,
             SCRIPT.format(torch_import="import torch" if torch else "", root=str(ROOT))
         )
     env = dict(os.environ, DALI_LOADER_DEFER_TORCH="1" if defer else "0")
-    out = subprocess.run(
+    done = subprocess.run(
         [sys.executable, str(script), method],
         capture_output=True,
         text=True,
-        check=True,
         env=env,
         cwd=directory,
-    ).stdout
-    result: dict[str, list[float]] = json.loads(out.strip().splitlines()[-1])
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{script.name} {method} failed:\n{done.stderr[-3000:]}")
+    result: dict[str, list[float]] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
 
