@@ -62,6 +62,13 @@ def files_source(shard: Shard, root: str, batch_size: int) -> Any:
     return sharded_files(shard, root, batch_size=batch_size, shuffle=True)
 
 
+def labels_step(data: Any, labels: Any) -> dict[str, Any]:
+    """``sharded_files``'s labels alone (for folders of empty files: nothing to decode)."""
+    import nvidia.dali.experimental.dynamic as ndd
+
+    return {"label": ndd.cast(labels, dtype=ndd.int32)}
+
+
 def _id_sample(index: int) -> Any:
     return np.array([index], dtype=np.int64)
 

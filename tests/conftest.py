@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from loader.sample import write_sample_dataset
+from workers._folder_index import CACHE_DIR_ENV
 
 pytest_plugins = ["pytester"]
 
@@ -17,6 +18,15 @@ def _no_leaks(leak_check: None) -> Iterator[None]:
     """No child process, memfd/socket/pipe descriptor or /dev/shm entry may outlive a test
     (``leak_check`` comes from the package's own pytest plugin, ``loader.testing``)."""
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Indexes of image folders go to a directory of this test session, not the user's cache
+    (spawned workers inherit the environment)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_DIR_ENV, str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 @pytest.fixture(scope="session")

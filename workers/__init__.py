@@ -9,6 +9,7 @@ from typing import Any
 from ipc.wire import Position, Sampling
 
 from ._entry import run_worker
+from ._files import list_files, sharded_files
 from ._phase import Phase
 from ._positions import (
     continue_from,
@@ -17,7 +18,7 @@ from ._positions import (
     shard_indices,
     steps_per_epoch,
 )
-from ._sampling import BatchedSamples, list_files, sharded_files, sharded_source
+from ._sampling import BatchedSamples, sharded_source
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
 

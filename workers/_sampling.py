@@ -12,8 +12,8 @@ helpers here let the loader decide instead, deterministically from the seed and 
 * :func:`sharded_source` puts it in an ``ndd.ExternalSource`` ready to return from
   ``source(shard)``, over any ``load(index)``; the worker finds it there by the source's type
   (``_dali.ShardedExternalSource``).
-* :func:`sharded_files` does the same over image files (an ImageFolder or a list), yielding the
-  encoded bytes and the label of each file, for DALI's decoders.
+* :func:`~workers._files.sharded_files` (in :mod:`workers._files`) does the same over image
+  files.
 
 A :class:`BatchedSamples` holds the user's state only. The worker's control state (``on_error``,
 the samples known to fail, the records of batches in flight, whether one iteration runs every
@@ -25,13 +25,11 @@ one epoch per iteration.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,8 +47,6 @@ _KEEP_ALIVE = 4
 
 #: Largest sample (bytes) that is stacked with the rest of its batch into one dense array.
 _STACK_BYTES = 1024
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 
 
 class BatchedSamples:
@@ -315,105 +311,3 @@ def sharded_source(
         drop_last=drop_last,
     )
     return ShardedExternalSource(samples)
-
-
-def list_files(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
-    """Files and labels of an ImageFolder ``root/<class>/<file>``: class folders sorted (label =
-    position), files sorted inside each; the same list on every rank and worker."""
-    base = Path(root)
-    if base.exists() and not base.is_dir():
-        raise NotADirectoryError(
-            f"{str(base)!r} is a file; pass the root directory of an ImageFolder "
-            "(root/<class>/<image>.jpg) or a list of files"
-        )
-    if not base.is_dir():
-        raise FileNotFoundError(f"dataset directory {str(base)!r} does not exist")
-    classes = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
-    files: list[str] = []
-    labels: list[int] = []
-    for label, name in enumerate(classes):
-        for path in sorted((base / name).iterdir()):
-            if path.suffix.lower() in IMAGE_EXTENSIONS:
-                files.append(str(path))
-                labels.append(label)
-    if not files:
-        raise ValueError(
-            f"no images found under {str(base)!r}; expected an ImageFolder layout "
-            "root/<class>/<image>.jpg"
-        )
-    return files, labels
-
-
-class _FileLoader:
-    """``load(index)`` for :func:`sharded_files`: the file's bytes and its label."""
-
-    def __init__(self, files: Sequence[str], labels: Sequence[int]) -> None:
-        self.files = list(files)
-        self.labels = np.asarray(labels, dtype=np.int32).reshape(-1, 1)
-
-    def describe(self, index: int) -> str:
-        return self.files[index]
-
-    def __call__(self, index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        return read_file(self.files[index]), self.labels[index]
-
-
-def read_file(path: str) -> np.ndarray[Any, Any]:
-    """A file's bytes as a uint8 array: one open, fstat, readv and close (``np.fromfile`` costs
-    about three times as much CPU per small file, which a batch of 64 images feels)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        data = np.empty(os.fstat(fd).st_size, dtype=np.uint8)
-        done = os.readv(fd, [data.data])
-        while done < data.size:  # a short read: go on until the file's end
-            more = os.readv(fd, [data[done:].data])
-            if more == 0:  # the file shrank since fstat
-                return data[:done]
-            done += more
-        return data
-    except OSError as error:
-        if error.filename is None:  # e.g. EISDIR from readv: name the file
-            error.filename = path
-        raise
-    finally:
-        os.close(fd)
-
-
-def sharded_files(
-    shard: Shard,
-    root_or_files: str | os.PathLike[str] | Sequence[str],
-    *,
-    batch_size: int,
-    shuffle: bool = True,
-    drop_last: bool = False,
-    labels: Sequence[int] | None = None,
-) -> Any:
-    """An ``ndd.ExternalSource`` root yielding ``(encoded bytes, label)`` batches of files.
-
-    ``root_or_files``: an ImageFolder directory (sorted class folders give the labels) or an
-    explicit list of files (``labels`` then gives one int per file; 0 when omitted). The same
-    guarantees as :func:`sharded_source`: exactly once per epoch, full batches, padding flagged,
-    a resumable position. Decode with ``ndd.decoders.image(jpegs)`` in ``step``.
-    """
-    if isinstance(root_or_files, (str, os.PathLike)):
-        if labels is not None:
-            raise ValueError(
-                "labels= is for a list of files; an ImageFolder's come from its folders"
-            )
-        files, found = list_files(root_or_files)
-    else:
-        files = [os.fspath(f) for f in root_or_files]
-        if not files:
-            raise ValueError("the list of files is empty")
-        found = [0] * len(files) if labels is None else [int(label) for label in labels]
-        if len(found) != len(files):
-            raise ValueError(f"{len(files)} files but {len(found)} labels: give one per file")
-    return sharded_source(
-        shard,
-        len(files),
-        _FileLoader(files, found),
-        batch_size,
-        num_outputs=2,
-        shuffle=shuffle,
-        drop_last=drop_last,
-    )
