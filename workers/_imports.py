@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -26,6 +27,22 @@ from types import ModuleType
 
 #: The environment variable that turns the deferral off (``0``).
 SWITCH = "DALI_LOADER_DEFER_TORCH"
+
+
+#: The DALI releases whose dynamic mode was checked to import torch only for type aliases.
+VERIFIED_DALI = ("2.4.",)
+_DALI_DISTRIBUTIONS = ("nvidia-dali-cuda120", "nvidia-dali-cuda130", "nvidia-dali-cuda110")
+
+
+def dali_verified() -> bool:
+    """True when the installed DALI is a release the deferral was verified with."""
+    for name in _DALI_DISTRIBUTIONS:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return version.startswith(VERIFIED_DALI)
+    return False
 
 
 class _TorchDeferred(importlib.abc.MetaPathFinder):
@@ -45,11 +62,13 @@ class _TorchDeferred(importlib.abc.MetaPathFinder):
 @contextlib.contextmanager
 def torch_deferred() -> Iterator[None]:
     """Within the block, ``import torch`` fails unless torch is already imported. Does nothing
-    when switched off (``DALI_LOADER_DEFER_TORCH=0``) or when ``torchdata`` is installed: DALI
-    then imports its torchdata nodes, which need torch."""
+    when switched off (``DALI_LOADER_DEFER_TORCH=0``), with a DALI it was not verified with (see
+    :data:`VERIFIED_DALI`), or when ``torchdata`` is installed: DALI then imports its torchdata
+    nodes, which need torch."""
     if (
         "torch" in sys.modules
         or os.environ.get(SWITCH, "1") == "0"
+        or not dali_verified()
         or importlib.util.find_spec("torchdata") is not None
     ):
         yield

@@ -61,3 +61,11 @@ def test_the_switch_turns_the_deferral_off(monkeypatch: pytest.MonkeyPatch) -> N
     with torch_deferred():
         assert len(sys.meta_path) == len(finders) + 1
     assert sys.meta_path == finders
+
+
+def test_the_deferral_is_gated_on_the_dali_it_was_verified_with() -> None:
+    import nvidia.dali
+
+    from workers._imports import VERIFIED_DALI, dali_verified
+
+    assert dali_verified() == nvidia.dali.__version__.startswith(VERIFIED_DALI)
