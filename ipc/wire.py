@@ -11,7 +11,8 @@ Trainer -> worker:
 * :class:`AbortEpoch` -- stop the epoch in progress (or the ended one), rebuild the sources.
 * :class:`Release` -- fills of slots the trainer no longer uses, each quoted by generation.
 * :class:`CudaFreeEvents` -- the trainer's "free" events of a CUDA ring (once per ring).
-* :class:`Seek` -- rebuild the sources for an epoch resumed from a saved position.
+* :class:`Seek` -- rebuild the sources for an epoch resumed from a saved position (and, on the
+  same layout, the random generator states of its first batch).
 * :class:`BadSamples` -- on_error="skip": samples another worker found failing; replace them too.
 * :class:`Shutdown` -- leave the command loop and exit.
 
@@ -34,6 +35,10 @@ Worker -> trainer:
 Each record travels in one frame (:data:`FRAME`: payload length, kind). The two records every
 batch costs, :class:`BatchReady` and :class:`Release`, have fixed binary layouts (see
 :class:`BatchCodec`); every other record is pickled.
+
+A batch carries the worker's random generator states after its step (:data:`RandomStates`), which
+are the states of the worker's next batch: what a resume or a replacement restores so that the
+batches after it are byte-identical.
 
 A record that breaks this contract (an unknown kind, a slot or arena that does not exist, a
 placement outside its slot, a duplicated fill) raises :class:`ProtocolError` on the receiving side.
@@ -68,7 +73,11 @@ def _reduce(record: Any) -> tuple[Any, tuple[Any, ...]]:
 @dataclass(frozen=True, slots=True)
 class Sampling:
     """What decides an epoch's samples for a ``sharded_source``/``sharded_files`` root: the same
-    on every rank, worker and run. ``Hello`` carries it; the trainer checks and saves it."""
+    on every rank, worker and run. ``Hello`` carries it; the trainer checks and saves it.
+
+    ``fingerprint``: what the source reads, so that a state is not resumed over other data:
+    ``files:<hash>`` of ``sharded_files``'s list of files, or the ``fingerprint=`` given to
+    ``sharded_source`` (empty: none)."""
 
     __reduce__ = _reduce
 
@@ -77,6 +86,7 @@ class Sampling:
     seed: int
     shuffle: bool
     drop_last: bool
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +109,31 @@ class Position:
         for count, received in self.segments:
             if count < 1 or len(received) != count or any(r < 0 for r in received):
                 raise ValueError(f"a position segment needs {count} counts >= 0, got {received}")
+
+
+#: A worker's DALI random generators, as a batch, a Seek or a worker's spec carries them: each
+#: generator's state as DALI writes it (``str(rng.get_state())``), ASCII, separated by one space,
+#: the worker's default generator first. Empty: as the worker seeded them when it built its
+#: sources (nothing drew since), from the loader's seed, the shard and the epoch.
+RandomStates = bytes
+
+_STATE_SEPARATOR = b" "
+
+
+def join_states(states: list[str]) -> RandomStates:
+    """:data:`RandomStates` from generator states (raises ``ValueError`` for a state that is not
+    one ASCII word)."""
+    encoded = []
+    for state in states:
+        if not state or not state.isascii() or any(c.isspace() for c in state):
+            raise ValueError(f"{state!r} is not a random generator state")
+        encoded.append(state.encode("ascii"))
+    return _STATE_SEPARATOR.join(encoded)
+
+
+def split_states(data: RandomStates) -> list[str]:
+    """The generator states in ``data`` (none when it is empty)."""
+    return data.decode("ascii").split(" ") if data else []
 
 
 # --------------------------------------------------------------------------- trainer -> worker
@@ -143,11 +178,13 @@ class CudaFreeEvents:
 
 @dataclass(frozen=True, slots=True)
 class Seek:
-    """Rebuild the sources to start ``position.epoch`` at ``position``."""
+    """Rebuild the sources to start ``position.epoch`` at ``position``, their random generators
+    at ``random`` (empty: seeded as for a fresh start of that epoch)."""
 
     __reduce__ = _reduce
 
     position: Position
+    random: RandomStates = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +311,9 @@ class OutputPlacement:
 
 @dataclass(frozen=True, slots=True)
 class BatchReady:
-    """A filled slot. ``generation`` counts the fills of that slot; a release must quote it."""
+    """A filled slot. ``generation`` counts the fills of that slot; a release must quote it.
+    ``random``: the worker's random generator states after this batch's step, which are those of
+    its next batch (empty: unchanged since the worker built its sources)."""
 
     __reduce__ = _reduce
 
@@ -291,6 +330,7 @@ class BatchReady:
     replaced: tuple[int, ...] = ()  # rows that repeat a good sample in place of a skipped one
     skipped: tuple[int, ...] = ()  # sample ids skipped in this batch (on_error="skip")
     skipped_names: tuple[str, ...] = ()  # how each skipped sample is named (a file's path)
+    random: RandomStates = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,11 +482,13 @@ _LOAD_RUNNING = re.compile(
 #: Every frame: ``<u32 payload length><u8 kind>``, then the payload.
 FRAME = struct.Struct("<IB")
 FRAME_PICKLED = 0  #: payload: a pickled record
-FRAME_BATCH = 1  #: payload: ``_BATCH`` then the output layout (:meth:`BatchCodec.encode_layout`)
+#: payload: ``_BATCH``, the output layout (:meth:`BatchCodec.encode_layout`), the random states
+FRAME_BATCH = 1
 FRAME_RELEASE = 2  #: payload: ``(slot, generation)`` pairs as little-endian int64
 
-#: epoch, step, arena_id, slot, generation, nbytes, padded, blocked_ns, busy_ns, layout bytes
-_BATCH = struct.Struct("<qqiiqqiqqI")
+#: epoch, step, arena_id, slot, generation, nbytes, padded, blocked_ns, busy_ns, layout bytes,
+#: random state bytes
+_BATCH = struct.Struct("<qqiiqqiqqIH")
 #: per output: offset, nbytes, dense, ndim, samples, then the byte lengths of name, dtype, layout
 _OUTPUT = struct.Struct("<qqBBIHHH")
 #: layouts a codec remembers (a ragged output makes a new one per batch; the cache then resets)
@@ -471,7 +513,8 @@ class BatchCodec:
         """One frame holding ``message``."""
         if type(message) is BatchReady and not message.replaced and not message.skipped:
             layout = self.encode_layout(message.outputs)
-            if layout is not None:
+            random = message.random
+            if layout is not None and len(random) <= 0xFFFF:
                 head = _BATCH.pack(
                     message.epoch,
                     message.step,
@@ -483,8 +526,10 @@ class BatchCodec:
                     message.blocked_ns,
                     message.busy_ns,
                     len(layout),
+                    len(random),
                 )
-                return FRAME.pack(len(head) + len(layout), FRAME_BATCH) + head + layout
+                size = len(head) + len(layout) + len(random)
+                return FRAME.pack(size, FRAME_BATCH) + head + layout + random
         elif type(message) is Release:
             flat = list(chain.from_iterable(message.fills))
             payload = struct.pack(f"<{len(flat)}q", *flat)
@@ -496,15 +541,27 @@ class BatchCodec:
         """The record of a binary frame whose payload is ``buffer[start:end]``."""
         try:
             if kind == FRAME_BATCH:
-                epoch, step, arena, slot, generation, nbytes, padded, blocked, busy, size = (
+                epoch, step, arena, slot, generation, nbytes, padded, blocked, busy, size, extra = (
                     _BATCH.unpack_from(buffer, start)
                 )
                 layout_start = start + _BATCH.size
-                if layout_start + size != end:
+                layout_end = layout_start + size
+                if layout_end + extra != end:
                     raise ProtocolError("a batch frame's layout does not fill its frame")
-                outputs = self.decode_layout(bytes(buffer[layout_start:end]))
+                outputs = self.decode_layout(bytes(buffer[layout_start:layout_end]))
+                random = bytes(buffer[layout_end:end]) if extra else b""
                 return BatchReady(
-                    epoch, step, arena, slot, generation, outputs, nbytes, padded, blocked, busy
+                    epoch,
+                    step,
+                    arena,
+                    slot,
+                    generation,
+                    outputs,
+                    nbytes,
+                    padded,
+                    blocked,
+                    busy,
+                    random=random,
                 )
             if kind == FRAME_RELEASE:
                 count = (end - start) // 8

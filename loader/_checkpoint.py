@@ -1,20 +1,28 @@
 """The loader's state: what ``state_dict()`` returns and what ``load_state_dict()`` accepts.
 
 Runs in the trainer. A state is a small JSON-serialisable dict, O(shards): the epoch in progress,
-what decides its samples (seed, batch size, dataset size, shuffle, drop_last), the layout it was
-taken under, and per global shard the batches the trainer has *received* (handed to the user;
-prefetched batches do not count). Earlier layouts of the same epoch (a run that was itself
-resumed on another layout) are kept in ``history``. The arithmetic that turns a state into each
-new shard's batches is :func:`workers.plan_epoch`, in the workers.
+what decides its samples (seed, batch size, dataset size and fingerprint, shuffle, drop_last), the
+layout it was taken under, and per global shard the batches the trainer has *received* (handed to
+the user; prefetched batches do not count) and the random generator states of its first batch not
+received (``random``: DALI's state strings, the worker's default generator first; ``[]`` when the
+worker's generators were as seeded for the epoch). Earlier layouts of the same epoch (a run that
+was itself resumed on another layout) are kept in ``history``. The arithmetic that turns a state
+into each new shard's batches is :func:`workers.plan_epoch`, in the workers.
+
+Fields added to format 2 after it was first written (``random``, ``sampling.fingerprint``) may be
+missing from a state: it still loads, and the loader logs what it then cannot guarantee.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ipc.wire import Position, Sampling
+from ipc.wire import Position, RandomStates, Sampling, join_states, split_states
+
+logger = logging.getLogger("loader")
 
 #: 2: epochs are ordered by a seeded bijection (O(shard) planning); format 1's order differed.
 FORMAT = 2
@@ -36,6 +44,9 @@ class Resume:
 
     position: Position
     before: int = 0
+    #: per shard of the saved layout, the random generator states of its first batch not
+    #: received; None for a state saved without them (before they were added to format 2)
+    random: tuple[RandomStates, ...] | None = None
 
     @property
     def epoch(self) -> int:
@@ -50,6 +61,14 @@ class Resume:
         """Segments before this run's layout."""
         segments = self.position.segments
         return list(segments[:-1] if self.continues else segments)
+
+    def random_states(self, shard_indices: Sequence[int]) -> list[RandomStates]:
+        """Per shard of this rank, the random generator states its worker starts from: the
+        saved ones on the same layout; on another layout (or without them) none, and each
+        worker seeds its generators for the epoch."""
+        if not self.continues or self.random is None:
+            return [b""] * len(shard_indices)
+        return [self.random[index] for index in shard_indices]
 
     def offsets(self, shard_indices: Sequence[int]) -> list[int]:
         """Batches each of this rank's shards had received before this run."""
@@ -93,6 +112,7 @@ def make_state(
     received: Sequence[int | None],
     history: Sequence[tuple[int, Sequence[int]]],
     steps: Sequence[int | None],
+    random: Sequence[list[str] | None],
 ) -> dict[str, Any]:
     return {
         "format": FORMAT,
@@ -103,12 +123,19 @@ def make_state(
             "total": sampling.total,
             "shuffle": sampling.shuffle,
             "drop_last": sampling.drop_last,
+            "fingerprint": sampling.fingerprint,
         },
         "layout": {"world_size": world_size, "num_workers": num_workers},
         "received": list(received),
         "history": [[count, list(done)] for count, done in history],
         "steps": list(steps),
+        "random": list(random),
     }
+
+
+def random_json(states: RandomStates) -> list[str]:
+    """A worker's random generator states as a state holds them (a list of DALI's strings)."""
+    return split_states(states)
 
 
 def parse_state(
@@ -118,9 +145,11 @@ def parse_state(
     world_size: int,
     num_workers: int,
     rank: int,
+    strict: bool = True,
 ) -> Resume:
     """Check ``state`` against this loader; raise ``ValueError`` naming the field that does not
-    apply. A change of layout (world size, workers) is never an error."""
+    apply. A change of layout (world size, workers) is never an error. A dataset whose
+    fingerprint differs is one; with ``strict=False`` it is logged as a warning instead."""
     if not isinstance(state, Mapping):
         raise TypeError(f"load_state_dict() takes the dict state_dict() made, got {type(state)}")
     version = _field(state, "format", int)
@@ -138,6 +167,7 @@ def parse_state(
     if version < 1:
         raise ValueError(f"format: {version} is not a valid state format")
     _check_sampling(state, sampling)
+    _check_dataset(state, sampling, strict)
     epoch = _field(state, "epoch", int)
     if epoch < 0:
         raise ValueError(f"epoch: {epoch} is negative")
@@ -167,7 +197,8 @@ def parse_state(
     _check_within("received", filled, sampling)
     steps = _steps(state, saved_world)
     before = _received_before(steps, filled, saved_world, saved_workers, rank, continues)
-    return Resume(Position(epoch, (*history, (count, filled)), continues), before)
+    random = _random(state, count, mine if continues else range(0))
+    return Resume(Position(epoch, (*history, (count, filled)), continues), before, random)
 
 
 def _check_sampling(state: Mapping[str, Any], sampling: Sampling) -> None:
@@ -195,6 +226,73 @@ def _check_sampling(state: Mapping[str, Any], sampling: Sampling) -> None:
                 f"sampling.{name}: the state was taken with {name}={value!r} ({what}), this "
                 f"loader's source has {expected_value!r}; a state only applies to the same data"
             )
+
+
+def _check_dataset(state: Mapping[str, Any], sampling: Sampling, strict: bool) -> None:
+    """The state's dataset fingerprint must be this loader's: ``ValueError`` (a warning with
+    ``strict=False``) naming both when they differ. Not checked when either side has none."""
+    saved = _field(state, "sampling", Mapping).get("fingerprint")
+    mine = sampling.fingerprint
+    if not saved or not mine:
+        if mine:
+            logger.info(
+                "the state has no dataset fingerprint (saved before it was added, or over a "
+                "source without one): it cannot be checked to be of this loader's data"
+            )
+        return
+    if not isinstance(saved, str):
+        raise ValueError(f"sampling.fingerprint: {saved!r} is not what state_dict() writes")
+    if saved == mine:
+        return
+    total = sampling.total
+    message = (
+        f"dataset: the state was saved over {describe_dataset(saved, total)}, this loader reads "
+        f"{describe_dataset(mine, total)}"
+    )
+    if strict:
+        raise ValueError(
+            f"{message}; a state only applies to the same data (pass strict=False to "
+            "load_state_dict() to resume over a dataset you changed knowingly)"
+        )
+    logger.warning("%s; resuming anyway (strict=False)", message)
+
+
+def describe_dataset(fingerprint: str, total: int) -> str:
+    """How a dataset fingerprint is named in messages: ``files:<hash>`` (``sharded_files``)
+    is a list of files, anything else the ``fingerprint=`` given to ``sharded_source``."""
+    kind, _, value = fingerprint.partition(":")
+    if kind == "files":
+        return f"{total} files whose list hashes to {value}"
+    return f"{total} samples of a source with fingerprint {value!r}"
+
+
+def _random(
+    state: Mapping[str, Any], count: int, mine: Sequence[int]
+) -> tuple[RandomStates, ...] | None:
+    """Per saved shard, the random generator states (None: the state has none). The shards of
+    ``mine`` (this rank's on the same layout) must have them."""
+    if "random" not in state:
+        return None
+    saved = _field(state, "random", list)
+    if len(saved) != count:
+        raise ValueError(f"random: {len(saved)} entries for a layout of {count} shards")
+    random: list[RandomStates] = []
+    for index, entry in enumerate(saved):
+        try:
+            if entry is None:
+                if index in mine:
+                    raise ValueError("missing")
+                random.append(b"")
+            elif isinstance(entry, list) and all(isinstance(word, str) for word in entry):
+                random.append(join_states(entry))
+            else:
+                raise ValueError("not a list of strings")
+        except ValueError:
+            raise ValueError(
+                f"random[{index}]: {entry!r} is not the list of random generator states "
+                "state_dict() writes"
+            ) from None
+    return tuple(random)
 
 
 def _layout(state: Mapping[str, Any]) -> tuple[int, int]:
@@ -294,22 +392,24 @@ def _field(state: Mapping[str, Any], name: str, kind: Any) -> Any:
 
 
 def merge_ranks(
-    mine: Sequence[int],
+    mine: Sequence[Any],
     rank: int,
     num_workers: int,
     world_size: int,
     gathered: Sequence[Mapping[str, Any]] | None,
-) -> list[int | None]:
-    """The global per-shard counts: every rank's when gathered, else this rank's only."""
-    received: list[int | None] = [None] * (world_size * num_workers)
+    key: str = "received",
+) -> list[Any]:
+    """A global per-shard list (``key`` of each rank's part: the counts, the random states):
+    every rank's when gathered, else this rank's only (None for the other ranks' shards)."""
+    merged: list[Any] = [None] * (world_size * num_workers)
     parts: Sequence[Mapping[str, Any]] = (
-        gathered if gathered is not None else [{"rank": rank, "received": list(mine)}]
+        gathered if gathered is not None else [{"rank": rank, key: list(mine)}]
     )
     for part in parts:
         start = int(part["rank"]) * num_workers
-        for offset, value in enumerate(part["received"]):
-            received[start + offset] = value
-    return received
+        for offset, value in enumerate(part[key]):
+            merged[start + offset] = value
+    return merged
 
 
 def rank_steps(

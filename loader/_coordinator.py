@@ -125,12 +125,13 @@ class Coordinator:
         self._until(_idle, self._command_limit)
         self._expect_signatures()
 
-    def seek(self, position: Position) -> list[int]:
-        """Every worker rebuilds its sources to start ``position.epoch`` at ``position``;
-        returns the batches each has left in that epoch."""
+    def seek(self, position: Position, random: list[wire.RandomStates] | None = None) -> list[int]:
+        """Every worker rebuilds its sources to start ``position.epoch`` at ``position`` (with
+        ``random[worker]``, its random generators in those states); returns the batches each
+        has left in that epoch."""
         self.finish_epoch()  # (an epoch over by count: its end is on its way)
-        for session in self.sessions:
-            self._send(session, session.seek(position))
+        for index, session in enumerate(self.sessions):
+            self._send(session, session.seek(position, b"" if random is None else random[index]))
         self._until(_idle, self._command_limit)
         self._expect_signatures()
         return [s.resumed_steps or 0 for s in self.sessions]
@@ -231,6 +232,10 @@ class Coordinator:
     def delivered(self) -> list[int]:
         """Per worker, the batches of the epoch in progress handed to the user."""
         return [s.delivered for s in self.sessions]
+
+    def random_states(self) -> list[wire.RandomStates]:
+        """Per worker, the random generator states of its first batch not yet delivered."""
+        return [s.random for s in self.sessions]
 
     def pids(self) -> list[int]:
         return [s.handle.pid for s in self.sessions if s.handle.pid is not None]

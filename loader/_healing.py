@@ -228,6 +228,7 @@ class Healing:
             session.handle.spec,
             shard=shard.for_epoch(epoch, position),
             bad_samples=frozenset(self.bad_samples),
+            random=session.random,  # those of the first batch it makes: the same bytes again
         )
         return Replace(spec, new, first, budgeted)
 

@@ -249,9 +249,11 @@ class Loader:
         checkpoint and give to :meth:`load_state_dict`.
 
         It counts, per global shard, the batches the trainer has received (handed out by the
-        iterator; prefetched ones do not count) in the epoch in progress; once an epoch's last
-        batch was handed out, it describes the next epoch with nothing received (whether or not
-        ``next()`` was called again). With a ``torch.distributed`` group up it is a collective:
+        iterator; prefetched ones do not count) in the epoch in progress, and keeps the DALI
+        random generator states of each shard's first batch not received, so that a resume on
+        the same layout gives the same bytes; once an epoch's last batch was handed out, it
+        describes the next epoch with nothing received (whether or not ``next()`` was called
+        again). With a ``torch.distributed`` group up it is a collective:
         every rank calls it and gets the same global dict; without one it describes this rank's
         shards. Costs no message to the workers. Needs :func:`sharded_source` or
         :func:`sharded_files`.
@@ -267,8 +269,15 @@ class Loader:
         in_progress = current is not None and current.in_progress
         delivered = coordinator.delivered() if in_progress else [0] * config.num_workers
         mine, history, steps = resume.progress([s.index for s in config.shards], delivered)
+        random = [_checkpoint.random_json(states) for states in coordinator.random_states()]
         gathered = _distributed.gather(
-            {"rank": config.rank, "received": mine, "epoch": epoch, "steps": steps}
+            {
+                "rank": config.rank,
+                "received": mine,
+                "epoch": epoch,
+                "steps": steps,
+                "random": random,
+            }
         )
         return _checkpoint.make_state(
             sampling=sampling,
@@ -280,18 +289,24 @@ class Loader:
             ),
             history=history,
             steps=_checkpoint.rank_steps(steps, config.rank, config.world_size, gathered),
+            random=_checkpoint.merge_ranks(
+                random, config.rank, config.num_workers, config.world_size, gathered, "random"
+            ),
         )
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """Continue from a state of :meth:`state_dict`, on this or another layout.
 
         Call it before the next ``iter(loader)``: that epoch continues at the first batch not
         yet received (no batch before it is read), and later epochs run as if there had been no
-        interruption. On the same world size and workers the stream of batches equals the
-        uninterrupted one; on another layout the samples not yet received are split evenly
-        among the new shards (padding flagged), every rank the same number of steps. A state
-        that cannot apply (another dataset size, seed or batch size, a newer format) raises
-        ``ValueError`` naming the field, before any worker does anything.
+        interruption. On the same world size and workers the batches are byte-identical to the
+        uninterrupted run's, DALI's random draws included (the workers restore their random
+        generators; see the docs for which pipelines); on another layout the samples not yet
+        received are split evenly among the new shards (padding flagged), every rank the same
+        number of steps, and the random draws start afresh (logged). A state that cannot apply
+        (another dataset size or fingerprint, seed or batch size, a newer format) raises
+        ``ValueError`` naming the field, before any worker does anything; ``strict=False``
+        resumes over a dataset whose fingerprint differs with a warning instead.
         """
         coordinator = self._settle()
         config = self.config
@@ -301,12 +316,14 @@ class Loader:
             world_size=config.world_size,
             num_workers=config.num_workers,
             rank=config.rank,
+            strict=strict,
         )
         current = self._current
         if current is not None and current.in_progress:
             self._abort(current)
             self._current = None
-        steps = coordinator.seek(resume.position)
+        shards = [shard.index for shard in config.shards]
+        steps = coordinator.seek(resume.position, resume.random_states(shards))
         self._resume, self._resume_steps = resume, steps
         self._epoch = resume.epoch
         self._collective(lambda: _ranks.RankChecks.resumed(sum(steps)))
@@ -318,6 +335,18 @@ class Loader:
             resume.before,
             sum(steps),
         )
+        if not resume.continues:
+            logger.info(
+                "random draws restart on a new layout: the samples of epoch %d go on exactly, "
+                "DALI's random draws (augmentations) differ from an uninterrupted run's; draw "
+                "them from the sample id in load() where they must not",
+                resume.epoch,
+            )
+        elif resume.random is None:
+            logger.info(
+                "the state has no random generator states (saved before they were kept): the "
+                "samples go on exactly, DALI's random draws differ from an uninterrupted run's"
+            )
 
     def close(self) -> None:
         """Stop every worker and release all shared memory. Idempotent; bounded in time."""

@@ -159,6 +159,9 @@ class WorkerSession:
         self.base_step = 0  # the epoch's step of the run's first batch (a resumed run: > 0)
         self.first_step = 0  # the epoch's step of this process's step 0
         self.resumed_steps: int | None = None  # batches left of a resumed epoch (Sought)
+        #: the random generator states of the first batch not yet delivered (those after the last
+        #: delivered batch's step); empty: as the worker seeded them when it built its sources
+        self.random: wire.RandomStates = b""
         self.last_step: int | None = None
         self.counters = WorkerCounters()
 
@@ -233,12 +236,16 @@ class WorkerSession:
 
     def abort_epoch(self, epoch: int) -> wire.AbortEpoch:
         self.go(Aborting(epoch))
+        self.random = b""  # the worker seeds its generators again for the next epoch
         return wire.AbortEpoch(epoch)
 
-    def seek(self, position: Position) -> wire.Seek:
+    def seek(self, position: Position, random: wire.RandomStates = b"") -> wire.Seek:
+        """Sources at ``position``, the random generators in the states ``random`` (empty:
+        seeded for that epoch)."""
         self.resumed_steps = None
+        self.random = random
         self.go(Seeking(position))
-        return wire.Seek(position)
+        return wire.Seek(position, random)
 
     # ------------------------------------------------------------------------ records
     def on_hello(self, message: wire.Hello) -> wire.StartEpoch | None:
@@ -305,6 +312,8 @@ class WorkerSession:
         """The next queued batch, as views of its slot, with its ``batch.info``."""
         descriptor = self.queue.popleft()
         self.delivered += 1
+        if descriptor.random:
+            self.random = descriptor.random
         info = BatchInfo(
             epoch=descriptor.epoch,
             step=self.epoch_step(descriptor.step),

@@ -1,4 +1,6 @@
-"""A pytest plugin: the ``leak_check`` fixture fails a test that leaves loader resources behind.
+"""Helpers for the user's tests, and a pytest plugin: the ``leak_check`` fixture fails a test that
+leaves loader resources behind; :func:`assert_resumes_exactly` checks that a pipeline resumes
+from a saved state with the same bytes as an uninterrupted run.
 
 Registered through the ``pytest11`` entry point, so installing the package makes the fixture
 available to any test suite. Runs in the test process (the trainer side).
@@ -19,6 +21,10 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
+
+from ._resume_check import assert_resumes_exactly
+
+__all__ = ["Snapshot", "assert_resumes_exactly", "fd_kind", "find_leaks", "leak_check", "snapshot"]
 
 _HELPER_MARKERS = ("resource_tracker", "forkserver")
 # What a watched descriptor's /proc/self/fd link starts with, and the kind a leak report names.

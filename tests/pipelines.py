@@ -629,3 +629,44 @@ def dying_on_seek_source(shard: Shard, marker: str) -> Any:
     if shard.position is not None and shard.worker == 1 and _once(marker):
         os.kill(os.getpid(), signal.SIGKILL)
     return sample_source(shard)
+
+
+# ------------------------------------------------------------------- exact resume: random draws
+
+_flip_rng: Any = None
+
+
+def augment_step(jpegs: Any, labels: Any) -> dict[str, Any]:
+    """Decode, random resized crop (the default RNG), a captured coin flip mirror from an RNG
+    the step makes on its first call (batches of 4)."""
+    global _flip_rng
+    if _flip_rng is None:
+        _flip_rng = ndd.random.RNG(seed=1234)
+    rng = _flip_rng
+    images = ndd.decoders.image(jpegs, device="cpu")
+    images = ndd.random_resized_crop(images, size=[12, 12])
+    flip = ndd.random.coin_flip(probability=0.5, batch_size=4, rng=rng)
+    images = ndd.crop_mirror_normalize(images, dtype=ndd.float32, mirror=flip)
+    return {"image": images, "label": ndd.cast(labels, dtype=ndd.int64)}
+
+
+def uniform_step(ids: Any) -> dict[str, Any]:
+    """A captured random draw (the default RNG) next to the ids: the bytes follow the RNG."""
+    noise = ndd.random.uniform(range=[0.0, 1.0], shape=[2], batch_size=4)
+    return {"id": ndd.cast(ids, dtype=ndd.int64), "noise": noise}
+
+
+def broken_pattern_step(ids: Any) -> dict[str, Any]:
+    """Breaks DALI's draw-pattern rule: a random call on the first two steps only."""
+    out = {"id": ndd.cast(ids, dtype=ndd.int64)}
+    if _nth_call() <= 2:
+        out["noise"] = ndd.random.uniform(range=[0.0, 1.0], shape=[2], batch_size=4)
+    return out
+
+
+def killed_once_uniform_step(ids: Any, marker: str) -> dict[str, Any]:
+    """uniform_step; the worker kills itself (SIGKILL) on its sixth step (of sample_source: the
+    second of epoch 1), once in any process."""
+    if _nth_call() == 6 and _once(marker):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return uniform_step(ids)

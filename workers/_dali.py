@@ -8,7 +8,7 @@ them ``compile=True``/``.compiled()``) or moves its private state needs changes 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +136,52 @@ def make_context(num_threads: int, device_id: int | None) -> Any:
 def seed_random(seed: int) -> None:
     """Seed this thread's default DALI RNG, so random operators repeat with the same seed."""
     ndd.random.set_seed(seed)  # type: ignore[no-untyped-call]
+
+
+def default_generator() -> Any:
+    """This thread's default ``ndd.random.RNG`` (random operators without ``rng=`` draw from it)."""
+    return ndd.random.get_default_rng()  # type: ignore[no-untyped-call]
+
+
+def generator_state(generator: Any) -> str:
+    """An RNG's state as DALI writes it: one ASCII word that ``set_generator_state`` takes back."""
+    return str(generator.get_state())
+
+
+def set_generator_state(generator: Any, state: str) -> None:
+    """Put an RNG in ``state``. Only between capture loops: DALI forbids it while a loop that
+    draws from the RNG is live (its schedule of draws would no longer hold)."""
+    generator.set_state(state)
+
+
+def generator_key(state: str) -> str:
+    """What stays the same in an RNG's state while it draws: DALI 2.4 writes a Philox state as
+    ``Philox_<key>_<counter>_<phase>`` and the key is the seed it was made with; drawing moves
+    the counter only. Two generators made with the same seed share a key."""
+    kind, _, rest = state.partition("_")
+    return f"{kind}_{rest.partition('_')[0]}"
+
+
+def watch_draws(on_draw: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``on_draw(rng)`` before every draw of every ``ndd.random.RNG`` (a random operator's,
+    a bare ``rng()``, an ``advance``), before DALI's capture layer sees it; returns the function
+    that stops it. ``on_draw`` may set the RNG's state: DALI's capture layer anchors an RNG's
+    schedule at its first draw, after this call. (DALI 2.4 reports draws through the class's
+    ``_on_draw`` hook, which its capture layer replaces; this wraps that one.)"""
+    generator_class: Any = ndd.random.RNG
+    captured = generator_class._on_draw
+
+    def on_draw_then_dali(generator: Any) -> None:
+        on_draw(generator)
+        captured(generator)
+
+    generator_class._on_draw = on_draw_then_dali
+
+    def stop() -> None:
+        if generator_class._on_draw is on_draw_then_dali:
+            generator_class._on_draw = captured
+
+    return stop
 
 
 def _capture_context(source: object) -> Any:

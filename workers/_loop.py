@@ -12,6 +12,9 @@ Invariants:
 * The worker owns its control state (``Worker.control``: ``on_error`` and the samples known to
   fail, for the process's life; ``Sources.feed``: the batches in flight, per built source) and
   hands it to a sharded source (:mod:`workers._control`); only the main thread writes it.
+* DALI's random generators are set only right after the sources are built, before any loop over
+  them (``Worker.random``, :mod:`workers._random`); every batch carries their states after its
+  step.
 * A slot is written only between acquiring it and publishing it; the worker never touches a
   published slot until the trainer's ``Release`` for that exact generation arrives.
 * Every exception becomes one ``WorkerFailure`` record, in order after the batches already sent;
@@ -37,6 +40,7 @@ from . import _dali
 from ._control import SampleControl
 from ._phase import Phase
 from ._publish import Publisher, describe_outputs, normalize_outputs
+from ._random import RandomGenerators
 from ._sources import Sources, build_sources, delivery_info
 from ._spec import WorkerSpec
 
@@ -77,6 +81,8 @@ class Worker:
         self.stream_epoch: int | None = None
         #: on_error and the samples known to fail (replaced without loading), for every source
         self.control = SampleControl(spec.on_error, spec.bad_samples, self.report_skipped)
+        #: DALI's random generators: their states after each step, restored at a resume
+        self.random = RandomGenerators()
 
     def set_phase(self, phase: Phase) -> None:
         self.phase = phase
@@ -86,8 +92,10 @@ class Worker:
         """Make the EvalContext and the publisher, build the sources, say Hello."""
         self.ctx = _dali.make_context(self.spec.num_threads, self.spec.device_id)
         self.publisher = Publisher(self.spec, self.channel, self.ctx, self.wait_for_trainer)
-        # epoch 0 from its start, or (a replacement) where its predecessor stopped
+        # epoch 0 from its start, or (a replacement) where its predecessor stopped, its random
+        # generators as they were at that batch
         self.sources = build_sources(self.spec, self.shard, self.set_phase, self.control)
+        self.random.rebuilt(self.spec.random)
         self.phase = Phase.IDLE
         self.channel.send(
             wire.Hello(
@@ -100,13 +108,22 @@ class Worker:
             )
         )
 
-    def rebuild_sources(self, epoch: int, reason: str, position: Position | None = None) -> None:
+    def rebuild_sources(
+        self,
+        epoch: int,
+        reason: str,
+        position: Position | None = None,
+        random: wire.RandomStates = b"",
+    ) -> None:
+        """Sources for ``epoch`` (from ``position``), the random generators seeded for it or,
+        when given, in the states ``random`` (no capture loop is live here: DALI allows it)."""
         disabled = self.sources is not None and _dali.is_disabled(self.sources.source)
         self.drop_stream()
         self.sources = None
         gc.collect()  # lets DALI shut the torn-down pipeline's threads down now
         shard = self.shard.for_epoch(epoch, position)
         self.sources = build_sources(self.spec, shard, self.set_phase, self.control)
+        self.random.rebuilt(random)
         self.phase = Phase.IDLE
         self.rebuilds += 1
         self.last_epoch_done = None  # the next epoch sends a signature again, even when eager
@@ -148,7 +165,8 @@ class Worker:
     def seek(self, message: wire.Seek) -> None:
         """Rebuild the sources to start ``message.epoch`` at a saved position."""
         position = message.position
-        self.rebuild_sources(position.epoch, "the trainer resumes from a saved position", position)
+        reason = "the trainer resumes from a saved position"
+        self.rebuild_sources(position.epoch, reason, position, message.random)
         assert self.sources is not None
         steps = self.sources.first_epoch_steps
         self.channel.send(wire.Sought(position.epoch, -1 if steps is None else steps))
@@ -208,6 +226,7 @@ class Worker:
                         signature_due = False
                     self.phase = Phase.STEP
                     outputs = self.call_step(inputs, sources.feeders)
+                    random = self.random.after_step()  # (DALI draws when an operator is called)
                     self.phase = Phase.TRANSPORT
                     named, kind = normalize_outputs(outputs)
                     if schema is None:
@@ -215,7 +234,15 @@ class Worker:
                         batch_size = next(iter(named.values())).batch_size
                     padded, replaced, skipped, names = delivery_info(sources, self.step, batch_size)
                     publisher.publish(
-                        epoch, self.step, named, step_started, padded, replaced, skipped, names
+                        epoch,
+                        self.step,
+                        named,
+                        step_started,
+                        padded,
+                        replaced,
+                        skipped,
+                        names,
+                        random,
                     )
                 except (AbortRequested, ShutdownRequested, ChannelClosed, Stop, wire.ProtocolError):
                     raise
@@ -473,6 +500,7 @@ class Worker:
     def close(self) -> None:
         self.drop_stream()
         self.sources = None
+        self.random.close()
         if self.publisher is not None:
             self.publisher.close()
         self.channel.close()

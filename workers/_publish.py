@@ -77,9 +77,10 @@ class Publisher:
         replaced: tuple[int, ...] = (),
         skipped: tuple[int, ...] = (),
         skipped_names: tuple[str, ...] = (),
+        random: wire.RandomStates = b"",
     ) -> None:
         """Copy one batch into a free slot, one packed copy per output, then send its
-        descriptor."""
+        descriptor (with ``random``, the random generators' states after its step)."""
         storages = []
         described = []
         for name, batch in named.items():
@@ -118,6 +119,7 @@ class Publisher:
                 replaced=replaced,
                 skipped=skipped,
                 skipped_names=skipped_names,
+                random=random,
             )
         )
 

@@ -33,3 +33,6 @@ class WorkerSpec:
     shm_limit: int | None = None  # bytes of shared memory this worker's arena may use
     on_error: str = "raise"  # "skip": corrupt samples are replaced and reported
     bad_samples: frozenset[int] = frozenset()  # sample ids known to fail (replaced, not loaded)
+    #: the random generators' states for the first batch (a replacement goes on with those of
+    #: the batch it starts at); empty: seeded from the seed, the shard and the epoch
+    random: bytes = b""
