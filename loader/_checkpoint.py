@@ -260,10 +260,9 @@ def _check_dataset(state: Mapping[str, Any], sampling: Sampling, strict: bool) -
 def describe_dataset(fingerprint: str, total: int) -> str:
     """How a dataset fingerprint is named in messages: ``files:<hash>`` (``sharded_files``)
     is a list of files, anything else the ``fingerprint=`` given to ``sharded_source``."""
-    kind, _, value = fingerprint.partition(":")
-    if kind == "files":
-        return f"{total} files whose list hashes to {value}"
-    return f"{total} samples of a source with fingerprint {value!r}"
+    if fingerprint.startswith("files:"):
+        return f"{total} files whose list hashes to {fingerprint.removeprefix('files:')}"
+    return f"{total} samples of a source with fingerprint {fingerprint!r}"
 
 
 def _random(

@@ -233,7 +233,11 @@ def decode_only_step(jpegs: Any, labels: Any) -> dict[str, Any]:
 
 
 def sample_source(
-    shard: Shard, total: int = 30, batch_size: int = 4, drop_last: bool = False
+    shard: Shard,
+    total: int = 30,
+    batch_size: int = 4,
+    drop_last: bool = False,
+    fingerprint: str | None = None,
 ) -> Any:
     """sharded_source over ``total`` ids: exactly-once epochs, padded rows flagged."""
     from loader import sharded_source
@@ -244,6 +248,7 @@ def sample_source(
         lambda index: np.array([index], dtype=np.int64),
         batch_size,
         drop_last=drop_last,
+        fingerprint=fingerprint,
     )
 
 
@@ -670,3 +675,30 @@ def killed_once_uniform_step(ids: Any, marker: str) -> dict[str, Any]:
     if _nth_call() == 6 and _once(marker):
         os.kill(os.getpid(), signal.SIGKILL)
     return uniform_step(ids)
+
+
+def _id_augmented(index: int, epoch: int, files: tuple[str, ...]) -> tuple[Any, ...]:
+    """A file's bytes and id, with its crop position and flip drawn from (seed, epoch, id)."""
+    rng = np.random.default_rng([7, epoch, index])
+    x, y = (np.float32(v) for v in rng.random(2))
+    data = np.fromfile(files[index], dtype=np.uint8)
+    return data, np.array([index]), x, y, np.int32(rng.integers(0, 2))
+
+
+def id_augmented_source(shard: Shard, files: tuple[str, ...], batch_size: int = 4) -> Any:
+    """sharded_source over image files whose random augmentation is drawn in load from the
+    sample id and the epoch (pass_epoch=True): the same on any layout."""
+    import functools
+
+    from loader import sharded_source
+
+    load = functools.partial(_id_augmented, files=files)
+    return sharded_source(shard, len(files), load, batch_size, num_outputs=5, pass_epoch=True)
+
+
+def id_augmented_step(jpegs: Any, ids: Any, x: Any, y: Any, flip: Any) -> dict[str, Any]:
+    images = ndd.decoders.image(jpegs, device="cpu")
+    images = ndd.crop_mirror_normalize(
+        images, crop=(12, 12), crop_pos_x=x, crop_pos_y=y, mirror=flip, dtype=ndd.float32
+    )
+    return {"image": images, "id": ndd.cast(ids, dtype=ndd.int64)}

@@ -8,6 +8,7 @@ worker holds its shard's paths only as it reads them, whatever the folder's size
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +39,10 @@ def list_files(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
 
 
 class FileTable(Protocol):
-    """The files of a ``sharded_files`` source: a path and a label per sample id."""
+    """The files of a ``sharded_files`` source: a path and a label per sample id, and what
+    they are as a whole (``files:<hash>`` of the list; a state records it)."""
+
+    fingerprint: str
 
     def __len__(self) -> int: ...
 
@@ -53,6 +57,10 @@ class ListedFiles:
     def __init__(self, files: Sequence[str], labels: Sequence[int]) -> None:
         self._files = list(files)
         self._labels = np.asarray(labels, dtype=np.int32).reshape(-1, 1)
+        # the paths as given, in order, and their labels (the list is in memory already)
+        digest = hashlib.sha256("\0".join(self._files).encode(errors="surrogateescape"))
+        digest.update(self._labels.astype("<i4", copy=False).tobytes())
+        self.fingerprint = f"files:{digest.hexdigest()[:16]}"
 
     def __len__(self) -> int:
         return len(self._files)
@@ -115,7 +123,9 @@ def sharded_files(
     guarantees as :func:`sharded_source`: exactly once per epoch, full batches, padding flagged,
     a resumable position. Decode with ``ndd.decoders.image(jpegs)`` in ``step``. A directory is
     listed once and indexed in the loader's cache directory (``DALI_LOADER_CACHE_DIR``); later
-    builds, in any worker, read the index.
+    builds, in any worker, read the index. The list's fingerprint (a hash of the relative paths
+    of a directory's files, of the paths and labels of a list) goes into the loader's state: a
+    state saved over other files is refused.
     """
     files: FileTable
     if isinstance(root_or_files, (str, os.PathLike)):
@@ -140,4 +150,5 @@ def sharded_files(
         num_outputs=2,
         shuffle=shuffle,
         drop_last=drop_last,
+        fingerprint=files.fingerprint,
     )

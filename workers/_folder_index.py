@@ -28,10 +28,16 @@ is not trusted (a change within the filesystem's timestamp granularity could lea
 equal): such an index is not written, and the folder is listed again until it has been quiet
 that long. A file that fails any structural check (magic, header, sizes) is ignored and rebuilt.
 
+Fingerprint: the index also keeps a hash of its sorted relative paths (class folder and file
+name, in order), made once with the listing: what a loader's state records of the dataset, to
+refuse a state saved over other files. Sizes are not in it: they would cost a ``stat`` per file,
+and a file rewritten in place changes no folder's identity, so an index would not see it either.
+
 The file: :data:`MAGIC`, the header's length (little-endian uint64), the header (JSON: root,
-classes, identity, counts), then, 8-byte aligned, ``class_starts`` (int64, the first file of
-each class and the count), ``offsets`` (int64, where each file's name starts in ``names``, and
-the end) and ``names`` (the file names inside their class folder, as ``os.fsencode`` bytes).
+classes, identity, counts, fingerprint), then, 8-byte aligned, ``class_starts`` (int64, the
+first file of each class and the count), ``offsets`` (int64, where each file's name starts in
+``names``, and the end) and ``names`` (the file names inside their class folder, as
+``os.fsencode`` bytes).
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 #: Names the directory the loader keeps its caches in.
 CACHE_DIR_ENV = "DALI_LOADER_CACHE_DIR"
 MAGIC = b"DLFOLDR1"
-FORMAT = 1
+FORMAT = 2  # 2: the header holds the fingerprint
 #: An index listed within this many nanoseconds of a change it records is not trusted.
 RACY_NS = 2_000_000_000
 
@@ -92,6 +98,7 @@ class FolderIndex:
         "_names",
         "_offsets",
         "_prefixes",
+        "fingerprint",
     )
 
     def __init__(
@@ -101,8 +108,11 @@ class FolderIndex:
         class_starts: _Int64s,
         offsets: _Int64s,
         names: np.ndarray[Any, np.dtype[np.uint8]],
+        fingerprint: str,
         keep: object = None,
     ) -> None:
+        #: ``files:<hash>`` of the sorted relative paths (see the module docstring)
+        self.fingerprint = fingerprint
         self._prefixes = [os.path.join(root, name, "") for name in classes]
         self._class_starts, self._offsets, self._names = class_starts, offsets, names
         self._keep = keep  # the mapping the arrays view
@@ -231,7 +241,23 @@ def _from_listing(root: str, classes: list[str], names: list[list[str]]) -> Fold
     offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
     blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-    return FolderIndex(root, classes, class_starts, offsets, blob)
+    fingerprint = _fingerprint(classes, class_starts, offsets, blob)
+    return FolderIndex(root, classes, class_starts, offsets, blob, fingerprint)
+
+
+def _fingerprint(
+    classes: list[str],
+    class_starts: _Int64s,
+    offsets: _Int64s,
+    names: np.ndarray[Any, np.dtype[np.uint8]],
+) -> str:
+    """``files:`` and a hash of the relative paths, in order: the class folders, where each
+    one's files start, and the files' names (the arrays say exactly that)."""
+    digest = hashlib.sha256(b"\0".join(os.fsencode(name) for name in classes))
+    for array in (class_starts, offsets):
+        digest.update(array.astype("<i8", copy=False).tobytes())
+    digest.update(names.tobytes())
+    return f"files:{digest.hexdigest()[:16]}"
 
 
 def _build(path: Path, root: str, real: str) -> FolderIndex:
@@ -259,6 +285,7 @@ def _build(path: Path, root: str, real: str) -> FolderIndex:
             "identity": identity,
             "files": len(index),
             "name_bytes": int(index._offsets[-1]),
+            "fingerprint": index.fingerprint,
         }
     ).encode()
     start = -(-(_PREFIX + len(header)) // 8) * 8
@@ -340,4 +367,7 @@ def _parse(mapped: mmap.mmap, path: Path, root: str, real: str) -> FolderIndex |
         logger.debug("the index %s is stale: %s changed since it was listed", path, root)
         return None
     logger.debug("read the index of %s (%d files) from %s", root, files, path)
-    return FolderIndex(root, classes, class_starts, offsets, names, keep=mapped)
+    fingerprint = header["fingerprint"]
+    if not isinstance(fingerprint, str):
+        raise ValueError("no fingerprint")
+    return FolderIndex(root, classes, class_starts, offsets, names, fingerprint, keep=mapped)

@@ -355,17 +355,17 @@ class Worker:
                 continue
             batch, replaced = found
             ids = [i for i in dict.fromkeys(batch) if i not in replaced]
-            failing = [index for index in ids if self.sample_fails(sampled, index)]
+            failing = [index for index in ids if self.sample_fails(sampled, index, epoch)]
             if failing:
                 return failing
         return []
 
-    def sample_fails(self, sampled: Any, index: int) -> bool:
+    def sample_fails(self, sampled: Any, index: int, epoch: int) -> bool:
         import numpy as np
         import nvidia.dali.experimental.dynamic as ndd
 
         try:
-            sample = sampled.load(index)
+            sample = sampled.load_sample(index, epoch)
             if sampled.num_outputs == 1:
                 inputs: Any = ndd.batch([np.asarray(sample)])
             else:

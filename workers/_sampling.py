@@ -52,19 +52,23 @@ _STACK_BYTES = 1024
 class BatchedSamples:
     """Re-iterable: each ``iter()`` is one epoch of full batches over this shard's samples.
 
-    ``load(index)`` returns one sample (an array) or a tuple of ``num_outputs`` arrays.
+    ``load(index)`` returns one sample (an array) or a tuple of ``num_outputs`` arrays; with
+    ``pass_epoch=True`` it is called as ``load(index, epoch)``, the epoch the sample is loaded
+    for. ``fingerprint``: what the samples are (saved in a state, checked when it is loaded).
     """
 
     def __init__(
         self,
         shard: Shard,
         total: int,
-        load: Callable[[int], Any],
+        load: Callable[..., Any],
         batch_size: int,
         *,
         num_outputs: int = 1,
         shuffle: bool = True,
         drop_last: bool = False,
+        fingerprint: str = "",
+        pass_epoch: bool = False,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -72,9 +76,11 @@ class BatchedSamples:
             raise ValueError(f"total must be a positive number of samples, got {total!r}")
         self.shard = shard
         self.load = load
+        self.pass_epoch = pass_epoch
         self.num_outputs = num_outputs
         # the loader's seed: the same on every shard (a shard's own seed is seed + index)
-        self.sampling = Sampling(total, batch_size, shard.seed - shard.index, shuffle, drop_last)
+        seed = shard.seed - shard.index
+        self.sampling = Sampling(total, batch_size, seed, shuffle, drop_last, fingerprint)
         self.epoch = shard.epoch
         self.position = shard.position
         # the worker's, handed over by ``bind``; until then, a control state of its own
@@ -112,11 +118,15 @@ class BatchedSamples:
             self.sampling, epoch, self.shard.index, self.shard.count, self.position
         )
 
-    def _load(self, index: int) -> Any:
-        """``load(index)``; an exception leaves tagged with the phase and the sample id."""
+    def load_sample(self, index: int, epoch: int) -> Any:
+        """Sample ``index`` as loaded for ``epoch``: ``load(index)``, or ``load(index, epoch)``."""
+        return self.load(index, epoch) if self.pass_epoch else self.load(index)
+
+    def _load(self, index: int, epoch: int) -> Any:
+        """:meth:`load_sample`; an exception leaves tagged with the phase and the sample id."""
         self.loading = (index, time.monotonic())
         try:
-            return self.load(index)
+            return self.load_sample(index, epoch)
         except Exception as error:
             error._loader_phase = f"load, sample {index}"  # type: ignore[attr-defined]
             raise
@@ -133,14 +143,15 @@ class BatchedSamples:
         name = self.name(index)
         return f"sample {index}" if name == str(index) else f"sample {index} ({name})"
 
-    def load_batch(self, chunk: np.ndarray[Any, Any]) -> LoadedSamples:
-        """Every sample of a batch; with ``on_error="skip"`` a sample whose ``load`` raises (or
-        that is known bad) is replaced by a repeat of a good sample of the same batch.
+    def load_batch(self, chunk: np.ndarray[Any, Any], epoch: int) -> LoadedSamples:
+        """Every sample of a batch of ``epoch``; with ``on_error="skip"`` a sample whose
+        ``load`` raises (or that is known bad) is replaced by a repeat of a good sample of the
+        same batch.
         May run on the prefetch thread: it writes no shared state and reports nothing itself
         (the caller does both from ``LoadedSamples.errors``)."""
         ids = [int(index) for index in chunk]
         if not self._control.skip:
-            return LoadedSamples([self._load(index) for index in ids])
+            return LoadedSamples([self._load(index, epoch) for index in ids])
         samples: list[Any] = []
         failed: list[int] = []
         errors: list[tuple[int, str]] = []
@@ -151,7 +162,7 @@ class BatchedSamples:
                 failed.append(row)
                 continue
             try:
-                samples.append(self._load(index))
+                samples.append(self._load(index, epoch))
             except Exception as error:
                 raised.add(index)
                 errors.append((index, f"load raised {type(error).__name__}: {error}"[:300]))
@@ -218,14 +229,14 @@ class BatchedSamples:
         alive: deque[list[Any]] = deque(maxlen=_KEEP_ALIVE)
         with ThreadPoolExecutor(1, thread_name_prefix="sample-prefetch") as prefetch:
             self.loading_batch = (epoch, 0)
-            pending: Future[LoadedSamples] = prefetch.submit(self.load_batch, batches[0][0])
+            pending: Future[LoadedSamples] = prefetch.submit(self.load_batch, batches[0][0], epoch)
             for step, (_chunk, pad_rows) in enumerate(batches):
                 loaded = pending.result()
                 if loaded.errors:  # remembered here (main thread) before the next batch loads
                     self._control.add_bad(index for index, _reason in loaded.errors)
                 if step + 1 < len(batches):
                     self.loading_batch = (epoch, step + 1)  # (one load_batch at a time)
-                    pending = prefetch.submit(self.load_batch, batches[step + 1][0])
+                    pending = prefetch.submit(self.load_batch, batches[step + 1][0], epoch)
                 for index, reason in loaded.errors:
                     self._skipped_on_load(epoch, step, index, reason)
                 self._feed.fed(FedBatch(epoch, step, pad_rows, loaded.replaced, loaded.skipped))
@@ -286,21 +297,30 @@ class LoadedSamples:
 def sharded_source(
     shard: Shard,
     total: int,
-    load: Callable[[int], Any],
+    load: Callable[..., Any],
     batch_size: int,
     *,
     num_outputs: int = 1,
     shuffle: bool = True,
     drop_last: bool = False,
+    fingerprint: str | None = None,
+    pass_epoch: bool = False,
 ) -> Any:
     """An ``ndd.ExternalSource`` root over this shard's part of ``total`` samples.
 
     Every epoch covers the dataset exactly once across all shards (``drop_last=True`` drops the
     remainder instead of padding), batches are always full, and padded rows are reported in the
     delivered batch's ``info.padded``. The loader can save and resume its position.
+
+    ``fingerprint``: a string that names what ``load`` reads (a dataset version, a manifest's
+    hash); a state saved over one fingerprint is refused by a loader over another. With
+    ``pass_epoch=True``, ``load`` is called as ``load(index, epoch)``: random draws made from
+    ``(seed, epoch, index)`` there are the same on any layout.
     """
     from ._dali import ShardedExternalSource
 
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
     samples = BatchedSamples(
         shard,
         total,
@@ -309,5 +329,7 @@ def sharded_source(
         num_outputs=num_outputs,
         shuffle=shuffle,
         drop_last=drop_last,
+        fingerprint=fingerprint or "",
+        pass_epoch=pass_epoch,
     )
     return ShardedExternalSource(samples)

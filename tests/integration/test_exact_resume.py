@@ -68,7 +68,8 @@ def test_same_layout_resumes_with_the_same_bytes(
 
 def ids_loader(**kwargs: Any) -> Loader:
     kwargs.setdefault("num_workers", 2)
-    return Loader(P.sample_source, P.uniform_step, batch_size=4, copy=True, **kwargs)
+    source = kwargs.pop("source", P.sample_source)
+    return Loader(source, P.uniform_step, batch_size=4, copy=True, **kwargs)
 
 
 def test_another_layout_says_the_random_draws_restart(caplog: pytest.LogCaptureFixture) -> None:
@@ -119,3 +120,50 @@ def test_a_broken_draw_pattern_raises_dalis_error() -> None:
         with pytest.raises(RuntimeError, match="RNG of a captured operator was used unexpectedly"):
             for _ in loader:
                 pass
+
+
+def test_another_layout_with_draws_from_the_sample_id_is_exact(tiny_images: Path) -> None:
+    """Crop and flip drawn in load from (seed, epoch, id): resumed on 3 workers instead of 2,
+    every sample of the resumed epoch and the next is the uninterrupted run's, byte for byte."""
+    from loader import list_images
+
+    files, _labels = list_images(tiny_images)
+    source = functools.partial(P.id_augmented_source, files=tuple(files))
+
+    def make(**layout: Any) -> Loader:
+        layout.setdefault("num_workers", 2)
+        return Loader(source, P.id_augmented_step, batch_size=4, copy=True, **layout)
+
+    assert_resumes_exactly(make, stop_after=3, layout=(1, 3), key="id")
+
+
+def test_a_state_over_other_files_is_refused_unless_strict_is_off(
+    tiny_images: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As many files, other names: load_state_dict names both lists' hashes; strict=False
+    resumes with a warning."""
+    other = tmp_path / "other"
+    for path in tiny_images.rglob("*.jpg"):
+        target = other / path.parent.name / f"renamed_{path.name}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    with images_loader(tiny_images, num_workers=1) as loader:
+        next(iter(loader))
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert state["sampling"]["fingerprint"].startswith("files:")
+    with images_loader(other, num_workers=1) as loader:
+        with pytest.raises(ValueError, match=r"^dataset: the state was saved over 24 files whose"):
+            loader.load_state_dict(state)
+        caplog.set_level(logging.WARNING, logger="loader")
+        loader.load_state_dict(state, strict=False)
+        assert len(list(loader)) == 5  # the epoch goes on over the other files
+    assert any(r.message.startswith("dataset: ") for r in caplog.records)
+
+
+def test_a_sharded_source_state_keeps_its_fingerprint() -> None:
+    with ids_loader(source=functools.partial(P.sample_source, fingerprint="v1")) as loader:
+        state = loader.state_dict()
+    assert state["sampling"]["fingerprint"] == "v1"
+    with ids_loader(source=functools.partial(P.sample_source, fingerprint="v2")) as loader:
+        with pytest.raises(ValueError, match=r"fingerprint 'v1', this loader reads .* 'v2'"):
+            loader.load_state_dict(state)

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,9 +15,11 @@ import pytest
 from ipc import place_outputs, wire
 from loader._checkpoint import make_state, parse_state
 from workers import _dali
+from workers._files import ListedFiles
+from workers._folder_index import CACHE_DIR_ENV, open_folder
 from workers._random import RandomGenerators
 
-SAMPLING = wire.Sampling(30, 4, 0, True, False, "source:v1")
+SAMPLING = wire.Sampling(30, 4, 0, True, False, "v1")
 STATE_A = "Philox_0000000000000007_0000000000000000:0000000000000005_1"
 STATE_B = "Philox_0000000000000063_0000000000000000:0000000000000003_2"
 
@@ -96,7 +101,7 @@ def test_a_state_over_other_data_is_refused_naming_both_datasets(
     [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.message.startswith("dataset: the state was saved over 30 files")
     user = _state()
-    user["sampling"]["fingerprint"] = "source:v0"
+    user["sampling"]["fingerprint"] = "v0"
     with pytest.raises(ValueError, match=r"fingerprint 'v0', this loader reads .* 'v1'"):
         _parse(user)
 
@@ -168,3 +173,36 @@ def test_a_generators_key_is_its_seed() -> None:
     assert _dali.generator_key(before) != _dali.generator_key(
         _dali.generator_state(ndd.random.RNG(seed=98))
     )
+
+
+# --------------------------------------------------------------------------- dataset fingerprint
+def _folder(root: Path, names: list[str]) -> Path:
+    for name in names:
+        (root / "a").mkdir(parents=True, exist_ok=True)
+        (root / "a" / name).touch()
+    when = time.time() - 60  # (an index of a folder changed in the last seconds is not kept)
+    for folder in (root, root / "a"):
+        os.utime(folder, (when, when))
+    return root
+
+
+def test_a_folders_fingerprint_is_made_with_its_index_and_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    first = _folder(tmp_path / "first", ["1.jpg", "2.jpg"])
+    listed = open_folder(str(first))
+    assert list((tmp_path / "cache" / "file-index").glob("*.index"))  # (kept: read back next)
+    mapped = open_folder(str(first))
+    assert listed.fingerprint == mapped.fingerprint and listed.fingerprint.startswith("files:")
+    renamed = _folder(tmp_path / "renamed", ["1.jpg", "3.jpg"])
+    assert open_folder(str(renamed)).fingerprint != listed.fingerprint
+    moved = _folder(tmp_path / "moved", ["1.jpg", "2.jpg"])  # the same relative paths
+    assert open_folder(str(moved)).fingerprint == listed.fingerprint
+
+
+def test_a_lists_fingerprint_follows_its_paths_and_labels() -> None:
+    files = ["/d/a.jpg", "/d/b.jpg"]
+    assert ListedFiles(files, [0, 1]).fingerprint == ListedFiles(files, [0, 1]).fingerprint
+    assert ListedFiles(files, [0, 1]).fingerprint != ListedFiles(files, [1, 0]).fingerprint
+    assert ListedFiles(files, [0, 1]).fingerprint != ListedFiles(files[::-1], [0, 1]).fingerprint
