@@ -14,8 +14,13 @@ every rank before the first ``iter(loader)``: the interrupted epoch goes on with
 yet received, on the same layout (the same stream as without the interruption) or on another
 world size or worker count (the rest of the epoch split evenly among the new ranks).
 
+With ``--augment`` the step crops and flips at random (DALI's ``random_resized_crop`` and a
+``coin_flip`` mirror): a resume on the same layout gives the same bytes all the same, as the
+loader's state carries each worker's random generator states.
+
 With ``--out DIR`` each rank writes what it saw in this run (per epoch: sample ids without
-padding, steps) to ``DIR/rank<R>.json``, at every checkpoint and at the end.
+padding, a digest of each batch's images, steps) to ``DIR/rank<R>.json``, at every checkpoint and
+at the end.
 """
 
 from __future__ import annotations
@@ -57,6 +62,16 @@ def step(jpegs: Any, ids: Any) -> dict[str, Any]:
     return {"image": images, "id": ids}
 
 
+def augment_step(jpegs: Any, ids: Any) -> dict[str, Any]:
+    images = ndd.decoders.image(jpegs, device="cpu")
+    images = ndd.random_resized_crop(images, size=[32, 32])
+    flip = ndd.random.coin_flip(probability=0.5)
+    images = ndd.crop_mirror_normalize(
+        images, dtype=ndd.float32, mirror=flip, mean=[128.0] * 3, std=[64.0] * 3
+    )
+    return {"image": images, "id": ids}
+
+
 def write_atomically(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """Write ``path`` through a temporary file and ``os.replace``: a crash at any moment leaves
     either the previous file or the new one, never half of one."""
@@ -83,6 +98,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--augment", action="store_true", help="random crops and flips")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--checkpoint", type=Path, default=Path("checkpoint.pt"))
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume from")
@@ -152,7 +168,7 @@ def main() -> None:
 
     with Loader(
         functools.partial(source, root=root, batch_size=batch_size),
-        step,
+        augment_step if args.augment else step,
         batch_size=batch_size,
         num_workers=args.workers,
         output="torch",
@@ -162,12 +178,14 @@ def main() -> None:
             loader.load_state_dict(checkpoint["loader"])  # before the first iter(loader)
         for epoch in range(loader.epoch, args.epochs):
             seen: list[int] = []
+            digests: list[str] = []
             progress: dict[str, Any] = {
                 "epoch": epoch,
                 "len": len(loader),  # the epoch's length, also in a resumed epoch
                 "remaining": loader.remaining(),  # what this run takes of it
                 "steps": 0,
                 "ids": seen,
+                "digests": digests,
             }
             record["epochs"].append(progress)
             for batch in loader:
@@ -177,6 +195,7 @@ def main() -> None:
                 loss.backward()
                 optimizer.step()
                 seen += ids[: len(ids) - batch.info.padded].tolist()
+                digests.append(hashlib.sha256(images.numpy().tobytes()).hexdigest()[:16])
                 progress["steps"] += 1
                 global_step += 1
                 del batch, images, ids

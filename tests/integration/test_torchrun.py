@@ -277,14 +277,15 @@ def test_killed_job_resumes_on_one_rank_and_covers_the_epoch_once(
 def test_killed_job_resumes_on_the_same_layout_with_the_uninterrupted_stream(
     ddp_data: Path, tmp_path: Path
 ) -> None:
-    """2 ranks x 2 workers save at step 3 (workers 0 have delivered 2 batches, workers 1 one),
-    take steps 4 and 5 and are SIGKILLed; 2 ranks x 2 workers resume: per rank, the ids seen up
-    to the checkpoint followed by the resumed ones are the uninterrupted job's stream, epoch 1
-    included, and the final weights are the uninterrupted job's (the model, the optimizer's
-    momentum and the order of the batches were all restored)."""
+    """2 ranks x 2 workers with random crops and flips save at step 3 (workers 0 have delivered
+    2 batches, workers 1 one), take steps 4 and 5 and are SIGKILLed; 2 ranks x 2 workers resume:
+    per rank, the ids and the images' bytes seen up to the checkpoint followed by the resumed
+    ones are the uninterrupted job's, epoch 1 included, and the final weights are the
+    uninterrupted job's (the model, the optimizer's momentum, the order of the batches and the
+    workers' random generators were all restored)."""
     two_ranks = ["--standalone", "--nproc_per_node=2"]
     common = ["--data", str(ddp_data), "--batch-size", "4", "--epochs", "2", "--workers", "2"]
-    common += ["--save-every", "3"]
+    common += ["--save-every", "3", "--augment"]
     _run(
         two_ranks,
         [*common, "--checkpoint", str(tmp_path / "full.pt"), "--out", str(tmp_path / "full")],
@@ -316,6 +317,10 @@ def test_killed_job_resumes_on_the_same_layout_with_the_uninterrupted_stream(
         assert rest["len"] == 8  # the epoch's length, as for torch's DataLoader
         assert before["epochs"][0]["ids"] + rest["ids"] == uninterrupted["epochs"][0]["ids"], (
             f"rank {rank}: the resumed epoch 0 is not the uninterrupted stream"
+        )
+        digests = before["epochs"][0]["digests"] + rest["digests"]
+        assert digests == uninterrupted["epochs"][0]["digests"], (
+            f"rank {rank}: the images of the resumed epoch 0 are not the uninterrupted job's"
         )
         assert epoch1 == uninterrupted["epochs"][1], f"rank {rank}: epoch 1 differs"
         assert after["weights"] == uninterrupted["weights"], f"rank {rank}: other weights"
