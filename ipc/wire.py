@@ -117,18 +117,14 @@ class Position:
 #: sources (nothing drew since), from the loader's seed, the shard and the epoch.
 RandomStates = bytes
 
-_STATE_SEPARATOR = b" "
-
 
 def join_states(states: list[str]) -> RandomStates:
     """:data:`RandomStates` from generator states (raises ``ValueError`` for a state that is not
     one ASCII word)."""
-    encoded = []
     for state in states:
-        if not state or not state.isascii() or any(c.isspace() for c in state):
+        if not state.isascii() or len(state.split()) != 1 or state.strip() != state:
             raise ValueError(f"{state!r} is not a random generator state")
-        encoded.append(state.encode("ascii"))
-    return _STATE_SEPARATOR.join(encoded)
+    return " ".join(states).encode("ascii")
 
 
 def split_states(data: RandomStates) -> list[str]:

@@ -30,6 +30,14 @@ from ipc import wire
 from . import _dali
 
 
+class _Nobody:
+    """What ``RandomGenerators._last`` refers to before any draw."""
+
+
+_NOBODY_OBJECT = _Nobody()
+_NOBODY: weakref.ref[Any] = weakref.ref(_NOBODY_OBJECT)
+
+
 class RandomGenerators:
     """The states of the worker's generators after each step, and their restoration.
 
@@ -45,6 +53,9 @@ class RandomGenerators:
         #: restored states whose generator has not drawn yet, by key, in their saved order
         self._pending: dict[str, deque[str]] = {}
         self._drawn = False  # anything drew since the sources were built
+        #: the generator that drew last, since the sources were built (an operator draws several
+        #: words in a row: the next ones cost one comparison)
+        self._last: weakref.ref[Any] = _NOBODY
         self._stop = _dali.watch_draws(self._on_draw)
 
     def rebuilt(self, states: wire.RandomStates = b"") -> None:
@@ -59,6 +70,7 @@ class RandomGenerators:
             for generator in self._alive():
                 self._restore(generator)
         self._drawn = False
+        self._last = _NOBODY
 
     def after_step(self) -> wire.RandomStates:
         """The states after the step that just ran (those of the next one); empty when nothing
@@ -66,15 +78,19 @@ class RandomGenerators:
         if not self._drawn:
             return b""
         states = [_dali.generator_state(_dali.default_generator())]
-        states += [_dali.generator_state(generator) for generator in self._alive()]
+        if self._generators:
+            states += [_dali.generator_state(generator) for generator in self._alive()]
         for waiting in self._pending.values():  # restored, not drawn from yet: still theirs
             states += waiting
-        return wire.join_states(states)
+        return " ".join(states).encode("ascii")  # (wire.join_states, DALI's words unchecked)
 
     def close(self) -> None:
         self._stop()
 
     def _on_draw(self, generator: Any) -> None:
+        if self._last() is generator:
+            return
+        self._last = weakref.ref(generator)
         self._drawn = True
         if generator in self._seen:
             return
