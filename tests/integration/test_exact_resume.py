@@ -104,13 +104,13 @@ def _bytes(batch: Any) -> tuple[bytes, bytes]:
 
 def test_a_state_holds_the_random_states_of_each_shard() -> None:
     """O(shards): one list of DALI state strings per shard, JSON as it is."""
-    with ids_loader(num_workers=3) as loader:
+    with ids_loader() as loader:
         iterator = iter(loader)
-        for _ in range(4):
+        for _ in range(3):
             next(iterator)
         state = loader.state_dict()
     assert json.loads(json.dumps(state)) == state
-    assert [len(states) for states in state["random"]] == [1, 1, 1]  # the default RNG
+    assert [len(states) for states in state["random"]] == [1, 1]  # the default RNG
     assert len(json.dumps(state)) < 800
 
 
@@ -161,9 +161,11 @@ def test_a_state_over_other_files_is_refused_unless_strict_is_off(
 
 
 def test_a_sharded_source_state_keeps_its_fingerprint() -> None:
-    with ids_loader(source=functools.partial(P.sample_source, fingerprint="v1")) as loader:
+    source = functools.partial(P.sample_source, fingerprint="v1")
+    with ids_loader(source=source, num_workers=1) as loader:
         state = loader.state_dict()
     assert state["sampling"]["fingerprint"] == "v1"
-    with ids_loader(source=functools.partial(P.sample_source, fingerprint="v2")) as loader:
+    source = functools.partial(P.sample_source, fingerprint="v2")
+    with ids_loader(source=source, num_workers=1) as loader:
         with pytest.raises(ValueError, match=r"fingerprint 'v1', this loader reads .* 'v2'"):
             loader.load_state_dict(state)
