@@ -8,12 +8,14 @@ Workloads (same data for every contender, in one run):
 * ``tiny``: 8 samples of 4x4 uint8 per batch, trivial body: the per-batch overhead.
 
 Contenders: in-process DALI capture and eager (same total threads); torch DataLoader with W
-workers each running the same DALI body eagerly; DALI's classic pipeline with
-``fn.external_source(parallel=True)`` (python workload only); this loader with W workers, capture
-on and off. Each contender runs ``repeats + 1`` epochs; the first is a warm-up (its start gives the
-time to the first batch) and the median of the others gives the throughput. The trainer's CPU
-time per 1,000 batches is measured over the timed epochs. Results go to
-``bench/results/latest.json`` and a plot to ``bench/results/throughput.png``.
+workers each running the same DALI body eagerly; DALI's classic pipeline through its PyTorch
+plugin (``DALIGenericIterator``; ``fn.readers.file`` in one process with the same total threads
+for images, ``fn.external_source(parallel=True)`` with W Python workers for the python workload;
+see ``bench/classic.py``); this loader with W workers, capture on and off. Each contender runs
+``repeats + 1`` epochs; the first is a warm-up (its start gives the time to the first batch) and
+the median of the others gives the throughput. The trainer's CPU time per 1,000 batches (the CPU
+time of the whole benchmark process, every thread) is measured over the timed epochs. Results go
+to ``bench/results/latest.json`` and a plot to ``bench/results/throughput.png``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _sources as S
+from bench import classic
 from loader import Loader, ensure_sample_dataset, list_images
 from loader.sample import image_source, image_step
 
@@ -46,6 +49,7 @@ class Result:
     first_batch_seconds: float
     trainer_cpu_per_1000: float
     repeats: list[float]
+    one_process: bool = False  # no worker processes: W does not apply (a flat line in the plot)
 
 
 def measure(
@@ -55,6 +59,7 @@ def measure(
     batch_size: int,
     make_epochs: Callable[[], Iterator[Iterable[Any]]],
     repeats: int,
+    one_process: bool = False,
 ) -> Result:
     """``make_epochs()`` yields one iterable per epoch (the first yield may build everything)."""
     started = time.perf_counter()
@@ -91,6 +96,7 @@ def measure(
         first_batch,
         1000 * cpu / max(timed_batches, 1),
         rates,
+        one_process,
     )
 
 
@@ -162,41 +168,6 @@ def with_torch(
     return epochs
 
 
-def with_dali_parallel(
-    batches: int, workers: int, threads: int
-) -> Callable[[], Iterator[Iterable[Any]]]:
-    def epochs() -> Iterator[Iterable[Any]]:
-        from nvidia.dali import fn, pipeline_def
-
-        @pipeline_def(
-            batch_size=S.PY_BATCH,
-            num_threads=threads,
-            device_id=None,
-            py_num_workers=workers,
-            py_start_method="spawn",
-        )
-        def pipe() -> Any:
-            data = fn.external_source(
-                source=S.ParallelCallback(batches), parallel=True, batch=True, batch_info=True
-            )
-            return fn.normalize(data, axes=[0])
-
-        pipeline = pipe()
-        pipeline.build()
-
-        def one_epoch() -> Iterator[Any]:
-            try:
-                while True:
-                    yield pipeline.run()
-            except StopIteration:
-                pipeline.reset()
-
-        while True:
-            yield one_epoch()
-
-    return epochs
-
-
 # ------------------------------------------------------------------------------- workloads
 @dataclass
 class Workload:
@@ -208,7 +179,8 @@ class Workload:
     step: Callable[..., Any]
     loader_source: Any  # the Loader's source(shard)
     dataset: Any  # the torch DataLoader contender's dataset
-    parallel_batches: int | None = None  # DALI parallel external source, when it applies
+    classic_images: Callable[[], Iterator[Iterable[Any]]] | None = None  # DALI classic, 1 process
+    classic_python: Callable[[int], Iterator[Iterable[Any]]] | None = None  # ... with W py workers
     files_source: Any = None  # the Loader over sharded_files, when the workload reads files
     pillow_dataset: Any = None  # torch DataLoader over Pillow + numpy, when it reads images
 
@@ -231,6 +203,7 @@ def run(quick: bool, repeats: int, threads: int) -> list[Result]:
             S.DaliEagerDataset("images", image_batches, root),
             files_source=functools.partial(S.files_source, root=root, batch_size=64),
             pillow_dataset=S.PillowImageDataset(root),
+            classic_images=functools.partial(classic.images_epochs, root, 64, threads),
         ),
         Workload(
             "python",
@@ -239,7 +212,7 @@ def run(quick: bool, repeats: int, threads: int) -> list[Result]:
             S.light_step,
             functools.partial(S.python_source, batches=py_batches),
             S.DaliEagerDataset("python", py_batches),
-            parallel_batches=py_batches,
+            classic_python=lambda w: classic.python_epochs(py_batches, w, threads),
         ),
         Workload(
             "tiny",
@@ -251,8 +224,12 @@ def run(quick: bool, repeats: int, threads: int) -> list[Result]:
         ),
     ]
 
-    def record(workload: Workload, contender: str, workers: int, epochs: Any) -> None:
-        result = measure(workload.name, contender, workers, workload.batch_size, epochs, repeats)
+    def record(
+        workload: Workload, contender: str, workers: int, epochs: Any, one_process: bool = False
+    ) -> None:
+        result = measure(
+            workload.name, contender, workers, workload.batch_size, epochs, repeats, one_process
+        )
         results.append(result)
         print(
             f"  {result.workload:<7} {result.contender:<24} W={result.workers} "
@@ -269,7 +246,10 @@ def run(quick: bool, repeats: int, threads: int) -> list[Result]:
                 f"in-process {mode}",
                 1,
                 in_process(workload.in_process_source, workload.step, capture, batch, threads),
+                one_process=True,
             )
+        if workload.classic_images is not None:
+            record(workload, CLASSIC, 1, workload.classic_images, one_process=True)
         for w in widths:
             record(workload, "torch DataLoader", w, with_torch(workload.dataset, w))
             if workload.pillow_dataset is not None:
@@ -279,13 +259,8 @@ def run(quick: bool, repeats: int, threads: int) -> list[Result]:
                     w,
                     with_torch(workload.pillow_dataset, w, batch_size=batch),
                 )
-            if workload.parallel_batches is not None:
-                record(
-                    workload,
-                    "DALI parallel ES",
-                    w,
-                    with_dali_parallel(workload.parallel_batches, w, threads),
-                )
+            if workload.classic_python is not None:
+                record(workload, CLASSIC, w, functools.partial(workload.classic_python, w))
             if workload.files_source is not None:
                 record(
                     workload,
@@ -342,6 +317,7 @@ def trainer_overhead(workers: int, batches: int, compute: float = 1e-3) -> float
 
 
 OVERHEAD: dict[int, float] = {}
+CLASSIC = "DALI classic + plugin"
 
 
 def _single_shard(reader: Callable[..., Any]) -> Any:
@@ -385,7 +361,7 @@ def targets(results: list[Result]) -> list[str]:
     def rate(workload: str, contender: str, workers: int = 2) -> float | None:
         for r in results:
             if (r.workload, r.contender) == (workload, contender) and (
-                r.workers == workers or contender.startswith("in-process")
+                r.workers == workers or r.one_process
             ):
                 return r.batches_per_second
         return None
@@ -410,6 +386,17 @@ def targets(results: list[Result]) -> list[str]:
             lines.append(
                 f"images: loader / torch Pillow+numpy DataLoader, W={workers}: {ours / pillow:.2f}x"
             )
+    ours, dali = rate("images", "loader capture"), rate("images", CLASSIC)
+    if ours and dali:
+        ratio = ours / dali
+        lines.append(
+            f"images: loader(W=2) / {CLASSIC} >= 0.97: {ratio:.2f} "
+            f"{'met' if ratio >= 0.97 else 'MISSED'} in this one run (alternated pairs: "
+            "python -m bench.classic)"
+        )
+    ours, dali = rate("python", "loader capture"), rate("python", CLASSIC)
+    if ours and dali:
+        lines.append(f"python: loader / {CLASSIC}, W=2: {ours / dali:.2f}x")
     files, reader = rate("images", "loader sharded_files"), rate("images", "loader capture")
     if files and reader:
         ratio = files / reader
@@ -434,34 +421,84 @@ def targets(results: list[Result]) -> list[str]:
     return lines
 
 
+# One colour and marker per contender, the same in every panel.
+STYLES: dict[str, tuple[str, str]] = {
+    "in-process capture": ("tab:blue", "s"),
+    "in-process eager": ("tab:cyan", "D"),
+    "torch DataLoader": ("tab:orange", "^"),
+    "torch Pillow+numpy": ("tab:olive", "v"),
+    CLASSIC: ("tab:green", "P"),
+    "loader sharded_files": ("tab:pink", "X"),
+    "loader capture": ("tab:red", "o"),
+    "loader eager": ("tab:purple", "*"),
+}
+PANELS = (
+    ("samples_per_second", "samples/s", "linear"),
+    ("trainer_cpu_per_1000", "trainer CPU s per 1k batches", "log"),
+    ("first_batch_seconds", "first batch s", "linear"),
+)
+
+
 def plot(results: list[Result], path: Path) -> bool:
+    """Throughput, trainer CPU and first batch (rows) per workload (columns) against W; a
+    contender without worker processes is a dashed line at its one value."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib import ticker
     except ImportError:
         return False
     workloads = list(dict.fromkeys(r.workload for r in results))
-    figure, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4))
-    for axis, workload in zip(axes, workloads, strict=True):
+    contenders = list(dict.fromkeys(r.contender for r in results))
+    spare = iter(["tab:brown", "tab:gray", "black", "gold"])
+    styles = {c: STYLES.get(c) or (next(spare, "black"), "h") for c in contenders}
+    figure, axes = plt.subplots(
+        len(PANELS),
+        len(workloads),
+        figsize=(5 * len(workloads), 3.2 * len(PANELS) + 0.8),
+        squeeze=False,
+    )
+    handles: dict[str, Any] = {}
+    for column, workload in enumerate(workloads):
         rows = [r for r in results if r.workload == workload]
-        widths = sorted({r.workers for r in rows if not r.contender.startswith("in-process")})
-        for contender in dict.fromkeys(r.contender for r in rows):
-            points = sorted(
-                (r.workers, r.samples_per_second) for r in rows if r.contender == contender
-            )
-            if contender.startswith("in-process"):
-                axis.plot(widths or [1], [points[0][1]] * len(widths or [1]), "--", label=contender)
-            else:
-                axis.plot([p[0] for p in points], [p[1] for p in points], "o-", label=contender)
-        axis.set_title(workload)
-        axis.set_xlabel("worker processes (W)")
-        axis.set_ylabel("samples/s")
-        axis.set_xticks(widths or [1])
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
-    figure.tight_layout()
+        widths = sorted({r.workers for r in rows if not r.one_process}) or [1]
+        for row, (field, label, scale) in enumerate(PANELS):
+            axis = axes[row][column]
+            for contender in dict.fromkeys(r.contender for r in rows):
+                mine = sorted(
+                    ((r.workers, getattr(r, field)) for r in rows if r.contender == contender),
+                    key=lambda point: point[0],
+                )
+                colour, marker = styles[contender]
+                flat = all(r.one_process for r in rows if r.contender == contender)
+                xs = widths if flat else [p[0] for p in mine]
+                ys = [mine[0][1]] * len(widths) if flat else [p[1] for p in mine]
+                (line,) = axis.plot(
+                    xs,
+                    ys,
+                    linestyle="--" if flat else "-",
+                    marker=marker,
+                    color=colour,
+                    markersize=5,
+                    label=contender,
+                )
+                handles.setdefault(contender, line)
+            axis.set_yscale(scale)
+            if scale == "log":
+                axis.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+                axis.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+                axis.yaxis.set_minor_formatter(ticker.NullFormatter())
+            if row == 0:
+                axis.set_title(workload)
+            if row == len(PANELS) - 1:
+                axis.set_xlabel("worker processes (W)")
+            axis.set_ylabel(label)
+            axis.set_xticks(widths)
+            axis.grid(alpha=0.3)
+    figure.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=8)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True

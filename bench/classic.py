@@ -1,0 +1,217 @@
+"""The loader next to DALI's classic pipeline through its PyTorch plugin:
+``python -m bench.classic [--pairs N]``.
+
+The classic contender is what DALI users run today: ``pipeline_def`` with ``fn.readers.file``
+(images) or ``fn.external_source(parallel=True)`` (python workload), the same operators as the
+loader's step, iterated by ``nvidia.dali.plugin.pytorch.DALIGenericIterator`` with
+``LastBatchPolicy.PARTIAL`` (and ``reader_name`` for the reader), in one process with all the
+threads (``num_threads`` = the total thread budget, as in-process capture gets). ``bench.run``
+takes its epochs from here.
+
+Run as a module it measures the images workload (decode, random resized crop 224, flip,
+normalize; batches of 64; the 512 sample images): the loader with W=2 workers (capture, one
+thread each) against the classic pipeline with 2 threads, as alternated pairs (which one goes
+first alternates too), and prints every pair's ratio and their median. Per run: batches/s over the
+timed epochs, the CPU of every process the contender runs (the loader: trainer and workers; the
+classic pipeline: its one process) per batch, and the first batch of the run (from building it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from bench import _sources as S
+from loader import Loader, ensure_sample_dataset, list_images
+from loader.sample import image_source, image_step
+
+BATCH = 64
+WORKERS = 2
+READER = "Reader"
+MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
+STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+
+
+def images_pipeline(root: str, batch_size: int, threads: int, seed: int = 0) -> Any:
+    """``image_step`` as a classic pipeline over ``fn.readers.file`` (shuffled, one shard)."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    files, labels = list_images(root)
+
+    @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed)
+    def images() -> Any:
+        jpegs, label = fn.readers.file(
+            files=files, labels=labels, random_shuffle=True, name=READER, pad_last_batch=True
+        )
+        decoded = fn.decoders.image(jpegs, device="cpu")
+        cropped = fn.random_resized_crop(decoded, size=[224, 224])
+        flip = fn.random.coin_flip(probability=0.5)
+        image = fn.crop_mirror_normalize(
+            cropped, dtype=types.FLOAT, mirror=flip, mean=MEAN, std=STD
+        )
+        return image, label
+
+    return images()
+
+
+def python_pipeline(batches: int, workers: int, threads: int) -> Any:
+    """``light_step`` over ``python_work`` batches from ``workers`` DALI Python workers."""
+    from nvidia.dali import fn, pipeline_def
+
+    @pipeline_def(
+        batch_size=S.PY_BATCH,
+        num_threads=threads,
+        device_id=None,
+        py_num_workers=workers,
+        py_start_method="spawn",
+    )
+    def python() -> Any:
+        data = fn.external_source(
+            source=S.ParallelCallback(batches), parallel=True, batch=True, batch_info=True
+        )
+        return fn.normalize(data, axes=[0])
+
+    return python()
+
+
+def plugin_epochs(pipeline: Any, outputs: list[str], reader: str | None) -> Iterator[Iterable[Any]]:
+    """Epochs of ``DALIGenericIterator`` over ``pipeline`` (built here; the iterator runs the
+    first batch when made, as users' code does)."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    pipeline.build()
+    iterator = DALIGenericIterator(
+        pipeline,
+        outputs,
+        reader_name=reader,
+        last_batch_policy=LastBatchPolicy.PARTIAL,
+        auto_reset=True,
+    )
+    while True:
+        yield iterator
+
+
+def images_epochs(root: str, batch_size: int, threads: int) -> Iterator[Iterable[Any]]:
+    return plugin_epochs(images_pipeline(root, batch_size, threads), ["image", "label"], READER)
+
+
+def python_epochs(batches: int, workers: int, threads: int) -> Iterator[Iterable[Any]]:
+    return plugin_epochs(python_pipeline(batches, workers, threads), ["x"], None)
+
+
+# ------------------------------------------------------------------------------- pairs
+@dataclass
+class Run:
+    batches_per_second: float
+    cpu_ms: float  # per batch, every process of the contender, all threads
+    first_batch_s: float  # from building the contender to its first batch
+
+
+def _cpu(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        times = process.cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def _timed(epochs: Iterator[Iterable[Any]], count: int, processes: Any) -> Run:
+    """The first epoch is a warm-up (it traces; its first batch is the start), then ``count``
+    timed epochs. ``processes()`` lists the processes whose CPU counts, once warm."""
+    started = time.perf_counter()
+    first = 0.0
+    for batch in next(epochs):
+        if not first:
+            first = time.perf_counter() - started
+        del batch
+    watched = processes()
+    cpu = _cpu(watched)
+    timed_started = time.perf_counter()
+    batches = 0
+    for _ in range(count):
+        for batch in next(epochs):
+            batches += 1
+            del batch
+    elapsed = time.perf_counter() - timed_started
+    return Run(batches / elapsed, 1e3 * (_cpu(watched) - cpu) / batches, first)
+
+
+def measure_loader(root: str, epochs: int, threads: int) -> Run:
+    source = functools.partial(image_source, root=root, batch_size=BATCH)
+    with Loader(
+        source,
+        image_step,
+        batch_size=BATCH,
+        num_workers=WORKERS,
+        num_threads=max(1, threads // WORKERS),
+    ) as loader:
+
+        def forever() -> Iterator[Iterable[Any]]:
+            while True:
+                yield loader
+
+        def processes() -> list[psutil.Process]:
+            return [psutil.Process()] + [psutil.Process(p) for p in loader.worker_pids()]
+
+        return _timed(forever(), epochs, processes)
+
+
+def measure_classic(root: str, epochs: int, threads: int) -> Run:
+    iterator = images_epochs(root, BATCH, threads)
+    try:
+        return _timed(iterator, epochs, lambda: [psutil.Process()])
+    finally:
+        iterator.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.classic", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--pairs", type=int, default=8, help="alternated loader/classic pairs")
+    parser.add_argument("--epochs", type=int, default=8, help="timed epochs per run")
+    parser.add_argument("--threads", type=int, default=None, help="total DALI threads (CPUs)")
+    args = parser.parse_args(argv)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    root = str(ensure_sample_dataset())
+    contenders = {
+        "loader W=2": functools.partial(measure_loader, root, args.epochs, threads),
+        "classic+plugin": functools.partial(measure_classic, root, args.epochs, threads),
+    }
+    print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(
+        f"{'pair':>4} {'contender':<15} {'batches/s':>9} {'CPU ms/batch':>12} {'1st batch s':>11}"
+    )
+    ratios = []
+    for pair in range(args.pairs):
+        names = list(contenders) if pair % 2 == 0 else list(reversed(contenders))
+        runs = {}
+        for name in names:
+            run = runs[name] = contenders[name]()
+            print(
+                f"{pair:>4} {name:<15} {run.batches_per_second:>9.2f} {run.cpu_ms:>12.1f} "
+                f"{run.first_batch_s:>11.2f}",
+                flush=True,
+            )
+        ratios.append(
+            runs["loader W=2"].batches_per_second / runs["classic+plugin"].batches_per_second
+        )
+    median = statistics.median(ratios)
+    print(f"loader / classic+plugin per pair: {' '.join(f'{r:.2f}' for r in ratios)}")
+    print(
+        f"median {median:.3f} (range {min(ratios):.2f}-{max(ratios):.2f}); target >= 0.97: "
+        f"{'met' if median >= 0.97 else 'MISSED'}"
+    )
+    print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
