@@ -9,7 +9,9 @@ from workers import (
     shard_indices,
     sharded_files,
     sharded_source,
+    sharded_tars,
     steps_per_epoch,
+    write_tars,
 )
 
 from ._config import LoaderConfig
@@ -61,5 +63,7 @@ __all__ = [
     "shard_indices",
     "sharded_files",
     "sharded_source",
+    "sharded_tars",
     "steps_per_epoch",
+    "write_tars",
 ]

@@ -21,6 +21,7 @@ from ._positions import (
 from ._sampling import BatchedSamples, sharded_source
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
+from ._tars import sharded_tars, write_tars
 
 #: DALI-facing helpers shared with in-process measurements; importing them imports DALI.
 _DALI_HELPERS = ("epoch_iterator", "make_context")
@@ -53,5 +54,7 @@ __all__ = [
     "shard_indices",
     "sharded_files",
     "sharded_source",
+    "sharded_tars",
     "steps_per_epoch",
+    "write_tars",
 ]

@@ -25,14 +25,27 @@ shard's batches are then computed for that shard's positions alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from ipc.wire import Position, Sampling
 
 from ._epoch_order import EpochOrder
+
+
+class Order(Protocol):
+    """An epoch's order: the sample id at each position (a bijection of the positions onto the
+    dataset's ids, computed per position). :class:`~workers._epoch_order.EpochOrder` is the
+    default; a source whose storage wants another (tar shards read a few at a time, a mixture's
+    draws from its sources) gives its own."""
+
+    def at(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]: ...
+
+
+#: Makes the order of an epoch: ``orders(epoch)``.
+Orders = Callable[[int], Order]
 
 #: One batch: its sample ids (always ``batch_size`` of them) and how many trailing rows are padding.
 Batch = tuple[np.ndarray[Any, Any], int]
@@ -132,7 +145,7 @@ class Layout:
         done = np.minimum(np.asarray(received, dtype=np.int64), self.steps) * self.batch_size
         return self.runs.select(np.minimum(firsts + done, ends), ends)
 
-    def samples(self, order: EpochOrder, index: int, first: int, last: int) -> _Int64s:
+    def samples(self, order: Order, index: int, first: int, last: int) -> _Int64s:
         """Items ``[first, last)`` of shard ``index``'s ``per_shard`` (real, then padding)."""
         real_first, real_last = self.real(index)
         real = real_last - real_first
@@ -145,7 +158,7 @@ class Layout:
         )
         return order.at(positions)
 
-    def batches(self, order: EpochOrder, index: int, delivered: Sequence[int]) -> list[Batch]:
+    def batches(self, order: Order, index: int, delivered: Sequence[int]) -> list[Batch]:
         """Shard ``index``'s batches after the ``delivered[index]`` it has delivered."""
         real_first, real_last = self.real(index)
         size, steps, done = self.batch_size, self.steps, delivered[index]
@@ -202,23 +215,39 @@ def _final_layout(
     return layout, (0,) * count
 
 
+def _order(sampling: Sampling, epoch: int, orders: Orders | None) -> Order:
+    if orders is None:
+        return EpochOrder(sampling.total, epoch, sampling.seed, sampling.shuffle)
+    return orders(epoch)
+
+
 def plan_epoch(
-    sampling: Sampling, epoch: int, count: int, position: Position | None
+    sampling: Sampling,
+    epoch: int,
+    count: int,
+    position: Position | None,
+    orders: Orders | None = None,
 ) -> list[list[Batch]]:
     """Every shard's batches of ``epoch`` on a layout of ``count`` shards, from ``position``
-    (a fresh epoch when it is None or about another epoch)."""
+    (a fresh epoch when it is None or about another epoch). ``orders``: the source's own epoch
+    orders, if it has them (else the seeded :class:`EpochOrder` of ``sampling``)."""
     layout, delivered = _final_layout(sampling, epoch, count, position)
-    order = EpochOrder(sampling.total, epoch, sampling.seed, sampling.shuffle)
+    order = _order(sampling, epoch, orders)
     return [layout.batches(order, index, delivered) for index in range(count)]
 
 
 def shard_batches(
-    sampling: Sampling, epoch: int, index: int, count: int, position: Position | None
+    sampling: Sampling,
+    epoch: int,
+    index: int,
+    count: int,
+    position: Position | None,
+    orders: Orders | None = None,
 ) -> list[Batch]:
     """Shard ``index`` of ``count``: its batches of ``epoch`` from ``position`` on. Costs
     O(shards of the position's segments + this shard's samples)."""
     layout, delivered = _final_layout(sampling, epoch, count, position)
-    order = EpochOrder(sampling.total, epoch, sampling.seed, sampling.shuffle)
+    order = _order(sampling, epoch, orders)
     return layout.batches(order, index, delivered)
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from ipc.wire import Sampling
 
 from ._control import FedBatch, FeedState, SampleControl
-from ._positions import Batch, shard_batches, steps_per_epoch
+from ._positions import Batch, Orders, shard_batches, steps_per_epoch
 from ._shard import Shard
 
 logger = logging.getLogger("workers")
@@ -55,6 +55,13 @@ class BatchedSamples:
     ``load(index)`` returns one sample (an array) or a tuple of ``num_outputs`` arrays; with
     ``pass_epoch=True`` it is called as ``load(index, epoch)``, the epoch the sample is loaded
     for. ``fingerprint``: what the samples are (saved in a state, checked when it is loaded).
+    ``orders``: the source's own epoch orders (see :data:`workers._positions.Orders`), else the
+    seeded permutation of ``[0, total)``.
+
+    A ``load`` that reads ahead (tar shards in an object store) is told what is coming: when it
+    has an ``expect(epoch, ids)`` method, that is called with the sample ids of every batch of an
+    epoch (in order) before the epoch's first load, and ``passed(epoch, step)`` once batch
+    ``step`` is loaded (what only earlier batches needed can go).
     """
 
     def __init__(
@@ -69,6 +76,7 @@ class BatchedSamples:
         drop_last: bool = False,
         fingerprint: str = "",
         pass_epoch: bool = False,
+        orders: Orders | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -78,6 +86,7 @@ class BatchedSamples:
         self.load = load
         self.pass_epoch = pass_epoch
         self.num_outputs = num_outputs
+        self.orders = orders
         # the loader's seed: the same on every shard (a shard's own seed is seed + index)
         seed = shard.seed - shard.index
         self.sampling = Sampling(total, batch_size, seed, shuffle, drop_last, fingerprint)
@@ -91,6 +100,11 @@ class BatchedSamples:
         #: main thread); read when the trainer asks a stuck worker for its stack
         self.loading: tuple[int, float] | None = None
         self.loading_batch: tuple[int, int] = (-1, -1)
+        #: for the worker's per-stage timing (ns, running totals): the main thread's waits for a
+        #: batch's samples, and the prefetch thread's wall and CPU time in ``load_batch``
+        self.wait_ns = 0
+        self.load_ns = 0
+        self.load_cpu_ns = 0
         self.steps = steps_per_epoch(total, shard.count, batch_size, drop_last)
         #: batches of the first epoch these sources run (fewer when resumed mid-epoch)
         self.first_epoch_steps = len(self.batches_for_epoch(self.epoch))
@@ -115,7 +129,7 @@ class BatchedSamples:
     def batches_for_epoch(self, epoch: int) -> list[Batch]:
         """(indices, padded rows) of every batch of ``epoch`` this shard yields."""
         return shard_batches(
-            self.sampling, epoch, self.shard.index, self.shard.count, self.position
+            self.sampling, epoch, self.shard.index, self.shard.count, self.position, self.orders
         )
 
     def load_sample(self, index: int, epoch: int) -> Any:
@@ -142,6 +156,16 @@ class BatchedSamples:
         """How a sample is named in logs and errors: its id, and its file for sharded_files."""
         name = self.name(index)
         return f"sample {index}" if name == str(index) else f"sample {index} ({name})"
+
+    def _timed_load_batch(self, chunk: np.ndarray[Any, Any], epoch: int) -> LoadedSamples:
+        """:meth:`load_batch`, its wall and CPU time added to ``load_ns`` and ``load_cpu_ns``
+        (on the prefetch thread, their only writer)."""
+        wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            return self.load_batch(chunk, epoch)
+        finally:
+            self.load_cpu_ns += time.thread_time_ns() - cpu
+            self.load_ns += time.perf_counter_ns() - wall
 
     def load_batch(self, chunk: np.ndarray[Any, Any], epoch: int) -> LoadedSamples:
         """Every sample of a batch of ``epoch``; with ``on_error="skip"`` a sample whose
@@ -227,16 +251,23 @@ class BatchedSamples:
         # ``_batch.py`` with libcst, ~0.45 s per worker). DALI copies a fed batch into its own
         # buffers; the last few are kept alive here all the same.
         alive: deque[list[Any]] = deque(maxlen=_KEEP_ALIVE)
+        expect = getattr(self.load, "expect", None)
+        passed = getattr(self.load, "passed", None)
+        if expect is not None:
+            expect(epoch, [chunk for chunk, _pad in batches])
         with ThreadPoolExecutor(1, thread_name_prefix="sample-prefetch") as prefetch:
             self.loading_batch = (epoch, 0)
-            pending: Future[LoadedSamples] = prefetch.submit(self.load_batch, batches[0][0], epoch)
+            load = self._timed_load_batch
+            pending: Future[LoadedSamples] = prefetch.submit(load, batches[0][0], epoch)
             for step, (_chunk, pad_rows) in enumerate(batches):
+                waited = time.perf_counter_ns()
                 loaded = pending.result()
+                self.wait_ns += time.perf_counter_ns() - waited
                 if loaded.errors:  # remembered here (main thread) before the next batch loads
                     self._control.add_bad(index for index, _reason in loaded.errors)
                 if step + 1 < len(batches):
                     self.loading_batch = (epoch, step + 1)  # (one load_batch at a time)
-                    pending = prefetch.submit(self.load_batch, batches[step + 1][0], epoch)
+                    pending = prefetch.submit(load, batches[step + 1][0], epoch)
                 for index, reason in loaded.errors:
                     self._skipped_on_load(epoch, step, index, reason)
                 self._feed.fed(FedBatch(epoch, step, pad_rows, loaded.replaced, loaded.skipped))

@@ -1,0 +1,313 @@
+"""Where sources read bytes: local files or any fsspec URL (``s3://``...). Runs in the worker.
+
+One small layer the tar source (and whatever reads more than whole local files) shares:
+
+* :func:`storage_for` picks :class:`LocalStorage` for a path (or ``file://``) and
+  :class:`RemoteStorage` for any other URL, through ``fsspec`` (``s3://`` needs ``s3fs``;
+  ``storage_options`` go to the filesystem as they are).
+* Both read a byte range (:meth:`read`), stream an object from its start (:meth:`open`), and tell
+  an object's *identity* (size and mtime locally; size and ETag, or mtime, remotely), which says
+  when a cached index is stale. Remote identities come from one listing per directory, not one
+  request per object.
+* A remote read that fails for a transient reason (connection reset, timeout, throttling) is tried
+  again with backoff, :data:`RETRIES` times, each retry logged; a missing object, a denied access or
+  a bad endpoint is not transient and is raised at once, naming the URL.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import posixpath
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import IO, Any, TypeVar
+
+import numpy as np
+
+logger = logging.getLogger("workers")
+
+#: Retries of a remote read that failed for a transient reason (after the first try).
+RETRIES = 4
+#: Seconds before the first retry; doubled for each next one.
+BACKOFF = 0.25
+
+_T = TypeVar("_T")
+
+#: Error class names (of botocore, aiohttp, urllib3...) that mean "try again".
+_TRANSIENT_NAMES = (
+    "ConnectionError",
+    "ConnectionReset",
+    "ConnectTimeout",
+    "ReadTimeout",
+    "Timeout",
+    "ServerDisconnected",
+    "ClientPayloadError",
+    "IncompleteRead",
+    "ResponseStreamingError",
+    "SlowDown",
+    "Throttl",
+    "ServiceUnavailable",
+    "InternalError",
+)
+_TRANSIENT_ERRNOS = {
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ETIMEDOUT,
+    errno.EPIPE,
+    errno.EAGAIN,
+}
+
+
+def is_url(path: str) -> bool:
+    """Whether ``path`` is a URL (``proto://...``) rather than a local path."""
+    return "://" in path and not path.startswith("file://")
+
+
+def local_path(path: str) -> str:
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+def transient(error: BaseException) -> bool:
+    """Whether a read that raised ``error`` may succeed if tried again."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return False
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
+        return True
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:  # the error and its causes
+        seen.add(id(current))
+        name = type(current).__name__
+        if any(part in name for part in _TRANSIENT_NAMES):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class Storage:
+    """Byte access to the objects of one filesystem."""
+
+    #: reads by byte range are cheap (a local file): no need to fetch whole objects ahead
+    local = True
+
+    def read(self, path: str, start: int, end: int) -> np.ndarray[Any, Any]:
+        raise NotImplementedError
+
+    def open(self, path: str) -> IO[bytes]:
+        raise NotImplementedError
+
+    def identities(self, paths: Sequence[str]) -> list[tuple[int, str]]:
+        """(size, version) of each object; ``FileNotFoundError`` naming the first missing one."""
+        raise NotImplementedError
+
+
+class LocalStorage(Storage):
+    """Local files, read with ``pread``."""
+
+    local = True
+
+    def read(self, path: str, start: int, end: int) -> np.ndarray[Any, Any]:
+        """Bytes ``[start, end)`` of ``path`` as a uint8 array (one open, ``preadv``, close)."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = np.empty(end - start, dtype=np.uint8)
+            done = 0
+            while done < data.size:
+                more = os.preadv(fd, [data[done:].data], start + done)
+                if more == 0:
+                    raise EOFError(
+                        f"{path} ends at byte {start + done}, before {end}: the file was "
+                        "truncated or rewritten since it was indexed"
+                    )
+                done += more
+            return data
+        finally:
+            os.close(fd)
+
+    def open(self, path: str) -> IO[bytes]:
+        return open(path, "rb")  # (the caller closes it)
+
+    def identities(self, paths: Sequence[str]) -> list[tuple[int, str]]:
+        found = []
+        for path in paths:
+            stat = os.stat(path)
+            found.append((stat.st_size, f"{stat.st_ino}:{stat.st_mtime_ns}"))
+        return found
+
+
+class RemoteStorage(Storage):
+    """Objects behind an fsspec filesystem (``s3://`` through ``s3fs``...)."""
+
+    local = False
+
+    def __init__(self, protocol: str, options: dict[str, Any]) -> None:
+        try:
+            import fsspec
+        except ImportError as error:  # pragma: no cover - fsspec is installed with the extra
+            raise ImportError(
+                f"reading {protocol}:// URLs needs fsspec (and s3fs for s3://): "
+                "pip install 'dali-capture-loader[s3]'"
+            ) from error
+        try:
+            self.fs = fsspec.filesystem(protocol, **options)
+        except ImportError as error:
+            raise ImportError(
+                f"reading {protocol}:// URLs needs the fsspec backend for {protocol} "
+                f"({error}); for s3:// install s3fs: pip install 'dali-capture-loader[s3]'"
+            ) from error
+        self.protocol = protocol
+
+    def retried(self, what: str, url: str, call: Callable[[], _T]) -> _T:
+        """``call()``, tried again on transient errors (see the module docstring)."""
+        delay = BACKOFF
+        for attempt in range(RETRIES + 1):
+            try:
+                return call()
+            except Exception as error:
+                if not transient(error) or attempt == RETRIES:
+                    raise _named(error, what, url) from error
+                logger.warning(
+                    "%s %s failed (%s: %s); trying again in %.2f s (%d of %d)",
+                    what,
+                    url,
+                    type(error).__name__,
+                    error,
+                    delay,
+                    attempt + 1,
+                    RETRIES,
+                )
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def read(self, path: str, start: int, end: int) -> np.ndarray[Any, Any]:
+        data = self.retried(
+            f"reading bytes {start}-{end} of",
+            path,
+            lambda: self.fs.cat_file(path, start=start, end=end),
+        )
+        if len(data) != end - start:
+            raise EOFError(
+                f"{path} gave {len(data)} bytes at {start}, not {end - start}: the object was "
+                "truncated or replaced since it was indexed"
+            )
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def open(self, path: str) -> IO[bytes]:
+        opened: IO[bytes] = self.retried(
+            "opening", path, lambda: self.fs.open(path, "rb", block_size=8 << 20)
+        )
+        return opened
+
+    def identities(self, paths: Sequence[str]) -> list[tuple[int, str]]:
+        """One listing per directory (falling back to one request per object where a listing
+        is refused or does not show it)."""
+        by_dir: dict[str, dict[str, dict[str, Any]]] = {}
+        for directory in dict.fromkeys(posixpath.dirname(self._strip(p)) for p in paths):
+            try:
+                entries = self.retried("listing", directory, functools.partial(self._ls, directory))
+            except (FileNotFoundError, PermissionError, OSError):
+                entries = []
+            by_dir[directory] = {self._strip(entry["name"]): entry for entry in entries}
+        found = []
+        for path in paths:
+            stripped = self._strip(path)
+            entry = by_dir.get(posixpath.dirname(stripped), {}).get(stripped)
+            if entry is None:
+                entry = self.retried("finding", path, functools.partial(self._info, path))
+            found.append((int(entry.get("size") or 0), _version(entry)))
+        return found
+
+    def _ls(self, directory: str) -> list[dict[str, Any]]:
+        entries: list[dict[str, Any]] = self.fs.ls(directory, detail=True)
+        return entries
+
+    def _info(self, path: str) -> dict[str, Any]:
+        entry: dict[str, Any] = self.fs.info(path)
+        return entry
+
+    def _strip(self, path: str) -> str:
+        stripped: str = self.fs._strip_protocol(path)
+        return stripped.rstrip("/")
+
+
+def _version(entry: dict[str, Any]) -> str:
+    """What changes when an object is rewritten: its ETag, else its modification time."""
+    for key in ("ETag", "etag", "VersionId", "LastModified", "mtime", "last_modified"):
+        value = entry.get(key)
+        if value:
+            return f"{key}:{str(value).strip(chr(34))}"
+    return ""
+
+
+def _named(error: Exception, what: str, url: str) -> Exception:
+    """``error`` as raised to the user: the same type where it can carry the URL, with it."""
+    message = f"{what} {url} failed: {type(error).__name__}: {error}"
+    if isinstance(error, FileNotFoundError):
+        return FileNotFoundError(errno.ENOENT, f"{url} does not exist ({what})", url)
+    if isinstance(error, PermissionError):
+        return PermissionError(
+            errno.EACCES, f"access to {url} was denied ({error}); check the credentials", url
+        )
+    if isinstance(error, OSError):
+        return OSError(error.errno, message)
+    return OSError(message)
+
+
+_cache: dict[tuple[str, str], Storage] = {}
+
+
+def storage_for(path: str, options: dict[str, Any] | None = None) -> Storage:
+    """The storage that reads ``path`` (one per protocol and options in a process)."""
+    if not is_url(path):
+        return _cache.setdefault(("", ""), LocalStorage())
+    protocol = path.split("://", 1)[0]
+    key = (protocol, repr(sorted((options or {}).items())))
+    storage = _cache.get(key)
+    if storage is None:
+        storage = _cache[key] = RemoteStorage(protocol, dict(options or {}))
+    return storage
+
+
+def expand_urls(urls: str | Iterable[str]) -> list[str]:
+    """A list of paths/URLs, or one with WebDataset brace patterns expanded:
+    ``train-{000000..000127}.tar`` (zero-padded ranges) and ``{a,b}`` (alternatives)."""
+    items = [urls] if isinstance(urls, (str, os.PathLike)) else list(urls)
+    expanded: list[str] = []
+    for item in items:
+        if not isinstance(item, (str, os.PathLike)):
+            raise TypeError(f"a shard's path or URL must be a str, got {type(item).__name__}")
+        expanded.extend(_braces(os.fspath(item)))
+    if not expanded:
+        raise ValueError("no shards: the list of tar paths/URLs is empty")
+    return expanded
+
+
+def _braces(pattern: str) -> list[str]:
+    start = pattern.find("{")
+    if start < 0:
+        if "}" in pattern:
+            raise ValueError(f"unbalanced braces in the shard pattern {pattern!r}")
+        return [pattern]
+    end = pattern.find("}", start)
+    if end < 0:
+        raise ValueError(f"unbalanced braces in the shard pattern {pattern!r}")
+    inside, rest = pattern[start + 1 : end], _braces(pattern[end + 1 :])
+    head = pattern[:start]
+    if ".." in inside:
+        low, _, high = inside.partition("..")
+        if not (low.isdigit() and high.isdigit()) or int(low) > int(high):
+            raise ValueError(
+                f"the range {{{inside}}} in {pattern!r} must be {{first..last}} of integers, "
+                "first <= last"
+            )
+        width = len(low) if low.startswith("0") else 0
+        options = [str(number).zfill(width) for number in range(int(low), int(high) + 1)]
+    else:
+        options = inside.split(",")
+    return [head + option + tail for option in options for tail in rest]
