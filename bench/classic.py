@@ -23,7 +23,7 @@ import functools
 import os
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +172,135 @@ def measure_classic(root: str, epochs: int, threads: int) -> Run:
         iterator.close()
 
 
+# ------------------------------------------------------------------------------- phases
+def _epoch_cost(epochs: Iterator[Iterable[Any]]) -> tuple[float, float]:
+    """CPU (this process, every thread) and wall ms per batch of the next epoch."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    count = 0
+    for batch in next(epochs):
+        count += 1
+        del batch
+    return (
+        1e3 * (time.process_time() - cpu) / count,
+        1e3 * (time.perf_counter() - wall) / count,
+    )
+
+
+def _classic_run(root: str, threads: int, per_epoch: int) -> Iterator[Iterable[Any]]:
+    pipeline = images_pipeline(root, BATCH, threads)
+    pipeline.build()
+
+    def epoch() -> Iterator[Any]:
+        for _ in range(per_epoch):
+            yield pipeline.run()
+
+    while True:
+        yield epoch()
+
+
+class _Phases:
+    """Wall and main-thread CPU ns of the named parts of a batch, summed."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, int] = {}
+        self.cpu: dict[str, int] = {}
+        self._mark = (0, 0)
+
+    def start(self) -> None:
+        self._mark = (time.perf_counter_ns(), time.thread_time_ns())
+
+    def lap(self, name: str) -> None:
+        wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+        self.wall[name] = self.wall.get(name, 0) + wall - self._mark[0]
+        self.cpu[name] = self.cpu.get(name, 0) + cpu - self._mark[1]
+        self._mark = (wall, cpu)
+
+
+def _dynamic(root: str, threads: int, parts: _Phases) -> Iterator[Iterable[Any]]:
+    """The worker's own batch loop without its process and transport: the capture-mode epoch
+    iterator of the reader, ``image_step``, evaluation and the packed copy into a slot-sized
+    buffer (as ``Publisher.publish`` does), each part timed into ``parts``."""
+    import ctypes
+
+    import numpy as np
+
+    import workers
+    from loader import Shard
+
+    ctx = workers.make_context(threads, None)
+    source = image_source(
+        Shard.make(rank=0, world_size=1, worker=0, num_workers=1, seed=0), root, BATCH
+    )
+    slot = np.ones(BATCH * (3 * 224 * 224 * 4 + 64), dtype=np.uint8)  # touched: reused pages
+
+    def epoch() -> Iterator[Any]:
+        iterator = workers.epoch_iterator(source, BATCH, ctx, True)
+        while True:
+            parts.start()
+            try:
+                jpegs, labels = next(iterator)
+            except StopIteration:
+                return
+            parts.lap("next(epoch iterator)")
+            out = image_step(jpegs, labels)
+            parts.lap("step() call")
+            storages = [batch.evaluate()._storage for batch in out.values()]
+            parts.lap("evaluate()")
+            offset = 0
+            for storage in storages:
+                storage.copy_to_external(ctypes.c_void_p(slot.ctypes.data + offset))
+                offset += 3 * 224 * 224 * 4 * BATCH
+            parts.lap("copy into slot")
+            yield out
+
+    while True:
+        yield epoch()
+
+
+def phases(
+    root: str, rounds: int, threads: int
+) -> tuple[list[tuple[str, list[float], list[float]]], _Phases, int]:
+    """Per-batch CPU and wall ms of the images workload in this one process with ``threads``
+    DALI threads: the classic pipeline with and without its plugin next to what a loader worker
+    does (``threads=1``). Every variant is built and run for an epoch first; then each round
+    runs two epochs of each (the order alternates) and times the second (the first takes what a
+    variant computed ahead while the others ran). Returns the per-round values, the parts of
+    the worker's loop over the timed epochs and how many batches those were."""
+    per_epoch = len(list_images(root)[0]) // BATCH
+    parts = _Phases()
+    variants: dict[str, Callable[[], Iterator[Iterable[Any]]]] = {
+        "classic pipeline.run()": functools.partial(_classic_run, root, threads, per_epoch),
+        "classic + plugin": functools.partial(images_epochs, root, BATCH, threads),
+        "worker loop (capture)": functools.partial(_dynamic, root, threads, parts),
+    }
+    running = {name: make() for name, make in variants.items()}
+    for epochs in running.values():
+        _epoch_cost(epochs)  # build, trace
+    cpu: dict[str, list[float]] = {name: [] for name in running}
+    wall: dict[str, list[float]] = {name: [] for name in running}
+    timed = _Phases()
+    for round_ in range(rounds):
+        names = list(running) if round_ % 2 == 0 else list(reversed(running))
+        for name in names:
+            _epoch_cost(running[name])
+            before = (dict(parts.wall), dict(parts.cpu))
+            spent, elapsed = _epoch_cost(running[name])
+            for part in parts.wall:
+                timed.wall[part] = (
+                    timed.wall.get(part, 0) + parts.wall[part] - before[0].get(part, 0)
+                )
+                timed.cpu[part] = timed.cpu.get(part, 0) + parts.cpu[part] - before[1].get(part, 0)
+            cpu[name].append(spent)
+            wall[name].append(elapsed)
+    for epochs in running.values():
+        epochs.close()  # type: ignore[attr-defined]
+    return [(name, cpu[name], wall[name]) for name in running], timed, rounds * per_epoch
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.0f}-{max(values):.0f})"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.classic", description=__doc__.split("\n")[0]
@@ -179,9 +308,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairs", type=int, default=8, help="alternated loader/classic pairs")
     parser.add_argument("--epochs", type=int, default=8, help="timed epochs per run")
     parser.add_argument("--threads", type=int, default=None, help="total DALI threads (CPUs)")
+    parser.add_argument(
+        "--phases",
+        type=int,
+        default=None,
+        metavar="THREADS",
+        help="instead: per-batch CPU of the parts of a batch in one process with THREADS threads",
+    )
     args = parser.parse_args(argv)
     threads = args.threads or len(os.sched_getaffinity(0))
     root = str(ensure_sample_dataset())
+    if args.phases is not None:
+        print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+        print(
+            f"{'one process, ' + str(args.phases) + ' thread(s)':<26} "
+            f"{'CPU ms/batch (range)':>20} {'wall ms/batch (range)':>20}"
+        )
+        rows, parts, batches = phases(root, args.epochs, args.phases)
+        for name, cpu, wall in rows:
+            print(f"{name:<26} {_spread(cpu):>20} {_spread(wall):>20}")
+        print(f"{'worker loop, by part':<26} {'main thread CPU ms':>20} {'wall ms/batch':>20}")
+        for part, spent in parts.wall.items():
+            print(
+                f"  {part:<24} {parts.cpu[part] / 1e6 / batches:>20.2f} "
+                f"{spent / 1e6 / batches:>20.2f}"
+            )
+        print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+        return
     contenders = {
         "loader W=2": functools.partial(measure_loader, root, args.epochs, threads),
         "classic+plugin": functools.partial(measure_classic, root, args.epochs, threads),
