@@ -55,7 +55,7 @@ import re
 import struct
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 Shape = tuple[int, ...]
 
@@ -305,6 +305,33 @@ class OutputPlacement:
     layout: str
 
 
+class StageTimes(NamedTuple):
+    """Where a worker's time went around one batch, in nanoseconds, as its main thread saw it.
+
+    ``started_ns`` is ``time.perf_counter_ns()`` when the batch's step began: on Linux that clock
+    is ``CLOCK_MONOTONIC``, the same in every process of the machine, so a trainer can lay the
+    spans of its workers on one time line. In order from ``started_ns``: ``load_ns`` waiting for
+    the source's samples (a ``sharded_source``/``sharded_files`` root: its prefetch thread's
+    ``load``), ``dali_ns`` running DALI (the pipeline's outputs, ``step``), then the batch's
+    ``blocked_ns`` (waiting for a free slot) and ``publish_ns`` (copying into the slot).
+    ``idle_ns``: waiting for a command (between epochs) since the previous batch. ``read_ns`` and
+    ``read_cpu_ns``: the prefetch thread's time in ``load``, wall and CPU, since the previous
+    batch; ``cpu_ns``: the process's CPU time (every thread) since the previous batch.
+    (A named tuple: it is made and read on every batch, at a fraction of a dataclass's cost.)"""
+
+    started_ns: int = 0
+    load_ns: int = 0
+    dali_ns: int = 0
+    publish_ns: int = 0
+    idle_ns: int = 0
+    read_ns: int = 0
+    read_cpu_ns: int = 0
+    cpu_ns: int = 0
+
+
+NO_STAGE_TIMES = StageTimes()
+
+
 @dataclass(frozen=True, slots=True)
 class BatchReady:
     """A filled slot. ``generation`` counts the fills of that slot; a release must quote it.
@@ -327,6 +354,7 @@ class BatchReady:
     skipped: tuple[int, ...] = ()  # sample ids skipped in this batch (on_error="skip")
     skipped_names: tuple[str, ...] = ()  # how each skipped sample is named (a file's path)
     random: RandomStates = b""
+    timing: StageTimes = NO_STAGE_TIMES  # where the worker's time went around this batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,13 +506,16 @@ _LOAD_RUNNING = re.compile(
 #: Every frame: ``<u32 payload length><u8 kind>``, then the payload.
 FRAME = struct.Struct("<IB")
 FRAME_PICKLED = 0  #: payload: a pickled record
-#: payload: ``_BATCH``, the output layout (:meth:`BatchCodec.encode_layout`), the random states
+#: payload: ``_BATCH``, ``_TIMING``, the output layout (:meth:`BatchCodec.encode_layout`), the
+#: random states
 FRAME_BATCH = 1
 FRAME_RELEASE = 2  #: payload: ``(slot, generation)`` pairs as little-endian int64
 
 #: epoch, step, arena_id, slot, generation, nbytes, padded, blocked_ns, busy_ns, layout bytes,
 #: random state bytes
 _BATCH = struct.Struct("<qqiiqqiqqIH")
+#: a batch's StageTimes, its fields in order
+_TIMING = struct.Struct("<8q")
 #: per output: offset, nbytes, dense, ndim, samples, then the byte lengths of name, dtype, layout
 _OUTPUT = struct.Struct("<qqBBIHHH")
 #: layouts a codec remembers (a ragged output makes a new one per batch; the cache then resets)
@@ -524,8 +555,9 @@ class BatchCodec:
                     len(layout),
                     len(random),
                 )
-                size = len(head) + len(layout) + len(random)
-                return FRAME.pack(size, FRAME_BATCH) + head + layout + random
+                timing = _TIMING.pack(*message.timing)
+                size = len(head) + len(timing) + len(layout) + len(random)
+                return FRAME.pack(size, FRAME_BATCH) + head + timing + layout + random
         elif type(message) is Release:
             flat = list(chain.from_iterable(message.fills))
             payload = struct.pack(f"<{len(flat)}q", *flat)
@@ -540,7 +572,8 @@ class BatchCodec:
                 epoch, step, arena, slot, generation, nbytes, padded, blocked, busy, size, extra = (
                     _BATCH.unpack_from(buffer, start)
                 )
-                layout_start = start + _BATCH.size
+                timing = StageTimes._make(_TIMING.unpack_from(buffer, start + _BATCH.size))
+                layout_start = start + _BATCH.size + _TIMING.size
                 layout_end = layout_start + size
                 if layout_end + extra != end:
                     raise ProtocolError("a batch frame's layout does not fill its frame")
@@ -558,6 +591,7 @@ class BatchCodec:
                     blocked,
                     busy,
                     random=random,
+                    timing=timing,
                 )
             if kind == FRAME_RELEASE:
                 count = (end - start) // 8

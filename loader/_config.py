@@ -68,6 +68,7 @@ class LoaderConfig:
     #: how rank and world size were found (see ``_env.Placement.source``)
     placement_source: str = "arguments"
     num_threads_given: bool = True  # False: num_threads follows the placement
+    trace: str | None = None  # where close() writes the trace (Chrome trace-event JSON)
 
     @classmethod
     def build(
@@ -96,6 +97,7 @@ class LoaderConfig:
         on_error: Any = "raise",
         max_skipped: Any = None,
         in_order: Any = True,
+        trace: Any = None,
     ) -> LoaderConfig:
         """Validate the constructor's arguments (``TypeError``/``ValueError`` that say what to
         change) and discover rank, GPU and thread budget."""
@@ -116,6 +118,7 @@ class LoaderConfig:
         on_error = check_choice(on_error, "on_error", ("raise", "skip"))
         if max_skipped is not None:
             max_skipped = check_positive_int(max_skipped, "max_skipped", minimum=0)
+        trace = check_trace_path(trace)
         _check_functions(source, step, feeders)
         if device == "gpu" and output == "numpy":
             raise ValueError(
@@ -154,6 +157,7 @@ class LoaderConfig:
             in_order=bool(in_order),
             placement_source=placement.source,
             num_threads_given=num_threads is not None,
+            trace=trace,
         )
 
     @property
@@ -233,6 +237,23 @@ class LoaderConfig:
             "output": self.output,
             "on_error": self.on_error,
         }
+
+
+def check_trace_path(path: Any) -> str | None:
+    """A file path whose folder exists (or None)."""
+    if path is None:
+        return None
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"trace must be a file path (str or Path), got {type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text:
+        raise ValueError("trace must name a file, for example trace='loader-trace.json'")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise ValueError(f"trace={text!r}: the folder {folder!r} does not exist; create it first")
+    if os.path.isdir(text):
+        raise ValueError(f"trace={text!r} is a folder; name a file in it")
+    return text
 
 
 def _require_module(name: str, message: str) -> None:

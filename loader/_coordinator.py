@@ -35,7 +35,7 @@ from ._order import ArrivalOrder, InOrder, Take
 from ._pool import WorkerPool
 from ._releases import Releases
 from ._session import Delivery, Idle, Stopped, WorkerSession
-from ._stats import LoaderStats, TrainerCounters, snapshot
+from ._stats import LoaderStats, Timeline, TrainerCounters, snapshot
 
 logger = logging.getLogger("loader")
 
@@ -52,10 +52,13 @@ class Coordinator:
         *,
         in_order: bool = True,
         stream_of: Callable[[int], int] | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         """``healing``: the restart, skip and wait policy; ``stream_of(device_id)``: the
-        trainer's current CUDA stream (GPU only)."""
+        trainer's current CUDA stream (GPU only); ``timeline``: where every batch's stage times
+        go (see :mod:`loader._stats`)."""
         self.pool = pool
+        self.timeline = timeline or Timeline(0)
         self.healing = healing
         self.order = InOrder() if in_order else ArrivalOrder()
         self.stream_of = stream_of
@@ -76,6 +79,7 @@ class Coordinator:
         """Start every worker (all before waiting for any), then wait until each said Hello."""
         self.pool.start()
         self.sessions = [WorkerSession(handle) for handle in self.pool.handles]
+        self.timeline.ensure(len(self.sessions))
         deadline = time.monotonic() + timeout
         while starting := [s for s in self.sessions if not s.up]:
             remaining = deadline - time.monotonic()
@@ -240,7 +244,7 @@ class Coordinator:
     def pids(self) -> list[int]:
         return [s.handle.pid for s in self.sessions if s.handle.pid is not None]
 
-    def stats(self, trainer: TrainerCounters) -> LoaderStats:
+    def stats(self, trainer: TrainerCounters, window: float = 10.0, cpus: int = 1) -> LoaderStats:
         healing = self.healing
         return snapshot(
             self.sessions,
@@ -249,6 +253,9 @@ class Coordinator:
             wait_ns=self.wait_ns,
             skipped=healing.skipped,
             restarts=healing.restarts,
+            timeline=self.timeline,
+            window=window,
+            cpus=cpus,
         )
 
     # ------------------------------------------------------------------------------ the loop
@@ -336,6 +343,7 @@ class Coordinator:
 
     def _dispatch(self, session: WorkerSession, record: Any) -> None:
         if isinstance(record, wire.BatchReady):
+            self.timeline.batch(session.index, session.epoch_step(record.step), record)
             if session.on_batch(record):
                 self.order.arrived(session.index)
             else:  # a batch of an epoch the trainer left

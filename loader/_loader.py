@@ -19,30 +19,34 @@ coordinator (:mod:`loader._coordinator`); the state arithmetic is :mod:`loader._
 from __future__ import annotations
 
 import logging
+import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from ipc.wire import Position, Sampling
 from workers import Shard
 
-from . import _checkpoint, _distributed, _ranks
+from . import _checkpoint, _distributed, _env, _ranks, _trace
 from ._checkpoint import Resume
 from ._config import LoaderConfig
 from ._coordinator import Coordinator
+from ._diagnose import Diagnosis, diagnose
 from ._epochs import EpochIterator
 from ._errors import LoaderClosedError
 from ._healing import Healing, Timeouts, check_healable
 from ._pool import WorkerPool
 from ._session import Delivery
-from ._stats import LoaderStats, TrainerCounters, WorkerStats
+from ._stats import LoaderStats, Timeline, TrainerCounters, WorkerStats
 from ._validate import check_not_importing_main
 from ._views import build_batch, current_stream, register_pytree_nodes
 
 logger = logging.getLogger("loader")
 
-__all__ = ["Loader", "LoaderStats", "WorkerStats"]
+__all__ = ["Diagnosis", "Loader", "LoaderStats", "WorkerStats"]
 
 
 class Loader:
@@ -80,6 +84,7 @@ class Loader:
         on_error: str = "raise",
         max_skipped: int | None = None,
         in_order: bool = True,
+        trace: str | os.PathLike[str] | None = None,
     ) -> None:
         arguments = {k: v for k, v in locals().items() if k not in ("self", "source", "step")}
         self._closed = True  # until the pool is up; close() must work on a half-built loader
@@ -92,6 +97,8 @@ class Loader:
         self._kind: str | None = None
         self._checks = _ranks.RankChecks()
         self._counters = TrainerCounters(created=time.monotonic())
+        #: every batch's stage times and the trainer's next() calls (stats, diagnose, trace)
+        self._timeline = Timeline(config.num_workers)
         self._resume: Resume | None = None  # a loaded state, until its epoch is over
         self._resume_steps: list[int] = []  # batches each worker has left in that epoch
         self._launch(config)
@@ -117,6 +124,7 @@ class Loader:
             healing,
             in_order=config.in_order,
             stream_of=current_stream(config.output) if config.device == "gpu" else None,
+            timeline=self._timeline,
         )
         self._coordinator = coordinator
         self._finalizer = weakref.finalize(self, coordinator.close)
@@ -349,7 +357,13 @@ class Loader:
             )
 
     def close(self) -> None:
-        """Stop every worker and release all shared memory. Idempotent; bounded in time."""
+        """Stop every worker and release all shared memory (first, with ``trace=``, write the
+        trace). Idempotent; bounded in time."""
+        if not self._closed and self.config.trace is not None and self._coordinator is not None:
+            try:
+                self.save_trace(self.config.trace)
+            except OSError as error:
+                warnings.warn(f"the trace was not written: {error}", RuntimeWarning, stacklevel=2)
         self._closed = True
         if self._finalizer is not None:
             self._finalizer()
@@ -367,15 +381,58 @@ class Loader:
     def worker_pids(self) -> list[int]:
         return self._require_open().pids()
 
-    def stats(self) -> LoaderStats:
-        """A snapshot of per-worker and trainer-side counters."""
+    def stats(self, window: float = 10.0) -> LoaderStats:
+        """A snapshot of per-worker and trainer-side counters: totals since the start, and the
+        stage times of the last ``window`` seconds up to the latest ``next()`` (``recent``,
+        ``recent_trainer``, over ``window_seconds``)."""
         coordinator = self._coordinator
         assert coordinator is not None
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or not window > 0:
+            raise ValueError(f"window must be a positive number of seconds, got {window!r}")
         current = self._current
         if current is not None and current.finished and not self.closed:
             # an epoch over by count: its end (with the workers' counters) is on its way
             coordinator.finish_epoch()
-        return coordinator.stats(self._counters)
+        cpus = _env.default_num_threads(1, self.config.local_world_size)
+        return coordinator.stats(self._counters, float(window), cpus)
+
+    def diagnose(self, window: float = 30.0) -> Diagnosis:
+        """Is the input pipeline the bottleneck? Over the last ``window`` seconds of iteration
+        (the traced first batch left out): the fraction of the training loop's time spent
+        waiting for data, the stage that dominates in the workers, whether they are
+        CPU-saturated, waiting on I/O or blocked on full slots, and one suggestion with the
+        figure it rests on. ``print(loader.diagnose())`` shows it. Costs no message to the
+        workers (see docs/diagnosis.md)."""
+        config = self.config
+        return diagnose(
+            self.stats(window),
+            num_threads=config.num_threads,
+            prefetch=config.prefetch,
+            in_order=config.in_order,
+        )
+
+    def save_trace(self, path: str | os.PathLike[str], seconds: float = 60.0) -> Path:
+        """Write the last ``seconds`` of per-worker and trainer spans to ``path`` as Chrome
+        trace-event JSON (open it in Perfetto or ``chrome://tracing``); returns the path. At
+        most the last 8,192 batches of each worker are kept (see docs/diagnosis.md)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"seconds must be a positive number, got {seconds!r}")
+        coordinator = self._coordinator
+        if coordinator is None:
+            raise LoaderClosedError("the loader never started: there is nothing to trace")
+        names = [
+            f"worker {s.index} (shard {s.shard.index}/{s.shard.count}, pid {s.handle.pid})"
+            for s in coordinator.sessions
+        ]
+        config = self.config
+        trace = _trace.trace_events(
+            self._timeline,
+            float(seconds),
+            names,
+            pid=os.getpid(),
+            name=f"dali-capture-loader, rank {config.rank} of {config.world_size}",
+        )
+        return _trace.write_trace(path, trace)
 
     # ------------------------------------------------------------------------------ epochs
     def _start(self, run: EpochIterator) -> Coordinator:
@@ -402,7 +459,9 @@ class Loader:
         return coordinator
 
     def _next(self, run: EpochIterator) -> Any:
+        entered = time.perf_counter_ns()
         coordinator = self._require_open()
+        polled = coordinator.wait_ns
         if run.replaced:
             raise RuntimeError(
                 f"this iterator of epoch {run.epoch} was replaced by a newer iter(loader) or "
@@ -423,9 +482,15 @@ class Loader:
                 run.finished = True
                 self._counters.last_batch_at = time.monotonic()
             run.leave_accelerate()
+            waited = self._require_open().wait_ns - polled
+            self._timeline.next_call(entered, waited, run.epoch, -1, -1)
             raise StopIteration
         run.handed_out()
-        return self._hand_out(coordinator, delivery)
+        info = delivery.info
+        batch = self._hand_out(coordinator, delivery)
+        waited = coordinator.wait_ns - polled
+        self._timeline.next_call(entered, waited, info.epoch, info.step, info.worker)
+        return batch
 
     def _hand_out(self, coordinator: Coordinator, delivery: Delivery) -> Any:
         """The user's batch over a delivered slot (views, or private copies)."""

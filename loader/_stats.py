@@ -2,10 +2,76 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from ipc import wire
 
 from ._session import WorkerSession
+
+#: A worker's stages, in the order a batch goes through them (see ``wire.StageTimes``).
+STAGES = ("load", "dali", "blocked", "publish", "idle")
+
+
+@dataclass(frozen=True)
+class Stages:
+    """Seconds one worker spent in each stage, over all its batches (``WorkerStats.stages``) or
+    over those of the last ``LoaderStats.window_seconds`` (``WorkerStats.recent``); divided by
+    that window they are the fraction of the worker's time each stage took.
+
+    ``load``: waiting for the source's samples (a ``sharded_source``/``sharded_files`` root: for
+    its ``load``, which runs on a prefetch thread; other sources load inside DALI); ``dali``:
+    running DALI (the pipeline, ``step``); ``blocked``: waiting for a free slot (the trainer is
+    slower); ``publish``: copying batches into their slots; ``idle``: waiting for a command
+    (between epochs). ``read`` and ``read_cpu``: the prefetch thread's wall and CPU time in
+    ``load`` (much less CPU than wall: ``load`` waits on storage); ``cpu``: the worker process's
+    CPU time, every thread."""
+
+    batches: int = 0
+    load: float = 0.0
+    dali: float = 0.0
+    blocked: float = 0.0
+    publish: float = 0.0
+    idle: float = 0.0
+    read: float = 0.0
+    read_cpu: float = 0.0
+    cpu: float = 0.0
+
+    def of(self, stage: str) -> float:
+        """The seconds of ``stage`` (one of :data:`STAGES`)."""
+        return float(getattr(self, stage))
+
+
+@dataclass(frozen=True)
+class TrainerTimes:
+    """The trainer's loop, in seconds: inside ``next(loader)``, ``waiting`` for the workers (no
+    batch was ready) and the rest of it (``handling``: the loader's own work of handing a batch
+    out), and between ``next()`` calls (``training``: the training step, and whatever else the
+    loop does)."""
+
+    batches: int = 0  # next() calls (an epoch's last, which raises StopIteration, included)
+    waiting: float = 0.0
+    handling: float = 0.0
+    training: float = 0.0
+
+    @property
+    def loop(self) -> float:
+        """The loop's time: inside and between ``next()`` calls."""
+        return self.waiting + self.handling + self.training
+
+    @property
+    def waiting_fraction(self) -> float:
+        """The fraction of the loop's time spent waiting for data."""
+        loop = self.loop
+        return self.waiting / loop if loop > 0 else 0.0
+
+    @property
+    def next_fraction(self) -> float:
+        """The fraction of the loop's time spent inside ``next()`` (waiting or handling)."""
+        loop = self.loop
+        return (self.waiting + self.handling) / loop if loop > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -22,6 +88,8 @@ class WorkerStats:
     batches_per_second: float  # batches per second of the worker's busy time
     bytes: int
     restarts: int = 0  # times this worker's process was replaced
+    stages: Stages = Stages()  # since the start
+    recent: Stages = Stages()  # over the last LoaderStats.window_seconds
 
 
 @dataclass(frozen=True)
@@ -41,6 +109,13 @@ class LoaderStats:
     startup_seconds: float
     iteration_seconds: float
     time_to_first_batch: float | None  # from the first iter(loader)
+    trainer: TrainerTimes = TrainerTimes()  # since the start
+    recent_trainer: TrainerTimes = TrainerTimes()  # over the last window_seconds
+    #: the time the ``recent`` figures cover: the last ``window`` seconds asked of ``stats()``
+    #: up to the latest ``next()``, less when the loader has delivered batches for less long
+    #: (the traced first batch left out)
+    window_seconds: float = 0.0
+    cpus: int = 1  # the CPUs this rank's workers share (affinity / local ranks and xdist peers)
 
     @property
     def samples_per_second(self) -> float:
@@ -72,9 +147,188 @@ class TrainerCounters:
             self.first_batch = now - self.iterating_since
 
 
-def worker_stats(session: WorkerSession) -> WorkerStats:
+#: One worker's batch on the time line: epoch, the epoch's step, ns blocked on a slot, its times.
+BatchRecord = tuple[int, int, int, wire.StageTimes]
+#: One ``next()`` of the trainer: entered and left (``perf_counter_ns``), ns of it spent waiting
+#: for the workers, epoch, the epoch's step of the batch it returned (-1: it raised
+#: StopIteration), the worker that made it (-1: none).
+NextRecord = tuple[int, int, int, int, int, int]
+
+#: Records kept per worker, and of the trainer, for windows and the trace (about 100 bytes each).
+CAPACITY = 8192
+
+
+class WorkerTrack:
+    """One worker's batches on the time line: running totals, and the latest records."""
+
+    __slots__ = ("records", "totals")
+
+    def __init__(self, capacity: int) -> None:
+        self.records: deque[BatchRecord] = deque(maxlen=capacity)
+        #: batches, then the ns of load, dali, blocked, publish, idle, read, read_cpu, cpu
+        self.totals = [0] * 9
+
+    def add(self, epoch: int, step: int, blocked_ns: int, timing: wire.StageTimes) -> None:
+        self.records.append((epoch, step, blocked_ns, timing))
+        totals = self.totals
+        totals[0] += 1
+        totals[1] += timing.load_ns
+        totals[2] += timing.dali_ns
+        totals[3] += blocked_ns
+        totals[4] += timing.publish_ns
+        totals[5] += timing.idle_ns
+        totals[6] += timing.read_ns
+        totals[7] += timing.read_cpu_ns
+        totals[8] += timing.cpu_ns
+
+    def total(self) -> Stages:
+        return _stages(self.totals)
+
+    def window(self, start_ns: int, end_ns: int) -> Stages:
+        """The batches that ended within ``[start_ns, end_ns]`` (idle time from ``start_ns``)."""
+        sums = [0] * 9
+        for epoch_step_blocked_timing in reversed(self.records):
+            _epoch, _step, blocked, timing = epoch_step_blocked_timing
+            end = batch_end(timing, blocked)
+            if end > end_ns:
+                continue
+            if end < start_ns:
+                break
+            sums[0] += 1
+            sums[1] += timing.load_ns
+            sums[2] += timing.dali_ns
+            sums[3] += blocked
+            sums[4] += timing.publish_ns
+            sums[5] += min(timing.idle_ns, max(0, timing.started_ns - start_ns))
+            sums[6] += timing.read_ns
+            sums[7] += timing.read_cpu_ns
+            sums[8] += timing.cpu_ns
+        return _stages(sums)
+
+
+def batch_end(timing: wire.StageTimes, blocked_ns: int) -> int:
+    """When a batch was in its slot (``perf_counter_ns``)."""
+    return timing.started_ns + timing.load_ns + timing.dali_ns + blocked_ns + timing.publish_ns
+
+
+def _stages(ns: list[int]) -> Stages:
+    return Stages(ns[0], *(value / 1e9 for value in ns[1:]))
+
+
+@dataclass
+class Timeline:
+    """Where the time went, always on: every batch's stage times per worker (from its
+    ``BatchReady``) and the trainer's ``next()`` calls, as running totals and as the latest
+    :data:`CAPACITY` records of each (what windows and the trace are made of). Clock:
+    ``time.perf_counter_ns``, the same in the workers (``CLOCK_MONOTONIC``)."""
+
+    num_workers: int
+    capacity: int = CAPACITY
+    origin_ns: int = field(default_factory=time.perf_counter_ns)
+    workers: list[WorkerTrack] = field(init=False)
+    calls: deque[NextRecord] = field(init=False)
+    waiting_ns: int = 0
+    handling_ns: int = 0
+    training_ns: int = 0
+    next_calls: int = 0
+    #: when the first next() that returned a batch left (the traced first step is before it)
+    warm_ns: int | None = None
+    left_ns: int | None = None  # when the latest next() left
+
+    def __post_init__(self) -> None:
+        self.workers = [WorkerTrack(self.capacity) for _ in range(self.num_workers)]
+        self.calls = deque(maxlen=2 * self.capacity)
+
+    def ensure(self, num_workers: int) -> None:
+        """Tracks for ``num_workers`` workers at least."""
+        while len(self.workers) < num_workers:
+            self.workers.append(WorkerTrack(self.capacity))
+        self.num_workers = len(self.workers)
+
+    def batch(self, worker: int, step: int, message: wire.BatchReady) -> None:
+        """A batch arrived from ``worker`` (``step``: the epoch's step of it)."""
+        self.workers[worker].add(message.epoch, step, message.blocked_ns, message.timing)
+
+    def next_call(
+        self,
+        entered_ns: int,
+        waited_ns: int,
+        epoch: int,
+        step: int,
+        worker: int,
+        left_ns: int | None = None,
+    ) -> None:
+        """A ``next(loader)`` entered at ``entered_ns`` leaves now (or at ``left_ns``), having
+        waited ``waited_ns`` of it for the workers."""
+        left = time.perf_counter_ns() if left_ns is None else left_ns
+        previous = self.left_ns
+        if previous is not None:
+            self.training_ns += entered_ns - previous
+        inside = left - entered_ns
+        waited = min(max(0, waited_ns), inside)
+        self.waiting_ns += waited
+        self.handling_ns += inside - waited
+        self.next_calls += 1
+        self.left_ns = left
+        if self.warm_ns is None and step >= 0:
+            self.warm_ns = left
+        self.calls.append((entered_ns, left, waited, epoch, step, worker))
+
+    def trainer_total(self) -> TrainerTimes:
+        return TrainerTimes(
+            self.next_calls,
+            self.waiting_ns / 1e9,
+            self.handling_ns / 1e9,
+            self.training_ns / 1e9,
+        )
+
+    def span(self, seconds: float, now_ns: int | None = None) -> tuple[int, int]:
+        """The last ``seconds`` up to the latest ``next()`` (or now, before any), from the
+        first delivered batch on at the earliest."""
+        end = self.left_ns if self.left_ns is not None else (now_ns or time.perf_counter_ns())
+        start = max(end - int(seconds * 1e9), self.warm_ns or self.origin_ns)
+        return min(start, end), end
+
+    def trainer_window(self, start_ns: int, end_ns: int) -> TrainerTimes:
+        calls = waiting = handling = training = 0
+        following: int | None = None  # when the next call (later in time) entered
+        for entered, left, waited, _epoch, _step, _worker in reversed(self.calls):
+            if entered > end_ns:
+                following = entered
+                continue
+            if left < start_ns:
+                if following is not None:
+                    training += following - start_ns
+                break
+            calls += 1
+            inside = left - max(entered, start_ns)
+            waited = min(waited, inside)  # (a call cut by the window: its wait comes first)
+            waiting += waited
+            handling += inside - waited
+            if following is not None:
+                training += following - left
+            following = entered
+        return TrainerTimes(calls, waiting / 1e9, handling / 1e9, training / 1e9)
+
+    def worker_records(self, worker: int, start_ns: int) -> Iterator[BatchRecord]:
+        """``worker``'s records of batches that ended at ``start_ns`` or later, in order."""
+        records = self.workers[worker].records
+        for record in records:
+            if batch_end(record[3], record[2]) >= start_ns:
+                yield record
+
+    def next_records(self, start_ns: int) -> Iterator[NextRecord]:
+        for record in self.calls:
+            if record[1] >= start_ns:
+                yield record
+
+
+def worker_stats(
+    session: WorkerSession, timeline: Timeline | None = None, span: tuple[int, int] = (0, 0)
+) -> WorkerStats:
     counters = session.counters
     busy = counters.busy_ns / 1e9
+    track = None if timeline is None else timeline.workers[session.index]
     return WorkerStats(
         worker=session.index,
         shard=session.shard.index,
@@ -88,6 +342,8 @@ def worker_stats(session: WorkerSession) -> WorkerStats:
         batches_per_second=counters.steps / busy if busy > 0 else 0.0,
         bytes=counters.bytes,
         restarts=counters.restarts,
+        stages=Stages() if track is None else track.total(),
+        recent=Stages() if track is None else track.window(*span),
     )
 
 
@@ -99,8 +355,12 @@ def snapshot(
     wait_ns: int,
     skipped: dict[int, str],
     restarts: int,
+    timeline: Timeline | None = None,
+    window: float = 10.0,
+    cpus: int = 1,
 ) -> LoaderStats:
-    workers = tuple(worker_stats(session) for session in sessions)
+    span = (0, 0) if timeline is None else timeline.span(window)
+    workers = tuple(worker_stats(session, timeline, span) for session in sessions)
     ready = trainer.ready_at if trainer.ready_at is not None else now
     iterating = 0.0
     if trainer.iterating_since is not None and trainer.last_batch_at is not None:
@@ -117,4 +377,8 @@ def snapshot(
         startup_seconds=ready - trainer.created,
         iteration_seconds=iterating,
         time_to_first_batch=trainer.first_batch,
+        trainer=TrainerTimes() if timeline is None else timeline.trainer_total(),
+        recent_trainer=TrainerTimes() if timeline is None else timeline.trainer_window(*span),
+        window_seconds=(span[1] - span[0]) / 1e9,
+        cpus=cpus,
     )

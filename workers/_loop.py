@@ -43,6 +43,7 @@ from ._publish import Publisher, describe_outputs, normalize_outputs
 from ._random import RandomGenerators
 from ._sources import Sources, build_sources, delivery_info
 from ._spec import WorkerSpec
+from ._timing import BatchClock
 
 logger = logging.getLogger("workers")
 
@@ -83,6 +84,8 @@ class Worker:
         self.control = SampleControl(spec.on_error, spec.bad_samples, self.report_skipped)
         #: DALI's random generators: their states after each step, restored at a resume
         self.random = RandomGenerators()
+        #: the stage times of each batch (sent with it)
+        self.clock = BatchClock()
 
     def set_phase(self, phase: Phase) -> None:
         self.phase = phase
@@ -95,6 +98,7 @@ class Worker:
         # epoch 0 from its start, or (a replacement) where its predecessor stopped, its random
         # generators as they were at that batch
         self.sources = build_sources(self.spec, self.shard, self.set_phase, self.control)
+        self.clock.follow(self.sources.sampled)
         self.random.rebuilt(self.spec.random)
         self.phase = Phase.IDLE
         self.channel.send(
@@ -123,6 +127,7 @@ class Worker:
         gc.collect()  # lets DALI shut the torn-down pipeline's threads down now
         shard = self.shard.for_epoch(epoch, position)
         self.sources = build_sources(self.spec, shard, self.set_phase, self.control)
+        self.clock.follow(self.sources.sampled)
         self.random.rebuilt(random)
         self.phase = Phase.IDLE
         self.rebuilds += 1
@@ -185,15 +190,19 @@ class Worker:
 
     def serve(self) -> None:
         """Answer commands until Shutdown, a failure, or the trainer going away."""
+        clock = self.clock
         while True:
+            waited = time.perf_counter_ns()
+            message = self.channel.recv()
+            clock.idle(time.perf_counter_ns() - waited)
             try:
-                self.handle(self.channel.recv(), in_epoch=False)
+                self.handle(message, in_epoch=False)
             except ShutdownRequested:
                 return
 
     # ----------------------------------------------------------------------- epochs
     def run_epoch(self, epoch: int) -> None:
-        spec, sources, publisher = self.spec, self.sources, self.publisher
+        spec, sources, publisher, clock = self.spec, self.sources, self.publisher, self.clock
         assert sources is not None and publisher is not None
         self.epoch, self.step = epoch, 0
         self.phase = Phase.DALI
@@ -206,7 +215,7 @@ class Worker:
         try:
             steps = self.epoch_steps(epoch, tracing)  # None: ends when the source does
             iterator = self.epoch_iterator(epoch, steps is not None)
-            step_started = time.perf_counter_ns()
+            step_started = clock.begin()
             while steps is None or self.step < steps:
                 try:
                     self.phase = Phase.DALI
@@ -243,6 +252,7 @@ class Worker:
                         skipped,
                         names,
                         random,
+                        clock,
                     )
                 except (AbortRequested, ShutdownRequested, ChannelClosed, Stop, wire.ProtocolError):
                     raise
@@ -253,7 +263,7 @@ class Worker:
                     self.skip_failing_samples(error, epoch, self.step)  # raises
                 self.step += 1
                 self.drain()
-                step_started = time.perf_counter_ns()
+                step_started = clock.begin()
             if signature_due and schema is not None:
                 self.send_signature(schema, batch_size, time.perf_counter() - started)
         except AbortRequested:

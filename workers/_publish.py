@@ -14,6 +14,7 @@ from ipc import ControlChannel, SlotWriter, cuda_regions, memfd_regions, place_o
 
 from . import _dali
 from ._spec import WorkerSpec
+from ._timing import BatchClock
 
 
 class Publisher:
@@ -78,9 +79,11 @@ class Publisher:
         skipped: tuple[int, ...] = (),
         skipped_names: tuple[str, ...] = (),
         random: wire.RandomStates = b"",
+        clock: BatchClock | None = None,
     ) -> None:
         """Copy one batch into a free slot, one packed copy per output, then send its
-        descriptor (with ``random``, the random generators' states after its step)."""
+        descriptor (with ``random``, the random generators' states after its step, and the
+        stage times ``clock`` took of it)."""
         storages = []
         described = []
         for name, batch in named.items():
@@ -89,6 +92,8 @@ class Publisher:
             storages.append(storage)
             shapes = _dali.sample_shapes(storage)
             described.append((name, dtype.str, dtype.itemsize, shapes, _dali.layout_of(storage)))
+        if clock is not None:
+            clock.evaluated()
         placements, nbytes = place_outputs(described)
         blocked_before = self.blocked_ns
         slot = self.acquire_slot()
@@ -104,6 +109,7 @@ class Publisher:
             self.writer.abandon(slot)
             raise
         blocked = self.blocked_ns - blocked_before
+        timing = wire.NO_STAGE_TIMES if clock is None else clock.stages(blocked)
         self.channel.send(
             wire.BatchReady(
                 epoch=epoch,
@@ -120,6 +126,7 @@ class Publisher:
                 skipped=skipped,
                 skipped_names=skipped_names,
                 random=random,
+                timing=timing,
             )
         )
 

@@ -1,0 +1,168 @@
+"""Per-stage timing, loader.diagnose() and the trace, with real workers: a pipeline made
+input-bound on purpose (a load that sleeps) and one that is not (a trainer slower than it)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loader import Loader
+from tests import timing_pipelines as T
+
+pytestmark = pytest.mark.timeout(180)
+
+BATCH = 8
+SLEEP = 0.002  # per sample: 16 ms of load per batch, on a prefetch thread, off the CPU
+
+
+def _sleeping(total: int = 2 * BATCH * 40) -> Any:
+    return functools.partial(T.sleeping_source, total=total, batch_size=BATCH, seconds=SLEEP)
+
+
+def _run(loader: Loader, epochs: int, train_seconds: float) -> list[tuple[int, int, int]]:
+    """Iterate ``epochs`` epochs, "training" ``train_seconds`` per batch; the (worker, epoch,
+    step) of every batch in the order received."""
+    seen = []
+    for _ in range(epochs):
+        for batch in loader:
+            info = batch.info
+            seen.append((info.worker, info.epoch, info.step))
+            del batch
+            if train_seconds:
+                time.sleep(train_seconds)
+    return seen
+
+
+def test_a_load_that_sleeps_is_input_bound_and_waits_on_io() -> None:
+    with Loader(_sleeping(), T.id_step, batch_size=BATCH, num_workers=2) as loader:
+        seen = _run(loader, 1, 0.0)
+        stats = loader.stats(window=60)
+        report = loader.diagnose(window=60)
+    assert len(seen) == 80
+    assert report.input_bound, str(report)
+    assert report.waiting_fraction > 0.3, str(report)
+    assert report.dominant_stage == "load", str(report)
+    assert report.workers == "waiting on I/O", str(report)
+    assert report.load_cpu_fraction is not None and report.load_cpu_fraction < 0.5
+    assert "num_workers=" in report.suggestion and "load()" in report.suggestion
+    assert str(report).startswith("input-bound: the trainer waited")
+    # the totals: every batch's stages; load() ran >= 16 ms per batch on its thread
+    assert sum(w.stages.batches for w in stats.workers) == 80
+    for worker in stats.workers:
+        assert worker.stages.read >= 0.9 * worker.stages.batches * BATCH * SLEEP
+        assert worker.stages.read_cpu < 0.5 * worker.stages.read
+        assert worker.stages.load > worker.stages.dali
+    assert stats.trainer.batches == 81  # and the next() that ended the epoch
+    assert stats.trainer.waiting > stats.trainer.training
+
+
+def test_a_trainer_slower_than_its_input_is_not_input_bound() -> None:
+    source = functools.partial(T.quick_source, total=2 * BATCH * 30, batch_size=BATCH)
+    with Loader(source, T.id_step, batch_size=BATCH, num_workers=2) as loader:
+        _run(loader, 1, 0.010)
+        report = loader.diagnose(window=60)
+        stats = loader.stats(window=60)
+    assert not report.input_bound, str(report)
+    assert report.waiting_fraction < 0.05, str(report)
+    assert report.dominant_stage == "blocked", str(report)
+    assert report.workers == "blocked on full slots", str(report)
+    assert str(report).startswith("not input-bound")
+    assert stats.recent_trainer.training >= 0.9 * 59 * 0.010
+    for worker in stats.workers:
+        assert worker.stages.blocked > worker.stages.dali
+        assert 0 < worker.recent.batches <= worker.stages.batches
+
+
+def test_too_few_batches_are_not_judged() -> None:
+    with Loader(_sleeping(2 * BATCH * 2), T.id_step, batch_size=BATCH, num_workers=2) as loader:
+        _run(loader, 1, 0.0)
+        report = loader.diagnose()
+    assert not report.input_bound
+    assert report.verdict == "too little to judge"
+
+
+def test_the_trace_holds_every_batch_span_by_span(tmp_path: Path) -> None:
+    path = tmp_path / "loader-trace.json"
+    with Loader(_sleeping(2 * BATCH * 12), T.id_step, batch_size=BATCH, trace=path) as loader:
+        seen = _run(loader, 2, 0.001)
+        pids = loader.worker_pids()
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names[0] == "trainer"
+    assert [names[1], names[2]] == [f"worker {w} (shard {w}/2, pid {pids[w]})" for w in range(2)]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 for e in spans)
+    by_track: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for span in spans:
+        by_track[span["tid"]].append(span)
+
+    # the trainer: one next() per batch received and one per epoch's end, in order
+    calls = [s for s in by_track[0] if s["name"] == "next"]
+    received = [(s["args"]["worker"], s["args"]["epoch"], s["args"]["step"]) for s in calls]
+    assert [r for r in received if r[2] >= 0] == seen
+    assert [r for r in received if r[2] < 0] == [(-1, 0, -1), (-1, 1, -1)]
+    trains = [s for s in by_track[0] if s["name"] == "train"]
+    assert len(trains) == len(calls) - 1
+    assert sum(s["dur"] >= 1000 for s in trains) >= len(seen) - 1  # the 1 ms "training"
+    left = {(s["args"]["worker"], s["args"]["epoch"], s["args"]["step"]): s for s in calls}
+
+    for worker in range(2):
+        track = sorted(by_track[worker + 1], key=lambda s: s["ts"])
+        batches: dict[tuple[int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
+        for span in track:
+            assert span["name"] in ("idle", "load", "dali", "blocked", "publish")
+            batches[(span["args"]["epoch"], span["args"]["step"])][span["name"]] = span
+        # exactly the batches this worker made, each with its stages back to back
+        assert sorted(batches) == sorted((e, s) for w, e, s in seen if w == worker)
+        previous_end = None
+        for key in sorted(batches, key=lambda k: batches[k]["dali"]["ts"]):
+            stages = batches[key]
+            load, dali, publish = stages["load"], stages["dali"], stages["publish"]
+            assert load["dur"] > 0 and load["args"]["read_ms"] >= 0
+            assert dali["ts"] == pytest.approx(load["ts"] + load["dur"], abs=0.01)
+            after = stages.get("blocked", dali)
+            if "blocked" in stages:
+                assert after["ts"] == pytest.approx(dali["ts"] + dali["dur"], abs=0.01)
+            assert publish["ts"] == pytest.approx(after["ts"] + after["dur"], abs=0.01)
+            end = publish["ts"] + publish["dur"]
+            if previous_end is not None:
+                assert load["ts"] >= previous_end - 0.01  # one batch after another
+            previous_end = end
+            # published before the trainer's next() returned it (one clock for all processes)
+            call = left[(worker, *key)]
+            assert end <= call["ts"] + call["dur"] + 0.01
+        # the load the trainer waited on is the sleeping load: >= 16 ms of it per batch
+        read = sum(s["args"]["read_ms"] for s in track if s["name"] == "load")
+        assert read >= 0.9 * len(batches) * BATCH * SLEEP * 1000
+
+
+def test_save_trace_keeps_the_last_seconds(tmp_path: Path) -> None:
+    source = functools.partial(T.quick_source, total=2 * BATCH * 10, batch_size=BATCH)
+    with Loader(source, T.id_step, batch_size=BATCH, num_workers=2) as loader:
+        _run(loader, 1, 0.0)
+        time.sleep(0.3)
+        _run(loader, 1, 0.0)
+        whole = json.loads(loader.save_trace(tmp_path / "all.json").read_text())
+        last = json.loads(loader.save_trace(tmp_path / "last.json", seconds=0.2).read_text())
+        with pytest.raises(ValueError, match="seconds"):
+            loader.save_trace(tmp_path / "x.json", seconds=0)
+
+    def epochs(trace: dict[str, Any]) -> set[int]:
+        return {e["args"]["epoch"] for e in trace["traceEvents"] if e["ph"] == "X"}
+
+    assert epochs(whole) == {0, 1}
+    assert epochs(last) == {1}
+
+
+def test_a_trace_path_in_a_missing_folder_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        Loader(_sleeping(), T.id_step, batch_size=BATCH, trace=tmp_path / "no" / "t.json")
+    with pytest.raises(TypeError, match="file path"):
+        Loader(_sleeping(), T.id_step, batch_size=BATCH, trace=3)  # type: ignore[arg-type]
