@@ -25,6 +25,8 @@ from typing import Any
 from ipc import ChannelClosed, ControlChannel, wire
 from workers import Shard, WorkerSpec, run_worker
 
+from . import _server
+
 logger = logging.getLogger("loader")
 
 #: How long close() waits for the kernel to reap workers after SIGKILL.
@@ -99,7 +101,7 @@ class WorkerPool:
         """``start_method`` is ``spawn`` or ``forkserver`` (checked by LoaderConfig)."""
         self._context: Any = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
-            preload_worker_modules(self._context)
+            start_worker_server(self._context, specs)
         self._specs = list(specs)
         self.handles: list[WorkerHandle] = []
         self._closed = False
@@ -218,18 +220,25 @@ class WorkerPool:
                 handle.process.join(max(deadline - time.monotonic(), 0.5))
 
 
-#: What a forkserver imports once, before it forks any worker: the worker's loop and, through
-#: it, DALI. Forking after DALI was *imported* is safe; forking after an operator *ran* is not
-#: (the child hangs on its first operator), and the server never runs one.
-FORKSERVER_PRELOAD = ("__main__", "workers._preload")
+#: What multiprocessing's own forkserver imports once, where :mod:`loader._server` cannot start
+#: it (Python 3.14 and later): the worker's loop and, through it, DALI. Not ``__main__``: on
+#: Python 3.11 multiprocessing never preloads it (the server gets no ``main_path``), so each
+#: forked worker imports the main module itself. Forking after DALI was *imported* is safe;
+#: forking after an operator *ran* is not (the child hangs on its first operator), and the
+#: server never runs one.
+FORKSERVER_PRELOAD = ("workers._preload",)
 
 
-def preload_worker_modules(context: Any) -> None:
-    """Make the forkserver import DALI once, so each worker skips the import (~1.5 s here).
-
-    Takes effect when the forkserver starts (the first forkserver process of this interpreter);
-    the main module stays preloaded as multiprocessing does by default."""
-    context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+def start_worker_server(context: Any, specs: Sequence[WorkerSpec] = ()) -> None:
+    """Make sure this process's worker server runs, with DALI and the main module imported
+    once (:mod:`loader._server`): a loader's workers are forked from it without importing
+    either again. Where that server is not supported, multiprocessing's own forkserver imports
+    DALI once (:data:`FORKSERVER_PRELOAD`)."""
+    if _server.supported():
+        functions = [f for spec in specs[:1] for f in (spec.source, spec.step, spec.feeders)]
+        _server.ensure_running(_server.files_of(*functions))
+    else:
+        context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
 
 
 def _alive(process: BaseProcess) -> bool:
