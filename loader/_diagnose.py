@@ -12,16 +12,21 @@ The verdict, in order:
 * the stage that took most of the workers' time (``load``, ``dali``, ``blocked``, ``publish``,
   ``idle``; see ``Stages``);
 * what the workers are: ``cpu-saturated`` (their CPU time is at least :data:`SATURATED` of the
-  CPUs they share), ``waiting on I/O`` (``load`` dominates and is on CPU less than
-  :data:`IO_CPU` of its time), ``blocked on full slots`` (at least half their time), or busy in
-  their dominant stage;
+  CPUs they share), ``starved of CPU`` (the machine's load average is at least its CPUs while
+  the workers get less than that: other processes take the CPUs), ``waiting on I/O`` (``load``
+  dominates and is on CPU less than :data:`IO_CPU` of its time), ``blocked on full slots`` (at
+  least half their time), or busy in their dominant stage;
 * one suggestion, with the figure it rests on.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._stats import STAGES, LoaderStats
 
@@ -57,6 +62,9 @@ class Diagnosis:
     cpu_used: float = 0.0  # CPUs the workers kept busy, on average
     cpus: int = 1  # CPUs they share
     load_cpu_fraction: float | None = None  # load()'s CPU time over its wall time (None: no load)
+    #: the machine's 1-minute load average and its CPUs (every process, not only the loader's)
+    machine_load: float = 0.0
+    machine_cpus: int = 1
     verdict: str = ""
     suggestion: str = ""
 
@@ -70,7 +78,8 @@ class Diagnosis:
             f"waited {self.waiting_fraction:.1%} of its loop's time for the workers, and "
             f"spent {self.handling_fraction:.1%} of it handing batches out",
             f"  workers: {self.workers}; their time: {shares}",
-            f"  workers' CPU: {self.cpu_used:.2f} of {self.cpus} CPUs",
+            f"  workers' CPU: {self.cpu_used:.2f} of {self.cpus} CPUs (the machine's load "
+            f"average: {self.machine_load:.1f} on {self.machine_cpus} CPUs)",
         ]
         if self.load_cpu_fraction is not None:
             lines.append(f"  load(): on CPU {self.load_cpu_fraction:.0%} of its time")
@@ -78,8 +87,17 @@ class Diagnosis:
         return "\n".join(lines)
 
 
-def diagnose(stats: LoaderStats, *, num_threads: int, prefetch: int, in_order: bool) -> Diagnosis:
-    """The verdict on ``stats`` (a snapshot whose ``recent`` figures cover the window)."""
+def diagnose(
+    stats: LoaderStats,
+    *,
+    num_threads: int,
+    prefetch: int,
+    in_order: bool,
+    machine: tuple[float, int] | None = None,
+) -> Diagnosis:
+    """The verdict on ``stats`` (a snapshot whose ``recent`` figures cover the window);
+    ``machine``: the machine's load average and CPUs (default: this machine's now)."""
+    load_average, machine_cpus = machine or _machine()
     window = stats.window_seconds
     trainer = stats.recent_trainer
     waiting = trainer.waiting_fraction
@@ -96,18 +114,31 @@ def diagnose(stats: LoaderStats, *, num_threads: int, prefetch: int, in_order: b
     read_cpu = sum(w.recent.read_cpu for w in workers)
     load_cpu = read_cpu / read if read > 0 else None
     saturated = cpu_used >= SATURATED * cpus
+    contended = not saturated and load_average >= machine_cpus
     waits_on_io = dominant == "load" and load_cpu is not None and load_cpu < IO_CPU
     if fractions["blocked"] >= BLOCKED:
         state = "blocked on full slots"
     elif saturated:
         state = "cpu-saturated"
+    elif contended and dominant != "load":
+        state = "starved of CPU"
     elif waits_on_io:
         state = "waiting on I/O"
     else:
         state = f"busy in {dominant}"
     input_bound = waiting >= INPUT_BOUND
     facts = _Facts(
-        waiting, fractions, dominant, cpu_used, cpus, load_cpu, count, num_threads, prefetch
+        waiting,
+        fractions,
+        dominant,
+        cpu_used,
+        cpus,
+        load_cpu,
+        count,
+        num_threads,
+        prefetch,
+        load_average,
+        machine_cpus,
     )
     if trainer.batches < MIN_BATCHES or window <= 0:
         verdict = "too little to judge"
@@ -120,7 +151,7 @@ def diagnose(stats: LoaderStats, *, num_threads: int, prefetch: int, in_order: b
         suggestion = _headroom(facts)
     else:
         verdict = f"input-bound: the trainer waited {waiting:.0%} of the time"
-        suggestion = _remedy(facts, saturated, waits_on_io, in_order)
+        suggestion = _remedy(facts, saturated or state == "starved of CPU", waits_on_io, in_order)
     return Diagnosis(
         input_bound=input_bound and verdict != "too little to judge",
         waiting_fraction=waiting,
@@ -133,6 +164,8 @@ def diagnose(stats: LoaderStats, *, num_threads: int, prefetch: int, in_order: b
         cpu_used=cpu_used,
         cpus=cpus,
         load_cpu_fraction=load_cpu,
+        machine_load=load_average,
+        machine_cpus=machine_cpus,
         verdict=verdict,
         suggestion=suggestion,
     )
@@ -149,6 +182,16 @@ class _Facts:
     workers: int
     num_threads: int
     prefetch: int
+    load_average: float
+    machine_cpus: int
+
+
+def _machine() -> tuple[float, int]:
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    return load, os.cpu_count() or 1
 
 
 def _headroom(f: _Facts) -> str:
@@ -168,6 +211,13 @@ def _headroom(f: _Facts) -> str:
 def _remedy(f: _Facts, saturated: bool, waits_on_io: bool, in_order: bool) -> str:
     share = f.fractions[f.dominant]
     needed = math.ceil(f.workers / max(0.05, 1.0 - f.waiting))  # to stop waiting, if it scaled
+    if saturated and f.cpu_used < SATURATED * f.cpus:
+        return (
+            f"the machine's CPUs are taken (load average {f.load_average:.1f} on "
+            f"{f.machine_cpus} CPUs) and the workers get only {f.cpu_used:.1f} of their "
+            f"{f.cpus}: more workers will not help; free CPUs (other jobs, the trainer's own "
+            "threads) or do less work per sample"
+        )
     if saturated:
         return (
             f"the workers keep {f.cpu_used:.1f} of {f.cpus} CPUs busy ({f.dominant} "
@@ -212,3 +262,18 @@ def _remedy(f: _Facts, saturated: bool, waits_on_io: bool, in_order: bool) -> st
         "epochs; iterate epochs back to back (the next epoch is prefetched once the last batch "
         "of the previous one was taken)"
     )
+
+
+def measure_headspace(
+    batches: Sequence[Any], train_step: Callable[[Any], None], count: int
+) -> float:
+    """Headspace: batches per second of ``train_step`` alone, over ``count`` steps on
+    ``batches`` (kept in memory, replayed in turn): how fast the training loop would go if
+    data were free. Compare it with the rate with the loader."""
+    if not batches or count < 1:
+        raise ValueError("headspace needs at least one batch and one step")
+    started = time.perf_counter()
+    for step in range(count):
+        train_step(batches[step % len(batches)])
+    elapsed = time.perf_counter() - started
+    return count / elapsed if elapsed > 0 else float("inf")

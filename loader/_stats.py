@@ -185,24 +185,39 @@ class WorkerTrack:
         return _stages(self.totals)
 
     def window(self, start_ns: int, end_ns: int) -> Stages:
-        """The batches that ended within ``[start_ns, end_ns]`` (idle time from ``start_ns``)."""
+        """The time within ``[start_ns, end_ns]``: each stage's span (laid out as in the
+        trace) cut to the window; ``read``, ``read_cpu`` and ``cpu`` in proportion to the part
+        of their batch inside it. ``batches``: those that ended inside it."""
         sums = [0] * 9
-        for epoch_step_blocked_timing in reversed(self.records):
-            _epoch, _step, blocked, timing = epoch_step_blocked_timing
+        for _epoch, _step, blocked, timing in reversed(self.records):
+            started = timing.started_ns
             end = batch_end(timing, blocked)
-            if end > end_ns:
-                continue
             if end < start_ns:
                 break
-            sums[0] += 1
-            sums[1] += timing.load_ns
-            sums[2] += timing.dali_ns
-            sums[3] += blocked
-            sums[4] += timing.publish_ns
-            sums[5] += min(timing.idle_ns, max(0, timing.started_ns - start_ns))
-            sums[6] += timing.read_ns
-            sums[7] += timing.read_cpu_ns
-            sums[8] += timing.cpu_ns
+            first = started - timing.idle_ns
+            if first >= end_ns:
+                continue
+            if end <= end_ns:
+                sums[0] += 1
+            at = first
+            inside = 0
+            for index, length in (
+                (5, timing.idle_ns),
+                (1, timing.load_ns),
+                (2, timing.dali_ns),
+                (3, blocked),
+                (4, timing.publish_ns),
+            ):
+                cut = min(at + length, end_ns) - max(at, start_ns)
+                if cut > 0:
+                    sums[index] += cut
+                    inside += cut
+                at += length
+            whole = end - first
+            share = 1.0 if whole <= 0 or inside >= whole else inside / whole
+            sums[6] += int(timing.read_ns * share)
+            sums[7] += int(timing.read_cpu_ns * share)
+            sums[8] += int(timing.cpu_ns * share)
         return _stages(sums)
 
 
@@ -297,8 +312,8 @@ class Timeline:
                 following = entered
                 continue
             if left < start_ns:
-                if following is not None:
-                    training += following - start_ns
+                if following is not None:  # (the call after it may have entered before too)
+                    training += max(0, following - start_ns)
                 break
             calls += 1
             inside = left - max(entered, start_ns)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 from ipc.wire import FRAME, BatchCodec, BatchReady, OutputPlacement, StageTimes
 from loader._diagnose import diagnose
@@ -36,7 +37,7 @@ def test_windows_count_the_batches_and_calls_inside_them() -> None:
     timeline = Timeline(1)
     ms = 1_000_000
     base = timeline.origin_ns
-    for step in range(10):  # one batch every 10 ms: 2 load, 3 dali, 1 blocked, 1 publish
+    for step in range(10):  # one batch every 10 ms: 2 load, 3 dali, 1 publish; 4 of load() (read)
         start = base + step * 10 * ms
         timeline.batch(0, step, _batch(step, StageTimes(start, 2 * ms, 3 * ms, ms, 0, 4 * ms)))
     totals = timeline.workers[0].total()
@@ -44,6 +45,9 @@ def test_windows_count_the_batches_and_calls_inside_them() -> None:
     assert abs(totals.blocked - 10 * 5e-9) < 1e-12  # (_batch's blocked_ns is 5)
     recent = timeline.workers[0].window(base + 50 * ms, base + 100 * ms)
     assert recent.batches == 5 and abs(recent.dali - 0.015) < 1e-9
+    cut = timeline.workers[0].window(base + 51 * ms, base + 100 * ms)  # 1 ms into batch 5's load
+    assert cut.batches == 5 and abs(cut.load - 0.009) < 1e-9 and abs(cut.dali - 0.015) < 1e-9
+    assert abs(cut.read - (4 * 0.004 + 0.004 * 5 / 6)) < 1e-6  # batch 5: 5 of its 6 ms inside
 
     # the trainer: 4 ms inside each next(), 3 of them waiting, 6 ms between calls
     for call in range(10):
@@ -86,7 +90,12 @@ def _stats(
 
 
 def test_the_verdict_follows_the_numbers() -> None:
-    settings = {"num_threads": 1, "prefetch": 2, "in_order": True}
+    settings: dict[str, Any] = {
+        "num_threads": 1,
+        "prefetch": 2,
+        "in_order": True,
+        "machine": (0.5, 2),
+    }
     saturated = diagnose(
         _stats(waiting=4, training=6, stage="dali", share=0.9, cpu=1.9), **settings
     )
@@ -114,3 +123,9 @@ def test_the_verdict_follows_the_numbers() -> None:
         **settings,
     )
     assert io.workers == "waiting on I/O" and "num_workers=4" in io.suggestion
+
+    crowded = {**settings, "machine": (6.0, 2)}
+    starved = diagnose(_stats(waiting=4, training=6, stage="dali", share=0.9, cpu=0.5), **crowded)
+    assert starved.workers == "starved of CPU"
+    assert "load average 6.0 on 2 CPUs" in starved.suggestion
+    assert "more workers will not help" in starved.suggestion
