@@ -188,6 +188,8 @@ class BatchedSamples:
             try:
                 samples.append(self._load(index, epoch))
             except Exception as error:
+                if getattr(error, "_loader_fatal", False):  # storage, not the sample: stop
+                    raise
                 raised.add(index)
                 errors.append((index, f"load raised {type(error).__name__}: {error}"[:300]))
                 samples.append(None)
@@ -263,6 +265,8 @@ class BatchedSamples:
                 waited = time.perf_counter_ns()
                 loaded = pending.result()
                 self.wait_ns += time.perf_counter_ns() - waited
+                if passed is not None:
+                    passed(epoch, step)
                 if loaded.errors:  # remembered here (main thread) before the next batch loads
                     self._control.add_bad(index for index, _reason in loaded.errors)
                 if step + 1 < len(batches):

@@ -111,7 +111,7 @@ def scan(url: str, stream: IO[bytes], *, seekable: bool) -> TarIndex:
     member_offset: list[int] = []
     member_size: list[int] = []
     current: set[str] = set()
-    offset = 0
+    offset = tar_end = 0
     try:
         with tarfile.open(fileobj=stream, mode="r:" if seekable else "r|") as tar:
             for member in tar:
@@ -151,6 +151,7 @@ def scan(url: str, stream: IO[bytes], *, seekable: bool) -> TarIndex:
                 member_ext.append(exts.setdefault(ext, len(exts)))
                 member_offset.append(member.offset_data)
                 member_size.append(member.size)
+            tar_end = tar.offset  # where the next header (or the end-of-archive blocks) starts
     except tarfile.ReadError as error:
         raise ValueError(
             f"{url} is not a whole tar file (read up to byte {offset}: {error}); a truncated "
@@ -158,6 +159,15 @@ def scan(url: str, stream: IO[bytes], *, seekable: bool) -> TarIndex:
         ) from error
     except EOFError as error:
         raise ValueError(f"{url} ends inside a member after byte {offset}: truncated") from error
+    if seekable:  # every member whole, and the end-of-archive blocks after the last one
+        end = stream.seek(0, os.SEEK_END)
+        last = max((o + s for o, s in zip(member_offset, member_size, strict=True)), default=0)
+        stream.seek(tar_end)
+        if last > end or stream.read(1024) != bytes(1024):
+            raise ValueError(
+                f"{url} is not a whole tar file: it ends at byte {end}, inside a member or "
+                "without the end-of-archive blocks (truncated); rewrite the shard"
+            )
     if not keys:
         raise ValueError(f"{url} holds no samples")
     key_offsets = np.zeros(len(keys) + 1, dtype=np.int64)

@@ -303,15 +303,20 @@ class TarLoader:
     def __call__(self, index: int) -> tuple[np.ndarray[Any, Any], ...]:
         shard = int(self.shards.shard_of(np.array([index]))[0])
         sample = index - int(self.shards.starts[shard])
-        table, offsets, sizes = self._table(shard)
+        url = self.shards.urls[shard]
+        try:
+            table, offsets, sizes = self._table(shard)
+        except StorageFailure:
+            raise
+        except (OSError, EOFError) as error:
+            raise StorageFailure(f"cannot read {url}: {error}") from error
         row_offsets, row_sizes = offsets[sample], sizes[sample]
         missing = np.flatnonzero(row_sizes < 0)
-        url = self.shards.urls[shard]
         if missing.size:
             has = sorted(
                 table.exts[int(e)] for e in table.member_ext[table.member_sample == sample]
             )
-            raise KeyError(
+            raise ValueError(
                 f"{url}: sample {table.key(sample)!r} has no "
                 f"{' or '.join('.' + e for e in self.ext[int(missing[0])])} member (it has "
                 f"{', '.join('.' + e for e in has) or 'none'})"
@@ -339,7 +344,7 @@ class TarLoader:
                 if fetched is not None:
                     return fetched
             return self.shards.storage.read(local_path(url), start, end)
-        except (FileNotFoundError, PermissionError, OSError) as error:
+        except (OSError, EOFError) as error:
             raise StorageFailure(f"cannot read {url}: {error}") from error
 
     def expect(self, epoch: int, ids: Sequence[np.ndarray[Any, Any]]) -> None:

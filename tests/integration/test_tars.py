@@ -1,0 +1,155 @@
+"""sharded_tars over local WebDataset shards: every guarantee of sharded_source, through workers."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import tarfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loader import Loader, write_tars
+from loader.sample import list_images
+from tests import tar_pipelines as T
+
+pytestmark = pytest.mark.timeout(240)
+
+TOTAL = 30  # id tars: 30 samples, 7 per shard (5 shards, the last one of 2)
+
+
+def real(batch: Any, name: str) -> list[int]:
+    values = [int(v) for v in np.asarray(batch[name]).ravel()]
+    return values[: len(values) - batch.info.padded]
+
+
+def loader_over(urls: Any, workers: int = 2, **kw: Any) -> Loader:
+    options = {k: kw.pop(k) for k in ("shuffle_window", "ahead", "storage_options") if k in kw}
+    source = functools.partial(T.id_tars, urls=urls, **options)
+    return Loader(source, T.cls_id_step, batch_size=4, num_workers=workers, copy=True, **kw)
+
+
+def test_write_tars_gives_webdataset_shards_every_image_read_once_per_epoch(
+    image_root: Path, tmp_path: Path
+) -> None:
+    first = write_tars(image_root, tmp_path / "a", samples_per_shard=10)
+    again = write_tars(image_root, tmp_path / "b", samples_per_shard=10)
+    assert [p.name for p in first] == [f"train-{k:06d}.tar" for k in range(5)]
+    # the same folder and seed: the same bytes
+    assert [p.read_bytes() for p in first] == [p.read_bytes() for p in again]
+    with tarfile.open(first[0]) as tar:
+        names = tar.getnames()
+    assert len(names) == 20 and names[0].endswith(".jpg") and names[1].endswith(".cls")
+    _files, found = list_images(image_root)
+    labels = Counter(found)
+    pattern = str(tmp_path / "a" / "train-{000000..000004}.tar")
+    source = functools.partial(T.image_tars, urls=pattern)
+    with Loader(source, T.decode_step, batch_size=4, num_workers=2, copy=True) as loader:
+        assert len(loader) == 12  # 48 images, 24 per worker, 6 batches each
+        for _epoch in range(2):
+            batches = list(loader)
+            assert Counter(label for b in batches for label in real(b, "label")) == labels
+            assert {b["image"].shape for b in batches} == {(4, 8, 8, 3)}
+    # the index of each shard is kept beside it, and names its tar's keys
+    kept = sorted(p.name for p in (tmp_path / "a").iterdir() if p.suffix == ".loader-index")
+    assert kept == [f"train-{k:06d}.tar.loader-index" for k in range(5)]
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_resume_on_the_same_and_another_layout_is_exact(tmp_path: Path, window: int | None) -> None:
+    T.write_id_tars(tmp_path, TOTAL, 7)
+    urls = [str(p) for p in sorted(tmp_path.glob("*.tar"))]
+    with loader_over(urls, shuffle_window=window) as loader:
+        epochs = [[real(b, "id") for b in loader] for _ in range(2)]
+        for batches in epochs:
+            assert sorted(i for ids in batches for i in ids) == list(range(TOTAL))
+        assert epochs[0] != epochs[1]  # a new order every epoch
+    with loader_over(urls, shuffle_window=window) as loader:
+        iterator = iter(loader)
+        taken = [real(next(iterator), "id") for _ in range(3)]
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert state["sampling"]["fingerprint"].startswith("tars:")
+    with loader_over(urls, shuffle_window=window) as loader:  # the same layout: the same stream
+        loader.load_state_dict(state)
+        assert taken + [real(b, "id") for b in loader] == epochs[0]
+        assert [real(b, "id") for b in loader] == epochs[1]
+    with loader_over(urls, workers=3, shuffle_window=window) as loader:  # another: once each
+        loader.load_state_dict(state)
+        rest = [i for batch in loader for i in real(batch, "id")]
+    assert sorted([i for ids in taken for i in ids] + rest) == list(range(TOTAL))
+
+
+def test_a_state_over_other_shards_is_refused(tmp_path: Path) -> None:
+    T.write_id_tars(tmp_path / "a", TOTAL, 7)
+    T.write_id_tars(tmp_path / "b", TOTAL, 7, prefix="other")
+    with loader_over(str(tmp_path / "a" / "train-{000..004}.tar")) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with loader_over(str(tmp_path / "b" / "other-{000..004}.tar")) as loader:
+        with pytest.raises(ValueError, match="tars:"):
+            loader.load_state_dict(state)
+
+
+def test_a_sample_without_a_member_is_named_and_can_be_skipped(tmp_path: Path) -> None:
+    T.write_id_tars(tmp_path, TOTAL, 7, skip_cls=frozenset({9}))
+    urls = str(tmp_path / "train-{000..004}.tar")
+    shard = tmp_path / "train-001.tar"
+    with loader_over(urls) as loader:
+        with pytest.raises(ValueError, match=rf"{shard}: sample 'group1/s00009' has no \.cls"):
+            for _ in loader:
+                pass
+    with loader_over(urls, on_error="skip") as loader:
+        seen, names = [], []
+        for batch in loader:
+            seen += real(batch, "id")
+            names += list(batch.info.skipped_names)
+    assert names == [f"{shard}:group1/s00009"]
+    assert sorted(set(seen)) == sorted(set(range(TOTAL)) - {9})
+
+
+def _truncated(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2 + 100])
+
+
+def _renamed_member(path: Path) -> None:
+    with tarfile.open(path, "a") as tar:
+        info = tarfile.TarInfo("README")
+        tar.addfile(info, None)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "error", "message"),
+    [
+        (lambda p: p.unlink(), FileNotFoundError, "train-002.tar"),
+        (_truncated, ValueError, r"train-002\.tar is not a whole tar file"),
+        (_renamed_member, ValueError, r"train-002\.tar: member 'README' .* has no extension"),
+        (lambda p: p.write_bytes(b"not a tar" * 100), ValueError, "not a whole tar"),
+    ],
+    ids=["missing", "truncated", "unexpected-name", "not-a-tar"],
+)
+def test_a_bad_shard_fails_before_the_first_batch_naming_it(
+    tmp_path: Path, spoil: Any, error: type[Exception], message: str
+) -> None:
+    T.write_id_tars(tmp_path, TOTAL, 7)
+    spoil(tmp_path / "train-002.tar")
+    with pytest.raises(error, match=message):
+        loader_over(str(tmp_path / "train-{000..004}.tar"))
+
+
+def test_window_orders_read_a_few_shards_at_a_time(tmp_path: Path) -> None:
+    """With a window of 1, a worker's batches come from one shard at a time."""
+    T.write_id_tars(tmp_path, 64, 8)
+    urls = str(tmp_path / "train-{000..007}.tar")
+    with loader_over(urls, workers=2, shuffle_window=1) as loader:
+        per_worker: dict[int, list[int]] = {0: [], 1: []}
+        for batch in loader:
+            per_worker[batch.info.worker] += real(batch, "id")
+    for ids in per_worker.values():
+        shards = [i // 8 for i in ids]
+        changes = sum(1 for a, b in itertools.pairwise(shards) if a != b)
+        assert len(set(shards)) == 4 and changes == 3  # 4 whole shards, one after another
