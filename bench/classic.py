@@ -14,6 +14,12 @@ thread each) against the classic pipeline with 2 threads, as alternated pairs (w
 first alternates too), and prints every pair's ratio and their median. Per run: batches/s over the
 timed epochs, the CPU of every process the contender runs (the loader: trainer and workers; the
 classic pipeline: its one process) per batch, and the first batch of the run (from building it).
+When both keep every core busy, the throughput ratio tends to the inverse ratio of their CPU per
+batch, which a loaded machine disturbs less; both are printed.
+
+``--phases THREADS`` measures instead where a batch's CPU goes, in this one process with THREADS
+DALI threads: the classic pipeline with and without its plugin next to the worker's own capture
+loop, and that loop's parts (epoch iterator, step call, evaluation, the copy into a slot).
 """
 
 from __future__ import annotations
@@ -344,11 +350,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{'pair':>4} {'contender':<15} {'batches/s':>9} {'CPU ms/batch':>12} {'1st batch s':>11}"
     )
     ratios = []
+    cpu: dict[str, list[float]] = {name: [] for name in contenders}
     for pair in range(args.pairs):
         names = list(contenders) if pair % 2 == 0 else list(reversed(contenders))
         runs = {}
         for name in names:
             run = runs[name] = contenders[name]()
+            cpu[name].append(run.cpu_ms)
             print(
                 f"{pair:>4} {name:<15} {run.batches_per_second:>9.2f} {run.cpu_ms:>12.1f} "
                 f"{run.first_batch_s:>11.2f}",
@@ -362,6 +370,12 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"median {median:.3f} (range {min(ratios):.2f}-{max(ratios):.2f}); target >= 0.97: "
         f"{'met' if median >= 0.97 else 'MISSED'}"
+    )
+    loader_cpu, classic_cpu = (statistics.median(cpu[name]) for name in contenders)
+    print(
+        f"CPU ms per batch, median (range): loader W=2 {_spread(cpu['loader W=2'])}, "
+        f"classic+plugin {_spread(cpu['classic+plugin'])}; classic / loader "
+        f"{classic_cpu / loader_cpu:.3f} (the throughput ratio when both keep every core busy)"
     )
     print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
