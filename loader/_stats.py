@@ -125,6 +125,26 @@ class LoaderStats:
     def batches_per_second(self) -> float:
         return 0.0 if self.iteration_seconds <= 0 else self.batches / self.iteration_seconds
 
+    def rates(self) -> dict[str, float]:
+        """A few scalars of the last ``window_seconds``, named for a logger (TensorBoard's
+        ``add_scalar``, Lightning's ``log_dict``; see examples/): ``loader/waiting`` (the
+        fraction of the loop's time spent waiting for data), ``loader/batches_per_second`` (of
+        the loop), per worker stage the mean fraction of a worker's time
+        (``loader/worker_load``, ``_dali``, ``_blocked``, ``_publish``, ``_idle``) and
+        ``loader/worker_cpus`` (CPUs the workers kept busy)."""
+        trainer, window = self.recent_trainer, self.window_seconds
+        count = max(1, len(self.workers))
+        rates = {
+            "loader/waiting": trainer.waiting_fraction,
+            "loader/batches_per_second": trainer.batches / trainer.loop if trainer.loop else 0.0,
+        }
+        for stage in STAGES:
+            total = sum(w.recent.of(stage) for w in self.workers)
+            rates[f"loader/worker_{stage}"] = total / (count * window) if window > 0 else 0.0
+        cpu = sum(w.recent.cpu for w in self.workers)
+        rates["loader/worker_cpus"] = cpu / window if window > 0 else 0.0
+        return rates
+
 
 @dataclass
 class TrainerCounters:
