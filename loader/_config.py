@@ -23,6 +23,11 @@ from ._validate import check_choice, check_importable, check_positive_int
 
 OUTPUTS = ("numpy", "torch", "cupy")
 DEVICES = ("cpu", "gpu")
+START_METHODS = ("spawn", "forkserver")
+#: The start method of a Loader made without ``start_method`` ("spawn" when unset); the pytest
+#: plugin's worker server sets it to "forkserver" (``loader.testing``).
+START_METHOD_ENV = "DALI_LOADER_START_METHOD"
+DEFAULT_START_METHOD = "spawn"
 
 
 def check_seconds(value: Any, name: str, *, optional: bool) -> float | None:
@@ -266,12 +271,20 @@ def _require_module(name: str, message: str) -> None:
 
 
 def _check_start_method(start_method: Any) -> str:
+    if start_method is None:
+        chosen = os.environ.get(START_METHOD_ENV, "") or DEFAULT_START_METHOD
+        if chosen not in START_METHODS:
+            raise ValueError(
+                f"{START_METHOD_ENV}={chosen!r}: set it to 'spawn' or 'forkserver' (or unset "
+                "it), or pass start_method= to the Loader"
+            )
+        return chosen
     if start_method == "fork":
         raise ValueError(
             "start_method='fork' is refused: a process forked after DALI ran hangs on its "
             "first operator. Use 'spawn' (the default) or 'forkserver'"
         )
-    return check_choice(start_method, "start_method", ("spawn", "forkserver"))
+    return check_choice(start_method, "start_method", START_METHODS)
 
 
 def require_gpu() -> int:

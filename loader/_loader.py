@@ -75,7 +75,7 @@ class Loader:
         capture: bool = True,
         seed: int = 0,
         timeout: float | None = None,
-        start_method: str = "spawn",
+        start_method: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         startup_timeout: float = 300.0,

@@ -1,30 +1,57 @@
 """Helpers for the user's tests, and a pytest plugin: the ``leak_check`` fixture fails a test that
-leaves loader resources behind; :func:`assert_resumes_exactly` checks that a pipeline resumes
-from a saved state with the same bytes as an uninterrupted run.
+leaves loader resources behind; the ``loader_worker_server`` fixture (or ``--loader-worker-server``,
+or the ``loader_worker_server`` ini option, for every test) makes a suite's loaders start in a
+fraction of a second; :func:`assert_resumes_exactly` checks that a pipeline resumes from a saved
+state with the same bytes as an uninterrupted run.
 
 Registered through the ``pytest11`` entry point, so installing the package makes the fixture
 available to any test suite. Runs in the test process (the trainer side).
 
 What counts as a leak: a child process of the test process that is still alive after the test
-(multiprocessing's own long-lived helpers, the resource tracker and the forkserver, are not
-ours and are ignored), a new file descriptor to shared memory (a memfd or a ``/dev/shm`` file),
-a socket, a pipe or an anonymous inode (eventfd, epoll), and a new entry in ``/dev/shm``. A leak
-report names the kinds it found.
+(multiprocessing's own long-lived helpers, the resource tracker and the forkserver, and the
+loader's worker server are not ours and are ignored; the workers they fork are), a new file
+descriptor to shared memory (a memfd or a ``/dev/shm`` file), a socket, a pipe or an anonymous
+inode (eventfd, epoll), and a new entry in ``/dev/shm`` that this test's processes made: one that
+the test process or one of its descendants holds open or mapped, or that nobody holds (a file
+made and closed but never unlinked) and belongs to this user. A new entry held only by other
+processes is another job's (a concurrent test session, a DataLoader's semaphores) and is not
+blamed. A leak report names the kinds it found.
+
+The worker server: one per test process (under pytest-xdist, one per xdist worker: nothing is
+shared between them), started once with DALI imported and the suite's modules parsed for DALI's
+capture, and kept for the session; a Loader made without ``start_method`` then uses
+``"forkserver"`` (``DALI_LOADER_START_METHOD``), so its workers are forked from that server
+instead of each importing DALI and the test modules (:mod:`loader._server`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import psutil
 import pytest
 
+from . import _server
+from ._config import START_METHOD_ENV
 from ._resume_check import assert_resumes_exactly
 
-__all__ = ["Snapshot", "assert_resumes_exactly", "fd_kind", "find_leaks", "leak_check", "snapshot"]
+__all__ = [
+    "Snapshot",
+    "assert_resumes_exactly",
+    "dali_calling_files",
+    "fd_kind",
+    "find_leaks",
+    "leak_check",
+    "loader_worker_server",
+    "shm_holders",
+    "snapshot",
+    "start_worker_server",
+]
 
 _HELPER_MARKERS = ("resource_tracker", "forkserver")
 # What a watched descriptor's /proc/self/fd link starts with, and the kind a leak report names.
@@ -55,6 +82,9 @@ def _helper_pids() -> set[int]:
             continue
         if any(marker in cmdline for marker in _HELPER_MARKERS):
             helpers.add(child.pid)
+    server = _server.server_pid()
+    if server is not None:
+        helpers.add(server)
     return helpers
 
 
@@ -126,6 +156,62 @@ def _shm_entries() -> set[str]:
         return set()
 
 
+def shm_holders(names: set[str]) -> dict[str, set[int]]:
+    """For each ``/dev/shm`` entry of ``names``, the pids of the processes that hold it open or
+    mapped (those this user may inspect)."""
+    paths = {f"/dev/shm/{name}": name for name in names}
+    holders: dict[str, set[int]] = {name: set() for name in names}
+    for pid in psutil.pids():
+        found: set[str] = set()
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}").removesuffix(" (deleted)")
+                if target in paths:
+                    found.add(paths[target])
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                for line in maps:
+                    if "/dev/shm/" in line:
+                        target = line.split(None, 5)[-1].strip().removesuffix(" (deleted)")
+                        if target in paths:
+                            found.add(paths[target])
+        except OSError:
+            continue
+        for name in found:
+            holders[name].add(pid)
+    return holders
+
+
+def _own_process_tree() -> set[int]:
+    me = psutil.Process()
+    pids = {me.pid}
+    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+        pids.update(child.pid for child in me.children(recursive=True))
+    return pids
+
+
+def _shm_made_here(new: set[str]) -> list[str]:
+    """The new ``/dev/shm`` entries this test's processes made (the module docstring)."""
+    if not new:
+        return []
+    holders = shm_holders(new)
+    ours = _own_process_tree()
+    uid = os.getuid()
+    blamed = []
+    for name in sorted(new):
+        held_by = holders[name]
+        if held_by & ours:
+            blamed.append(name)
+            continue
+        if held_by:
+            continue  # held by other processes only: another job's
+        try:
+            if os.stat(f"/dev/shm/{name}").st_uid == uid:
+                blamed.append(name)
+        except OSError:
+            continue  # gone since: not left behind
+    return blamed
+
+
 def snapshot() -> Snapshot:
     return Snapshot(
         frozenset(_live_children()), frozenset(_watched_fds()), frozenset(_shm_entries())
@@ -147,7 +233,7 @@ def find_leaks(before: Snapshot, *, grace: float = 5.0) -> list[str]:
     now = snapshot()
     before_fds = {fd for fd, _ in before.fds}
     fds = sorted(entry for entry in now.fds - before.fds if entry[0] not in before_fds)
-    shm = sorted(now.shm - before.shm)
+    shm = _shm_made_here(set(now.shm - before.shm))
     problems = []
     if children:
         problems.append(f"child processes still alive: {children}")
@@ -167,3 +253,76 @@ def leak_check() -> Iterator[None]:
     problems = find_leaks(before)
     if problems:
         pytest.fail("resource leak: " + "; ".join(problems), pytrace=False)
+
+
+def start_worker_server(files: Sequence[str] = ()) -> str:
+    """Start this process's worker server now (DALI imported, nothing run, ``files`` parsed for
+    DALI's capture) and make Loaders made without ``start_method`` use it; returns how it was
+    started (``fork`` or ``exec``, :mod:`loader._server`). The server stays up until the
+    process exits."""
+    os.environ[START_METHOD_ENV] = "forkserver"
+    if not _server.supported():
+        return "multiprocessing"
+    return _server.ensure_running(files)
+
+
+def dali_calling_files(root: str | os.PathLike[str]) -> list[str]:
+    """The files under ``root`` of the modules imported so far that mention DALI (where a
+    suite's sources and steps are): the server parses them once for every worker."""
+    top = os.path.join(os.path.abspath(root), "")
+    files = []
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or not path.endswith(".py") or not path.startswith(top):
+            continue
+        try:
+            with open(path, encoding="utf-8", errors="replace") as file:
+                if "nvidia.dali" in file.read():
+                    files.append(path)
+        except OSError:
+            continue
+    return sorted(files)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("dali-capture-loader")
+    group.addoption(
+        "--loader-worker-server",
+        action="store_true",
+        default=None,
+        help="start one loader worker server per test process (DALI imported once) and make "
+        "Loaders made without start_method use it",
+    )
+    parser.addini(
+        "loader_worker_server",
+        type="bool",
+        default=False,
+        help="as --loader-worker-server, for every run",
+    )
+
+
+def _server_wanted(config: pytest.Config) -> bool:
+    option = config.getoption("--loader-worker-server", default=None)
+    if option is not None:
+        return bool(option)
+    return bool(config.getini("loader_worker_server"))
+
+
+@pytest.fixture(scope="session")
+def loader_worker_server(request: pytest.FixtureRequest) -> Iterator[str]:
+    """This test process's loader worker server (see :func:`start_worker_server`): Loaders made
+    without ``start_method`` in the session use it. Yields how it was started."""
+    previous = os.environ.get(START_METHOD_ENV)
+    how = start_worker_server(dali_calling_files(request.config.rootpath))
+    yield how
+    if previous is None:
+        os.environ.pop(START_METHOD_ENV, None)
+    else:
+        os.environ[START_METHOD_ENV] = previous
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _loader_worker_server_option(request: pytest.FixtureRequest) -> None:
+    """``--loader-worker-server`` / the ini option: the server for every test of the session."""
+    if _server_wanted(request.config):
+        request.getfixturevalue("loader_worker_server")

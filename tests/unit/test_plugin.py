@@ -76,3 +76,142 @@ def test_leak_check_fails_a_test_that_leaves_a_descriptor(
         consecutive=True,
     )
     result.stdout.no_fnmatch_line("*ERROR at teardown of test_clean*")
+
+
+def test_leak_check_blames_a_dev_shm_entry_the_test_left(pytester: pytest.Pytester) -> None:
+    """One made and closed but not unlinked (held by nobody), and one still mapped by the test
+    process, are both the test's leaks; the same made and removed is not."""
+    result = run_inner(
+        pytester,
+        """
+        import os
+        from multiprocessing import shared_memory
+
+        KEPT = []
+
+        def test_clean(leak_check):
+            path = f"/dev/shm/leak_check_clean_{os.getpid()}"
+            open(path, "w").close()
+            os.unlink(path)
+
+        def test_orphan(leak_check):
+            open(f"/dev/shm/leak_check_orphan_{os.getpid()}", "w").close()
+
+        def test_mapped(leak_check):
+            memory = shared_memory.SharedMemory(create=True, size=4096, name=f"lc_{os.getpid()}")
+            KEPT.append(memory)
+
+        def test_zz_cleanup():
+            os.unlink(f"/dev/shm/leak_check_orphan_{os.getpid()}")
+            KEPT.pop().unlink()
+        """,
+    )
+    result.assert_outcomes(passed=4, errors=2)
+    result.stdout.fnmatch_lines(
+        ["*ERROR at teardown of test_orphan*", "*/dev/shm entries left behind: ['leak_check_orph*"]
+    )
+    result.stdout.fnmatch_lines(
+        ["*ERROR at teardown of test_mapped*", "*/dev/shm entries left behind: ['lc_*"]
+    )
+
+
+def test_leak_check_does_not_blame_another_jobs_dev_shm_entry(pytester: pytest.Pytester) -> None:
+    """A /dev/shm entry that appears during the test, made and held by a process outside the
+    test's process tree (as a concurrent job's semaphores are), is not the test's leak."""
+    result = run_inner(
+        pytester,
+        """
+        import os, signal, subprocess, sys, time
+
+        HOLDER = '''
+        import os, sys, time
+        if os.fork():
+            os._exit(0)  # the holder is reparented: outside the test's process tree
+        fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR)
+        print(os.getpid(), flush=True)
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 1)  # the test's pipe closes: it goes on without waiting for the holder
+        os.dup2(null, 2)
+        time.sleep(60)
+        '''
+
+        def test_other_job(leak_check):
+            path = f"/dev/shm/leak_check_other_{os.getpid()}"
+            started = subprocess.run(
+                [sys.executable, "-c", HOLDER, path], capture_output=True, text=True, check=True
+            )
+            test_other_job.holder = int(started.stdout.split()[0])
+            assert os.path.exists(path)
+
+        def test_zz_cleanup():
+            os.kill(test_other_job.holder, signal.SIGKILL)
+            os.unlink(f"/dev/shm/leak_check_other_{os.getpid()}")
+        """,
+    )
+    result.assert_outcomes(passed=2)
+
+
+SERVER_SUITE = {
+    "steps.py": """
+        import nvidia.dali.experimental.dynamic as ndd
+        import numpy as np
+
+        class Ids:
+            def __init__(self, shard):
+                self.ids = list(range(shard.index, 32, shard.count))
+
+            def __iter__(self):
+                for start in range(0, len(self.ids), 4):
+                    yield ndd.as_batch([np.array([i]) for i in self.ids[start:start + 4]])
+
+        def source(shard):
+            return ndd.ExternalSource(Ids(shard), cycle="raise")
+
+        def step(ids):
+            return {"id": ndd.cast(ids, dtype=ndd.int64)}
+        """,
+    "test_suite.py": """
+        import os
+        import psutil
+        import pytest
+        from loader import Loader, _server
+        import steps
+
+        SERVERS = []
+
+        @pytest.mark.parametrize("n", range(4))
+        def test_loader(leak_check, n):
+            with Loader(steps.source, steps.step, batch_size=4, num_workers=2) as loader:
+                ids = sorted(int(v) for b in loader for v in b["id"].ravel())
+                parents = {psutil.Process(pid).ppid() for pid in loader.worker_pids()}
+            assert ids == list(range(32))
+            assert loader.config.start_method == "forkserver"
+            assert parents == {_server.server_pid()}
+            SERVERS.append(_server.server_pid())
+            with open(os.path.join(os.path.dirname(__file__), "servers.txt"), "a") as out:
+                out.write(f"{os.getpid()} {SERVERS[-1]}\\n")
+
+        def test_one_server_per_process():
+            assert len(set(SERVERS)) <= 1
+        """,
+}
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["serial", "xdist"])
+def test_worker_server_option_serves_a_suite(pytester: pytest.Pytester, xdist: bool) -> None:
+    """--loader-worker-server: Loaders made without start_method fork their workers from one
+    server per test process (one per xdist worker under -n 2), leak_check stays green."""
+    import textwrap
+
+    for name, text in SERVER_SUITE.items():
+        pytester.path.joinpath(name).write_text(textwrap.dedent(text))
+    arguments = ["-p", "no:cacheprovider", "--loader-worker-server"]
+    arguments += ["-n", "2"] if xdist else ["-p", "no:xdist"]
+    result = pytester.runpytest_subprocess(*arguments, timeout=240)
+    result.assert_outcomes(passed=5)
+    lines = pytester.path.joinpath("servers.txt").read_text().split("\n")
+    pairs = {tuple(line.split()) for line in lines if line}
+    processes = {process for process, _server in pairs}
+    servers = {server for _process, server in pairs}
+    assert len(processes) == (2 if xdist else 1), pairs  # (4 tests: both xdist workers build)
+    assert len(servers) == len(processes), pairs  # one server per test process, none shared
