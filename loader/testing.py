@@ -218,8 +218,21 @@ def snapshot() -> Snapshot:
     )
 
 
+def _nothing_new(before: Snapshot) -> bool:
+    """No new child, watched descriptor or /dev/shm entry at all (the common case, answered
+    without a garbage collection: 0.15 s each with DALI and torch imported)."""
+    now = snapshot()
+    return (
+        not (now.children - before.children)
+        and not (now.fds - before.fds)
+        and not (now.shm - before.shm)
+    )
+
+
 def find_leaks(before: Snapshot, *, grace: float = 5.0) -> list[str]:
     """What exists now that did not before; new child processes get ``grace`` s to exit."""
+    if _nothing_new(before):
+        return []
     gc.collect()
     new_children = []
     for pid in _live_children() - before.children:
