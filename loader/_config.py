@@ -24,10 +24,22 @@ from ._validate import check_choice, check_importable, check_positive_int
 OUTPUTS = ("numpy", "torch", "cupy")
 DEVICES = ("cpu", "gpu")
 START_METHODS = ("spawn", "forkserver")
-#: The start method of a Loader made without ``start_method`` ("spawn" when unset); the pytest
-#: plugin's worker server sets it to "forkserver" (``loader.testing``).
+#: The start method of a Loader made without ``start_method``, when set ("spawn" when unset).
 START_METHOD_ENV = "DALI_LOADER_START_METHOD"
 DEFAULT_START_METHOD = "spawn"
+#: This process's default, set by :func:`set_default_start_method` (the pytest plugin's worker
+#: server: unlike the environment variable, subprocesses a test starts do not inherit it).
+_process_default: str | None = None
+
+
+def set_default_start_method(method: str | None) -> str | None:
+    """Make ``method`` the start method of Loaders this process makes without ``start_method``
+    (None: back to :data:`START_METHOD_ENV` or "spawn"); returns the previous setting."""
+    global _process_default
+    if method is not None:
+        check_choice(method, "start_method", START_METHODS)
+    previous, _process_default = _process_default, method
+    return previous
 
 
 def check_seconds(value: Any, name: str, *, optional: bool) -> float | None:
@@ -272,6 +284,8 @@ def _require_module(name: str, message: str) -> None:
 
 def _check_start_method(start_method: Any) -> str:
     if start_method is None:
+        if _process_default is not None:
+            return _process_default
         chosen = os.environ.get(START_METHOD_ENV, "") or DEFAULT_START_METHOD
         if chosen not in START_METHODS:
             raise ValueError(

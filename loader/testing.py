@@ -19,9 +19,10 @@ blamed. A leak report names the kinds it found.
 
 The worker server: one per test process (under pytest-xdist, one per xdist worker: nothing is
 shared between them), started once with DALI imported and the suite's modules parsed for DALI's
-capture, and kept for the session; a Loader made without ``start_method`` then uses
-``"forkserver"`` (``DALI_LOADER_START_METHOD``), so its workers are forked from that server
-instead of each importing DALI and the test modules (:mod:`loader._server`).
+capture, and kept for the session; a Loader made without ``start_method`` in the test process then
+uses ``"forkserver"`` (a process-wide default that scripts run by a test do not inherit, unlike
+``DALI_LOADER_START_METHOD``), so its workers are forked from that server instead of each
+importing DALI and the test modules (:mod:`loader._server`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import psutil
 import pytest
 
 from . import _server
-from ._config import START_METHOD_ENV
+from ._config import set_default_start_method
 from ._resume_check import assert_resumes_exactly
 
 __all__ = [
@@ -273,7 +274,7 @@ def start_worker_server(files: Sequence[str] = ()) -> str:
     DALI's capture) and make Loaders made without ``start_method`` use it; returns how it was
     started (``fork`` or ``exec``, :mod:`loader._server`). The server stays up until the
     process exits."""
-    os.environ[START_METHOD_ENV] = "forkserver"
+    set_default_start_method("forkserver")
     if not _server.supported():
         return "multiprocessing"
     return _server.ensure_running(files)
@@ -325,13 +326,9 @@ def _server_wanted(config: pytest.Config) -> bool:
 def loader_worker_server(request: pytest.FixtureRequest) -> Iterator[str]:
     """This test process's loader worker server (see :func:`start_worker_server`): Loaders made
     without ``start_method`` in the session use it. Yields how it was started."""
-    previous = os.environ.get(START_METHOD_ENV)
     how = start_worker_server(dali_calling_files(request.config.rootpath))
     yield how
-    if previous is None:
-        os.environ.pop(START_METHOD_ENV, None)
-    else:
-        os.environ[START_METHOD_ENV] = previous
+    set_default_start_method(None)
 
 
 @pytest.fixture(autouse=True, scope="session")
