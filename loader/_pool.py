@@ -100,6 +100,7 @@ class WorkerPool:
     def __init__(self, specs: Sequence[WorkerSpec], start_method: str) -> None:
         """``start_method`` is ``spawn`` or ``forkserver`` (checked by LoaderConfig)."""
         self._context: Any = multiprocessing.get_context(start_method)
+        self._forked = start_method == "forkserver"
         if start_method == "forkserver":
             start_worker_server(self._context, specs)
         self._specs = list(specs)
@@ -125,9 +126,12 @@ class WorkerPool:
         parent_end, child_end = self._context.Pipe(duplex=True)
         stack_read, stack_write = self._context.Pipe(duplex=False)
         alive_read, alive_write = self._context.Pipe(duplex=False)
+        # A forked worker has its server's environment: it gets the trainer's of now, as a
+        # spawned one does (a variable set since the server started reaches it too)
+        environ = dict(os.environ) if self._forked else None
         process = self._context.Process(
             target=run_worker,
-            args=(spec, child_end, stack_write, alive_read),
+            args=(spec, child_end, stack_write, alive_read, environ),
             name=f"dali-loader-worker-{index}",
             daemon=True,
         )

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from multiprocessing.connection import Connection
 
 from ._spec import WorkerSpec
 
 
-def run_worker(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connection) -> None:
+def run_worker(
+    spec: WorkerSpec,
+    conn: Connection,
+    stack: Connection,
+    alive: Connection,
+    environ: dict[str, str] | None = None,
+) -> None:
     """Start a worker: imports DALI here, in the child, never in the trainer (without torch on
-    the way: :mod:`workers._imports`)."""
+    the way: :mod:`workers._imports`). A worker forked from a server that imported DALI already
+    gets ``environ``, the trainer's environment when it was started, in place of the server's."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     from ._imports import import_dali_modules
 
     import_dali_modules()

@@ -145,3 +145,44 @@ def test_the_default_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
         assert _config._check_start_method(None) == "spawn"  # the process's default first
     finally:
         _config.set_default_start_method(previous)
+
+
+class MarkBatches:
+    """One batch of 4 samples, each the value of LOADER_TEST_MARK in the worker."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        import numpy as np
+        import nvidia.dali.experimental.dynamic as ndd
+
+        mark = int(os.environ.get("LOADER_TEST_MARK", "0"))
+        yield ndd.as_batch([np.array([mark], dtype=np.int64)] * 4)
+
+
+def mark_source(shard: object) -> object:
+    import nvidia.dali.experimental.dynamic as ndd
+
+    return ndd.ExternalSource(MarkBatches(), cycle="raise")
+
+
+def mark_step(batch: object) -> dict[str, object]:
+    import nvidia.dali.experimental.dynamic as ndd
+
+    return {"mark": ndd.cast(batch, dtype=ndd.int64)}
+
+
+def marks(monkeypatch: pytest.MonkeyPatch, value: str) -> set[int]:
+    from loader import Loader
+
+    monkeypatch.setenv("LOADER_TEST_MARK", value)
+    with Loader(
+        mark_source, mark_step, batch_size=4, num_workers=1, start_method="forkserver"
+    ) as loader:
+        return {int(v) for b in loader for v in b["mark"].ravel()}
+
+
+def test_forked_workers_get_the_trainers_environment_of_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As a spawned worker does: a variable set after the server started reaches the workers."""
+    assert marks(monkeypatch, "3") == {3}
+    assert marks(monkeypatch, "5") == {5}
