@@ -48,6 +48,7 @@ def id_tars(
     shuffle_window: int | None = None,
     storage_options: dict[str, Any] | None = None,
     ahead: int = 2,
+    retries: int = 4,
 ) -> Any:
     return sharded_tars(
         shard,
@@ -57,6 +58,7 @@ def id_tars(
         shuffle_window=shuffle_window,
         storage_options=storage_options,
         ahead=ahead,
+        retries=retries,
     )
 
 

@@ -145,7 +145,7 @@ class RemoteStorage(Storage):
 
     local = False
 
-    def __init__(self, protocol: str, options: dict[str, Any]) -> None:
+    def __init__(self, protocol: str, options: dict[str, Any], retries: int = RETRIES) -> None:
         try:
             import fsspec
         except ImportError as error:  # pragma: no cover - fsspec is installed with the extra
@@ -160,16 +160,16 @@ class RemoteStorage(Storage):
                 f"reading {protocol}:// URLs needs the fsspec backend for {protocol} "
                 f"({error}); for s3:// install s3fs: pip install 'dali-capture-loader[s3]'"
             ) from error
-        self.protocol = protocol
+        self.protocol, self.retries = protocol, retries
 
     def retried(self, what: str, url: str, call: Callable[[], _T]) -> _T:
         """``call()``, tried again on transient errors (see the module docstring)."""
         delay = BACKOFF
-        for attempt in range(RETRIES + 1):
+        for attempt in range(self.retries + 1):
             try:
                 return call()
             except Exception as error:
-                if not transient(error) or attempt == RETRIES:
+                if not transient(error) or attempt == self.retries:
                     raise _named(error, what, url) from error
                 logger.warning(
                     "%s %s failed (%s: %s); trying again in %.2f s (%d of %d)",
@@ -179,7 +179,7 @@ class RemoteStorage(Storage):
                     error,
                     delay,
                     attempt + 1,
-                    RETRIES,
+                    self.retries,
                 )
                 time.sleep(delay)
                 delay *= 2
@@ -210,8 +210,9 @@ class RemoteStorage(Storage):
         by_dir: dict[str, dict[str, dict[str, Any]]] = {}
         for directory in dict.fromkeys(posixpath.dirname(self._strip(p)) for p in paths):
             try:
-                entries = self.retried("listing", directory, functools.partial(self._ls, directory))
-            except (FileNotFoundError, PermissionError, OSError):
+                named = f"{self.protocol}://{directory}/"
+                entries = self.retried("listing", named, functools.partial(self._ls, directory))
+            except (FileNotFoundError, PermissionError):  # no listing here: ask each object
                 entries = []
             by_dir[directory] = {self._strip(entry["name"]): entry for entry in entries}
         found = []
@@ -259,18 +260,21 @@ def _named(error: Exception, what: str, url: str) -> Exception:
     return OSError(message)
 
 
-_cache: dict[tuple[str, str], Storage] = {}
+_cache: dict[tuple[str, str, int], Storage] = {}
 
 
-def storage_for(path: str, options: dict[str, Any] | None = None) -> Storage:
-    """The storage that reads ``path`` (one per protocol and options in a process)."""
+def storage_for(
+    path: str, options: dict[str, Any] | None = None, retries: int = RETRIES
+) -> Storage:
+    """The storage that reads ``path`` (one per protocol, options and retries in a process);
+    ``retries``: of a remote read that failed for a transient reason."""
     if not is_url(path):
-        return _cache.setdefault(("", ""), LocalStorage())
+        return _cache.setdefault(("", "", 0), LocalStorage())
     protocol = path.split("://", 1)[0]
-    key = (protocol, repr(sorted((options or {}).items())))
+    key = (protocol, repr(sorted((options or {}).items())), retries)
     storage = _cache.get(key)
     if storage is None:
-        storage = _cache[key] = RemoteStorage(protocol, dict(options or {}))
+        storage = _cache[key] = RemoteStorage(protocol, dict(options or {}), retries)
     return storage
 
 

@@ -45,7 +45,7 @@ from ._epoch_order import EpochOrder
 from ._files import list_files, read_file
 from ._sampling import BatchedSamples
 from ._shard import Shard
-from ._storage import Storage, expand_urls, local_path, storage_for
+from ._storage import RETRIES, Storage, expand_urls, local_path, storage_for
 from ._tar_index import Indexer, TarIndex, open_indexes
 
 logger = logging.getLogger("workers")
@@ -106,7 +106,10 @@ class TarShards:
 
 
 def open_shards(
-    urls: str | Iterable[str], storage_options: dict[str, Any] | None, start_fraction: float
+    urls: str | Iterable[str],
+    storage_options: dict[str, Any] | None,
+    start_fraction: float,
+    retries: int = RETRIES,
 ) -> TarShards:
     """Expand, check and index the shards (starting the walk at ``start_fraction`` of them)."""
     expanded = expand_urls(urls)
@@ -118,7 +121,7 @@ def open_shards(
         raise ValueError(f"the shards use several protocols ({sorted(protocols)}); use one")
     if len(set(expanded)) != len(expanded):
         raise ValueError("a shard is listed twice: every shard must appear once")
-    storage = storage_for(expanded[0], storage_options)
+    storage = storage_for(expanded[0], storage_options, retries)
     count = len(expanded)
     counts = np.zeros(count, dtype=np.int64)
     hashes = [""] * count
@@ -407,6 +410,7 @@ def sharded_tars(
     storage_options: dict[str, Any] | None = None,
     shuffle_window: int | None = None,
     ahead: int = 2,
+    retries: int = RETRIES,
 ) -> Any:
     """An ``ndd.ExternalSource`` root over WebDataset tar shards: one output per ``ext``.
 
@@ -416,11 +420,16 @@ def sharded_tars(
     in output order (``"jpg;png"``: either); ``cls``-like members are parsed as integers.
     ``shuffle_window``: how many shards' samples an epoch shuffles together (None: all for local
     shards, :data:`REMOTE_WINDOW` for remote ones; see the module docstring); ``ahead``: remote
-    shards fetched ahead of the one being read. The same guarantees as :func:`sharded_source`.
+    shards fetched ahead of the one being read; ``retries``: how many times a remote read that
+    failed for a transient reason (a connection reset, a timeout, throttling) is tried again,
+    with backoff, each logged (a missing object or denied access is raised at once). The same
+    guarantees as :func:`sharded_source`.
     """
     from ._dali import ShardedExternalSource
 
     wanted = parse_ext(ext)
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
     if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
         raise ValueError(f"ahead must be an integer >= 0, got {ahead!r}")
     if shuffle_window is not None and (
@@ -429,7 +438,7 @@ def sharded_tars(
         or shuffle_window < 1
     ):
         raise ValueError(f"shuffle_window must be None or an integer >= 1, got {shuffle_window!r}")
-    shards = open_shards(urls, storage_options, shard.index / max(1, shard.count))
+    shards = open_shards(urls, storage_options, shard.index / max(1, shard.count), retries)
     window = shuffle_window
     if window is None:
         window = len(shards.urls) if shards.storage.local else REMOTE_WINDOW

@@ -101,20 +101,18 @@ def ids(batch: Any) -> list[int]:
 def test_two_ranks_of_two_workers_read_every_sample_once_and_resume_on_one_rank_of_three(
     store: Store,
 ) -> None:
-    epoch: list[int] = []
-    for rank in range(2):
-        with make(store, 2, rank, 2) as loader:
-            assert len(loader) == 8  # 64 samples, 16 per shard, 4 batches, 2 workers
-            epoch += [i for batch in loader for i in ids(batch)]
-    assert sorted(epoch) == list(range(TOTAL))
-
     taken: list[int] = []
+    epoch: list[int] = []
     states = []
     for rank in range(2):
         with make(store, 2, rank, 2) as loader:
+            assert len(loader) == 8  # 64 samples, 16 per shard, 4 batches, 2 workers
             iterator = iter(loader)
-            taken += [i for _ in range(3) for i in ids(next(iterator))]
+            got = [i for _ in range(3) for i in ids(next(iterator))]
             states.append(json.loads(json.dumps(loader.state_dict())))
+            taken += got
+            epoch += got + [i for batch in iterator for i in ids(batch)]
+    assert sorted(epoch) == list(range(TOTAL))
     state = dict(states[0])
     state["received"] = [
         a if a is not None else b
@@ -140,11 +138,18 @@ def test_a_shard_deleted_mid_run_is_a_clear_error_naming_it(store: Store) -> Non
                 pass
 
 
-def test_a_missing_shard_or_wrong_credentials_fail_before_the_first_batch(store: Store) -> None:
+def test_a_missing_shard_or_an_unreachable_endpoint_fail_before_the_first_batch(
+    store: Store,
+) -> None:
     store.delete(["train-007.tar"])
     with pytest.raises(FileNotFoundError, match=rf"s3://{BUCKET}/train-007\.tar"):
         make(store, 1, 0, 1)
-    wrong = dict(store.options, endpoint_url="http://127.0.0.1:9")  # nothing listens there
-    source = functools.partial(T.id_tars, urls=PATTERN, storage_options=wrong)
-    with pytest.raises(OSError, match=rf"s3://{BUCKET}"):
-        Loader(source, T.cls_id_step, batch_size=4, num_workers=1, startup_timeout=120)
+    # nothing listens on port 9: s3fs tries once, the source twice (logged), then names it
+    unreachable = dict(
+        store.options,
+        endpoint_url="http://127.0.0.1:9",
+        config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2},
+    )
+    source = functools.partial(T.id_tars, urls=PATTERN, storage_options=unreachable, retries=1)
+    with pytest.raises(OSError, match=rf"s3://{BUCKET}/\S* failed: EndpointConnectionError"):
+        Loader(source, T.cls_id_step, batch_size=4, num_workers=1)
