@@ -73,3 +73,69 @@ def cls_id_step(cls: Any, ids: Any) -> dict[str, Any]:
 def decode_step(jpegs: Any, cls: Any) -> dict[str, Any]:
     images = ndd.decoders.image(jpegs, device="cpu")
     return {"image": ndd.resize(images, size=[8, 8]), "label": ndd.cast(cls, dtype=ndd.int64)}
+
+
+class Ids:
+    """``load(i)``: the id ``base + i`` (int64), and ``describe``."""
+
+    def __init__(self, base: int, dtype: Any = "int64") -> None:
+        self.base, self.dtype = base, dtype
+
+    def __call__(self, index: int) -> Any:
+        import numpy as np
+
+        return np.array([self.base + index], dtype=self.dtype)
+
+    def describe(self, index: int) -> str:
+        return f"id{self.base + index}"
+
+
+def id_mix(
+    shard: Shard,
+    sizes: tuple[int, ...] = (60, 12),
+    weights: tuple[float, ...] = (0.75, 0.25),
+    epoch_size: int | None = 48,
+    batch_size: int = 4,
+    dtypes: tuple[str, ...] = ("int64", "int64"),
+) -> Any:
+    """A mix of ``len(sizes)`` id sources; source ``k``'s ids start at ``1000 * k``."""
+    from loader import SamplesDataset, sharded_mix
+
+    names = [f"src{k}" for k in range(len(sizes))]
+    sources = {
+        name: SamplesDataset(size, Ids(1000 * k, dtypes[k]), fingerprint=f"ids{k}")
+        for k, (name, size) in enumerate(zip(names, sizes, strict=True))
+    }
+    return sharded_mix(
+        shard,
+        sources,
+        weights=dict(zip(names, weights, strict=True)),
+        batch_size=batch_size,
+        epoch_size=epoch_size,
+        source_output=True,
+    )
+
+
+def id_source_step(ids: Any, source: Any) -> dict[str, Any]:
+    return {"id": ndd.cast(ids, dtype=ndd.int64), "source": ndd.cast(source, dtype=ndd.int64)}
+
+
+def files_and_tars_mix(shard: Shard, root: str, urls: str, batch_size: int = 4) -> Any:
+    from loader import FilesDataset, TarsDataset, sharded_mix
+
+    return sharded_mix(
+        shard,
+        {"folder": FilesDataset(root), "tars": TarsDataset(urls)},
+        weights={"folder": 1, "tars": 1},
+        batch_size=batch_size,
+        source_output=True,
+    )
+
+
+def decode_source_step(jpegs: Any, cls: Any, source: Any) -> dict[str, Any]:
+    images = ndd.decoders.image(jpegs, device="cpu")
+    return {
+        "image": ndd.resize(images, size=[8, 8]),
+        "label": ndd.cast(cls, dtype=ndd.int64),
+        "source": ndd.cast(source, dtype=ndd.int64),
+    }

@@ -10,6 +10,7 @@ from ipc.wire import Position, Sampling
 
 from ._entry import run_worker
 from ._files import list_files, sharded_files
+from ._mix import FilesDataset, SamplesDataset, TarsDataset, sharded_mix
 from ._phase import Phase
 from ._positions import (
     continue_from,
@@ -39,12 +40,15 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BatchedSamples",
     "FeederFactory",
+    "FilesDataset",
     "Phase",
     "Position",
+    "SamplesDataset",
     "Sampling",
     "Shard",
     "SourceFactory",
     "StepFunction",
+    "TarsDataset",
     "WorkerSpec",
     "continue_from",
     "list_files",
@@ -53,6 +57,7 @@ __all__ = [
     "shard_batches",
     "shard_indices",
     "sharded_files",
+    "sharded_mix",
     "sharded_source",
     "sharded_tars",
     "steps_per_epoch",

@@ -73,7 +73,7 @@ class ListedFiles:
         return label
 
 
-class _FileLoader:
+class FileLoader:
     """``load(index)`` for :func:`sharded_files`: the file's bytes and its label."""
 
     def __init__(self, files: FileTable) -> None:
@@ -107,6 +107,25 @@ def read_file(path: str) -> np.ndarray[Any, Any]:
         os.close(fd)
 
 
+def open_files(
+    root_or_files: str | os.PathLike[str] | Sequence[str], labels: Sequence[int] | None
+) -> FileTable:
+    """The files of an ImageFolder (its index) or of a list with its labels."""
+    if isinstance(root_or_files, (str, os.PathLike)):
+        if labels is not None:
+            raise ValueError(
+                "labels= is for a list of files; an ImageFolder's come from its folders"
+            )
+        return open_folder(str(Path(root_or_files)))
+    paths = [os.fspath(f) for f in root_or_files]
+    if not paths:
+        raise ValueError("the list of files is empty")
+    found = [0] * len(paths) if labels is None else [int(label) for label in labels]
+    if len(found) != len(paths):
+        raise ValueError(f"{len(paths)} files but {len(found)} labels: give one per file")
+    return ListedFiles(paths, found)
+
+
 def sharded_files(
     shard: Shard,
     root_or_files: str | os.PathLike[str] | Sequence[str],
@@ -127,25 +146,11 @@ def sharded_files(
     of a directory's files, of the paths and labels of a list) goes into the loader's state: a
     state saved over other files is refused.
     """
-    files: FileTable
-    if isinstance(root_or_files, (str, os.PathLike)):
-        if labels is not None:
-            raise ValueError(
-                "labels= is for a list of files; an ImageFolder's come from its folders"
-            )
-        files = open_folder(str(Path(root_or_files)))
-    else:
-        paths = [os.fspath(f) for f in root_or_files]
-        if not paths:
-            raise ValueError("the list of files is empty")
-        found = [0] * len(paths) if labels is None else [int(label) for label in labels]
-        if len(found) != len(paths):
-            raise ValueError(f"{len(paths)} files but {len(found)} labels: give one per file")
-        files = ListedFiles(paths, found)
+    files = open_files(root_or_files, labels)
     return sharded_source(
         shard,
         len(files),
-        _FileLoader(files),
+        FileLoader(files),
         batch_size,
         num_outputs=2,
         shuffle=shuffle,

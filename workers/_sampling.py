@@ -37,7 +37,7 @@ import numpy as np
 from ipc.wire import Sampling
 
 from ._control import FedBatch, FeedState, SampleControl
-from ._positions import Batch, Orders, shard_batches, steps_per_epoch
+from ._positions import Batch, Order, Orders, shard_batches, steps_per_epoch
 from ._shard import Shard
 
 logger = logging.getLogger("workers")
@@ -327,6 +327,22 @@ class LoadedSamples:
     replaced: tuple[int, ...] = ()
     skipped: tuple[int, ...] = ()
     errors: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass
+class OpenedSource:
+    """A dataset opened in a worker: its size, how to load a sample, what it is."""
+
+    total: int
+    load: Callable[[int], Any]
+    num_outputs: int
+    fingerprint: str
+    #: names of the outputs, when the dataset has them (``("jpg", "cls")``)
+    names: tuple[str, ...] | None = None
+    #: the dataset's own orders (a permutation per epoch, or per turn of its stream); None: a
+    #: seeded permutation of ``[0, total)``
+    orders: Callable[[int], Order] | None = None
+    describe: Callable[[int], str] | None = None
 
 
 def sharded_source(

@@ -43,7 +43,7 @@ import numpy as np
 
 from ._epoch_order import EpochOrder
 from ._files import list_files, read_file
-from ._sampling import BatchedSamples
+from ._sampling import BatchedSamples, OpenedSource
 from ._shard import Shard
 from ._storage import RETRIES, Storage, expand_urls, local_path, storage_for
 from ._tar_index import Indexer, TarIndex, open_indexes
@@ -427,11 +427,48 @@ def sharded_tars(
     """
     from ._dali import ShardedExternalSource
 
+    opened = open_tar_source(
+        shard,
+        urls,
+        ext=ext,
+        storage_options=storage_options,
+        shuffle_window=shuffle_window,
+        ahead=ahead,
+        retries=retries,
+        seed=shard.seed - shard.index,
+        shuffle=shuffle,
+    )
+    samples = BatchedSamples(
+        shard,
+        opened.total,
+        opened.load,
+        batch_size,
+        num_outputs=opened.num_outputs,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        fingerprint=opened.fingerprint,
+        orders=opened.orders,
+    )
+    return ShardedExternalSource(samples)
+
+
+def open_tar_source(
+    shard: Shard,
+    urls: str | Sequence[str],
+    *,
+    ext: str | Sequence[str],
+    storage_options: dict[str, Any] | None,
+    shuffle_window: int | None,
+    ahead: int,
+    retries: int,
+    seed: int,
+    shuffle: bool,
+) -> OpenedSource:
+    """Check the arguments, open (index) the shards and make the loader and epoch orders."""
     wanted = parse_ext(ext)
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
-    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
-        raise ValueError(f"ahead must be an integer >= 0, got {ahead!r}")
+    for name, value, low in (("retries", retries, 0), ("ahead", ahead, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if shuffle_window is not None and (
         isinstance(shuffle_window, bool)
         or not isinstance(shuffle_window, int)
@@ -447,21 +484,12 @@ def sharded_tars(
     orders = None
     if shuffle and window < len(shards.urls):
         fingerprint += f"+window{window}"
-        seed = shard.seed - shard.index
         orders = TarOrders(shards, seed, window)
     names = [alternatives[0] for alternatives in wanted]
-    samples = BatchedSamples(
-        shard,
-        shards.total,
-        TarLoader(shards, wanted, ahead, names),
-        batch_size,
-        num_outputs=len(wanted),
-        shuffle=shuffle,
-        drop_last=drop_last,
-        fingerprint=fingerprint,
-        orders=orders,
+    load = TarLoader(shards, wanted, ahead, names)
+    return OpenedSource(
+        shards.total, load, len(wanted), fingerprint, tuple(names), orders, load.describe
     )
-    return ShardedExternalSource(samples)
 
 
 def write_tars(

@@ -1,0 +1,424 @@
+"""``sharded_mix``: datasets mixed in fixed proportions, sharded as one source. Runs in the worker.
+
+The mix, not each dataset, does the sharding: its sources are *definitions* of whole datasets
+(:class:`FilesDataset`, :class:`TarsDataset`, :class:`SamplesDataset`), opened in every worker.
+
+**A mixed epoch** of ``E`` samples takes exactly ``n_s = round(weight_s * E)`` samples from source
+``s`` (the epoch then holds ``sum(n_s)`` samples). Each source keeps a *running permutation*: its
+samples in a seeded order (its own orders: a tar source's reads a few shards at a time), followed
+by another permutation when it runs out (a small source repeats then; the worker of shard 0 logs
+when a source starts a new permutation). Epoch ``e`` takes draws ``[e * n_s, (e + 1) * n_s)`` of
+that stream: the cursor of every source at every epoch's start is ``e * n_s``, so a state needs no
+more than the epoch and position it already holds.
+
+**Interleaving**: the epoch is cut into blocks of about :data:`BLOCK` samples; block ``j`` takes
+from source ``s`` the draws ``[floor(n_s * j / B), floor(n_s * (j + 1) / B))`` (``B`` blocks), so
+every source is spread evenly over the epoch, and a seeded permutation of each block (by seed,
+epoch and block) mixes its rows. Positions are computed per position, in O(sources) each, so the
+usual planning holds: a worker plans its own shard only, resume and reshard are exact, and the
+per-source counts of an interrupted epoch are those of an uninterrupted one. Within a block a
+source's draws are consecutive in its stream, so a tar source is still read a few shards at a time.
+
+Sample ids are stable: source ``s``'s sample ``i`` is ``offset_s + i`` (sources in the order
+given), which is what the bad-sample registry, ``batch.info.skipped`` and ``skipped_names``
+(``<source>:<name>``) use. ``source_output=True`` adds a last output: each row's source, as its
+position in ``sources`` (int32).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._epoch_order import EpochOrder
+from ._files import FileLoader, open_files
+from ._positions import Order
+from ._sampling import BatchedSamples, OpenedSource
+from ._shard import Shard
+from ._storage import RETRIES
+
+logger = logging.getLogger("workers")
+
+#: Samples per block of a mixed epoch (see the module docstring).
+BLOCK = 4096
+
+_Int64s = np.ndarray[Any, np.dtype[np.int64]]
+
+
+@dataclass(frozen=True)
+class FilesDataset:
+    """An ImageFolder or a list of files (with ``labels``), as :func:`sharded_files` reads it:
+    outputs ``(encoded bytes, label)``."""
+
+    root_or_files: str | os.PathLike[str] | Sequence[str]
+    labels: Sequence[int] | None = None
+
+    def open(self, shard: Shard, seed: int) -> OpenedSource:
+        files = open_files(self.root_or_files, self.labels)
+        load = FileLoader(files)
+        return OpenedSource(
+            len(files), load, 2, files.fingerprint, ("jpg", "cls"), describe=load.describe
+        )
+
+
+@dataclass(frozen=True)
+class TarsDataset:
+    """WebDataset tar shards, as :func:`sharded_tars` reads them (the same arguments)."""
+
+    urls: str | Sequence[str]
+    ext: str | Sequence[str] = ("jpg", "cls")
+    storage_options: Mapping[str, Any] | None = None
+    shuffle_window: int | None = None
+    ahead: int = 2
+    retries: int = RETRIES
+
+    def open(self, shard: Shard, seed: int) -> OpenedSource:
+        from ._tars import open_tar_source
+
+        return open_tar_source(
+            shard,
+            self.urls,
+            ext=self.ext,
+            storage_options=dict(self.storage_options or {}),
+            shuffle_window=self.shuffle_window,
+            ahead=self.ahead,
+            retries=self.retries,
+            seed=seed,
+            shuffle=True,
+        )
+
+
+@dataclass(frozen=True)
+class SamplesDataset:
+    """``total`` samples made by ``load(index)``, as :func:`sharded_source` takes them.
+    ``names``: the outputs' names, checked against the other sources' when given."""
+
+    total: int
+    load: Callable[[int], Any]
+    num_outputs: int = 1
+    fingerprint: str | None = None
+    names: tuple[str, ...] | None = None
+
+    def open(self, shard: Shard, seed: int) -> OpenedSource:
+        if isinstance(self.total, bool) or not isinstance(self.total, int) or self.total < 1:
+            raise ValueError(f"total must be a positive number of samples, got {self.total!r}")
+        describe = getattr(self.load, "describe", None)
+        return OpenedSource(
+            self.total,
+            self.load,
+            self.num_outputs,
+            self.fingerprint or "",
+            self.names,
+            describe=describe,
+        )
+
+
+Dataset = FilesDataset | TarsDataset | SamplesDataset
+
+
+class MixPlan:
+    """Where each source's draws of an epoch lie (see the module docstring): pure arithmetic
+    over the per-epoch counts, the same in every worker."""
+
+    def __init__(self, counts: Sequence[int]) -> None:
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.total = int(self.counts.sum())
+        self.blocks = max(1, math.ceil(self.total / BLOCK))
+
+    def starts(self, blocks: _Int64s) -> _Int64s:
+        """Where blocks ``blocks`` start, per source (shape ``(len(blocks), sources)``)."""
+        taken: _Int64s = (self.counts[None, :] * blocks[:, None]) // self.blocks
+        return taken
+
+    def block_of(self, positions: _Int64s) -> _Int64s:
+        """The block of each position (blocks start at ``sum(starts)``, increasing)."""
+        low = np.clip(positions * self.blocks // max(1, self.total) - 2, 0, self.blocks)
+        high = np.clip(low + 5, 0, self.blocks)
+        candidates = np.arange(int(low.min()), int(high.max()) + 1, dtype=np.int64)
+        firsts = self.starts(candidates).sum(axis=1)
+        found: _Int64s = candidates[np.searchsorted(firsts, positions, side="right") - 1]
+        return found
+
+
+class MixOrder:
+    """The stable sample ids at positions of one mixed epoch."""
+
+    def __init__(self, mix: Mixture, epoch: int) -> None:
+        self.mix, self.epoch = mix, epoch
+
+    def draws(self, positions: np.ndarray[Any, Any]) -> tuple[_Int64s, _Int64s]:
+        """(source, draw in this epoch) of each position."""
+        mix, plan = self.mix, self.mix.plan
+        positions = np.asarray(positions, dtype=np.int64)
+        blocks = plan.block_of(positions)
+        sources = np.empty_like(positions)
+        draws = np.empty_like(positions)
+        for block in np.unique(blocks).tolist():
+            chosen = blocks == block
+            edges = plan.starts(np.array([block, block + 1], dtype=np.int64))
+            taken = edges[1] - edges[0]  # draws of each source in this block
+            first = int(edges[0].sum())
+            key = np.random.SeedSequence([mix.seed, self.epoch, block]).generate_state(1)
+            rows = EpochOrder(int(taken.sum()), self.epoch, int(key[0]), mix.shuffle).at(
+                positions[chosen] - first
+            )
+            bounds = np.cumsum(taken)
+            source = np.searchsorted(bounds, rows, side="right")
+            sources[chosen] = source
+            draws[chosen] = edges[0][source] + rows - (bounds[source] - taken[source])
+        return sources, draws
+
+    def at(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        sources, draws = self.draws(positions)
+        ids = np.empty_like(sources)
+        for source in np.unique(sources).tolist():
+            chosen = sources == source
+            stream = self.epoch * int(self.mix.plan.counts[source]) + draws[chosen]
+            ids[chosen] = self.mix.offsets[source] + self.mix.stream_samples(source, stream)
+        return ids
+
+
+@dataclass
+class Mixture:
+    """The opened sources of a mix and its per-epoch counts."""
+
+    names: list[str]
+    sources: list[OpenedSource]
+    plan: MixPlan
+    seed: int
+    shuffle: bool
+    offsets: _Int64s = field(init=False)
+    _orders: dict[tuple[int, int], Order] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        sizes = [source.total for source in self.sources]
+        self.offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(sizes)])
+
+    def source_seed(self, source: int) -> int:
+        return source_seed(self.seed, self.names[source])
+
+    def order(self, source: int, turn: int) -> Order:
+        """Source ``source``'s permutation number ``turn`` of its running stream."""
+        key = (source, turn)
+        order = self._orders.get(key)
+        if order is None:
+            opened, seed = self.sources[source], self.source_seed(source)
+            if opened.orders is not None and self.shuffle:
+                order = opened.orders(turn)
+            else:
+                order = EpochOrder(opened.total, turn, seed, self.shuffle)
+            if len(self._orders) > 4 * len(self.sources):
+                self._orders.clear()
+            self._orders[key] = order
+        return order
+
+    def stream_samples(self, source: int, stream: _Int64s) -> _Int64s:
+        """The samples of ``source`` at positions ``stream`` of its running stream."""
+        total = self.sources[source].total
+        turns = stream // total
+        found = np.empty_like(stream)
+        for turn in np.unique(turns).tolist():
+            chosen = turns == turn
+            found[chosen] = self.order(source, turn).at(stream[chosen] - turn * total)
+        return found
+
+    def source_of(self, ids: np.ndarray[Any, Any]) -> _Int64s:
+        found: _Int64s = np.searchsorted(self.offsets, ids, side="right") - 1
+        return found
+
+
+class MixLoader:
+    """``load(index)`` of a mix: the source's sample (and, with ``source_output``, the source)."""
+
+    def __init__(self, mix: Mixture, source_output: bool) -> None:
+        self.mix, self.source_output = mix, source_output
+        self._labels = [np.full(1, k, dtype=np.int32) for k in range(len(mix.sources))]
+
+    def _split(self, index: int) -> tuple[int, int]:
+        source = int(self.mix.source_of(np.array([index]))[0])
+        return source, index - int(self.mix.offsets[source])
+
+    def __call__(self, index: int) -> Any:
+        source, sample = self._split(index)
+        loaded = self.mix.sources[source].load(sample)
+        outputs = loaded if isinstance(loaded, tuple) else (loaded,)
+        if self.source_output:
+            outputs = (*outputs, self._labels[source])
+        return outputs if len(outputs) > 1 else outputs[0]
+
+    def describe(self, index: int) -> str:
+        source, sample = self._split(index)
+        describe = self.mix.sources[source].describe
+        return f"{self.mix.names[source]}:{sample if describe is None else describe(sample)}"
+
+    def expect(self, epoch: int, ids: Sequence[np.ndarray[Any, Any]]) -> None:
+        """Hand each source that reads ahead its part of the epoch's batches."""
+        for source, opened in enumerate(self.mix.sources):
+            expect = getattr(opened.load, "expect", None)
+            if expect is None:
+                continue
+            first, last = self.mix.offsets[source], self.mix.offsets[source + 1]
+            expect(epoch, [chunk[(chunk >= first) & (chunk < last)] - first for chunk in ids])
+
+    def passed(self, epoch: int, step: int) -> None:
+        for opened in self.mix.sources:
+            passed = getattr(opened.load, "passed", None)
+            if passed is not None:
+                passed(epoch, step)
+
+
+def source_seed(seed: int, name: str) -> int:
+    """The seed of source ``name``'s permutations: the loader's seed and the source's name."""
+    digest = hashlib.sha256(f"{seed}\0{name}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+def mix_counts(weights: Mapping[str, float], names: Sequence[str], epoch_size: int) -> list[int]:
+    """``round(weight * epoch_size)`` per source (halves up), weights normalised to sum 1."""
+    total = float(sum(weights[name] for name in names))
+    return [math.floor(weights[name] / total * epoch_size + 0.5) for name in names]
+
+
+def _check_weights(names: list[str], weights: Mapping[str, float]) -> None:
+    if set(weights) != set(names):
+        missing, extra = set(names) - set(weights), set(weights) - set(names)
+        raise ValueError(
+            f"weights must name every source once: missing {sorted(missing)}, "
+            f"unknown {sorted(extra)}"
+        )
+    for name, weight in weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"the weight of {name!r} must be a number > 0, got {weight!r}")
+
+
+def _check_outputs(names: list[str], sources: list[OpenedSource]) -> None:
+    """Every source gives the same outputs as the first: count, names, dtypes and ranks."""
+
+    def outputs(k: int) -> list[np.ndarray[Any, Any]]:
+        loaded = sources[k].load(0)
+        return [np.asarray(a) for a in (loaded if isinstance(loaded, tuple) else (loaded,))]
+
+    first = outputs(0)
+    for k in range(1, len(sources)):
+        if sources[k].num_outputs != sources[0].num_outputs:
+            raise ValueError(
+                f"source {names[k]!r} gives {sources[k].num_outputs} outputs but "
+                f"{names[0]!r} gives {sources[0].num_outputs}: every source of a mix must give "
+                "the same outputs"
+            )
+        if (
+            None not in (sources[k].names, sources[0].names)
+            and sources[k].names != sources[0].names
+        ):
+            raise ValueError(
+                f"source {names[k]!r} gives outputs {sources[k].names} but {names[0]!r} gives "
+                f"{sources[0].names}"
+            )
+        for column, (mine, theirs) in enumerate(zip(outputs(k), first, strict=True)):
+            if mine.dtype != theirs.dtype or mine.ndim != theirs.ndim:
+                raise ValueError(
+                    f"output {column} of source {names[k]!r} is {mine.dtype} of rank {mine.ndim} "
+                    f"but {names[0]!r} gives {theirs.dtype} of rank {theirs.ndim}: every source "
+                    "of a mix must give the same outputs"
+                )
+
+
+def sharded_mix(
+    shard: Shard,
+    sources: Mapping[str, Dataset],
+    *,
+    weights: Mapping[str, float],
+    batch_size: int,
+    epoch_size: int | None = None,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    source_output: bool = False,
+) -> Any:
+    """An ``ndd.ExternalSource`` root over datasets mixed in fixed proportions.
+
+    ``sources``: name -> dataset definition (:class:`FilesDataset`, :class:`TarsDataset`,
+    :class:`SamplesDataset`); ``weights``: name -> a positive weight (normalised). Each epoch of
+    ``epoch_size`` samples (default: all the sources' samples together) takes exactly
+    ``round(weight * epoch_size)`` of each source, without replacement from that source's running
+    permutation (see the module docstring). The same guarantees as :func:`sharded_source`.
+    """
+    from ._dali import ShardedExternalSource
+
+    if not isinstance(sources, Mapping) or not sources:
+        raise ValueError("sources must be a non-empty dict of name -> dataset")
+    names = list(sources)
+    for name, dataset in sources.items():
+        if not isinstance(dataset, (FilesDataset, TarsDataset, SamplesDataset)):
+            raise TypeError(
+                f"source {name!r} must be a FilesDataset, TarsDataset or SamplesDataset "
+                f"(a dataset's definition, not a per-shard source), got {type(dataset).__name__}"
+            )
+    _check_weights(names, weights)
+    seed = shard.seed - shard.index
+    opened = [sources[name].open(shard, source_seed(seed, name)) for name in names]
+    _check_outputs(names, opened)
+    size = sum(source.total for source in opened) if epoch_size is None else epoch_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"epoch_size must be a positive number of samples, got {epoch_size!r}")
+    counts = mix_counts(weights, names, size)
+    if min(counts) < 1:
+        empty = [name for name, count in zip(names, counts, strict=True) if count < 1]
+        raise ValueError(
+            f"an epoch of {size} samples takes none from {empty}: raise epoch_size or their weights"
+        )
+    mix = Mixture(names, opened, MixPlan(counts), seed, shuffle)
+    digest = hashlib.sha256()
+    for name, source, count in zip(names, opened, counts, strict=True):
+        digest.update(f"{name}\0{source.total}\0{source.fingerprint}\0{count}\n".encode())
+    if shard.index == 0:
+        _log_turns(mix, shard.epoch)
+    samples = BatchedSamples(
+        shard,
+        mix.plan.total,
+        MixLoader(mix, source_output),
+        batch_size,
+        num_outputs=opened[0].num_outputs + int(source_output),
+        shuffle=True,  # (the order is the mix's: ``shuffle`` is applied there)
+        drop_last=drop_last,
+        fingerprint=f"mix:{digest.hexdigest()[:16]}",
+        orders=_MixOrders(mix),
+    )
+    return ShardedExternalSource(samples)
+
+
+class _MixOrders:
+    def __init__(self, mix: Mixture) -> None:
+        self.mix = mix
+
+    def __call__(self, epoch: int) -> MixOrder:
+        return MixOrder(self.mix, epoch)
+
+
+def _log_turns(mix: Mixture, epoch: int) -> None:
+    """Say which sources run through their samples more than once per epoch (or will)."""
+    for name, source, count in zip(mix.names, mix.sources, mix.plan.counts.tolist(), strict=True):
+        if count > source.total:
+            logger.info(
+                "mix: source %r (%d samples) gives %d per epoch: it repeats, a new permutation "
+                "every %.2f epochs",
+                name,
+                source.total,
+                count,
+                source.total / count,
+            )
+        elif count * (epoch + 1) > source.total:
+            logger.info(
+                "mix: source %r (%d samples, %d per epoch) starts a new permutation every %.2f "
+                "epochs",
+                name,
+                source.total,
+                count,
+                source.total / count,
+            )
