@@ -153,3 +153,18 @@ def test_window_orders_read_a_few_shards_at_a_time(tmp_path: Path) -> None:
         shards = [i // 8 for i in ids]
         changes = sum(1 for a, b in itertools.pairwise(shards) if a != b)
         assert len(set(shards)) == 4 and changes == 3  # 4 whole shards, one after another
+
+
+def test_a_worker_killed_mid_shard_is_replaced_and_the_epoch_stays_exact(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    T.write_id_tars(tmp_path, TOTAL, 7)
+    urls = str(tmp_path / "train-{000..004}.tar")
+    with loader_over(urls, shuffle_window=2, max_restarts=1) as loader:
+        iterator = iter(loader)
+        seen = real(next(iterator), "id") + real(next(iterator), "id")
+        os.kill(loader.worker_pids()[1], signal.SIGKILL)
+        seen += [i for batch in iterator for i in real(batch, "id")]
+        assert loader.stats().restarts == 1
+    assert sorted(seen) == list(range(TOTAL))
