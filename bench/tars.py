@@ -1,0 +1,154 @@
+"""``sharded_tars`` next to ``sharded_files``: ``python -m bench.tars [--rounds N]``.
+
+The images workload (decode, random resized crop 224, flip, normalize; batches of 64; the 512
+sample images) through the loader, W=2, capture, over the same images kept four ways:
+
+* ``sharded_files``: the ImageFolder, one file per image;
+* ``tars local``: WebDataset shards of 64 images (``python -m loader.tars``), one permutation of
+  the whole dataset, each sample one ``pread``;
+* ``tars local w=2``: the same shards shuffled two at a time (the remote order, read locally);
+* ``tars s3 w=2``: the same shards in an S3 bucket served by moto's server on 127.0.0.1 (a
+  separate process), read through s3fs: per worker one ranged GET per shard, fetched ahead.
+
+The contenders run in turn, ``--rounds`` times (the order rotating), and the table shows each
+one's median batches/s, workers' CPU per batch (every worker process, all threads) and first
+batch of an epoch, and its ratio to ``sharded_files`` in the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import _sources as S
+from bench.files import BATCH, Run, measure
+from loader import Shard, ensure_sample_dataset, sharded_tars, write_tars
+
+BUCKET = "bench-shards"
+
+
+def tars_source(shard: Shard, urls: str, window: int | None, options: dict[str, Any] | None) -> Any:
+    return sharded_tars(
+        shard,
+        urls,
+        batch_size=BATCH,
+        ext=("jpg", "cls"),
+        shuffle_window=window,
+        storage_options=options,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _serve(shards: list[Path]) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """moto's S3 server in its own process, with ``shards`` uploaded."""
+    import boto3
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+        region_name="us-east-1",
+    )
+    try:
+        for _ in range(100):
+            try:
+                client.create_bucket(Bucket=BUCKET)
+                break
+            except Exception:  # not listening yet
+                time.sleep(0.1)
+        for path in shards:
+            client.upload_file(str(path), BUCKET, path.name)
+    finally:
+        client.close()
+    options = {
+        "key": "bench",
+        "secret": "bench",
+        "endpoint_url": endpoint,
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    return server, options
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tars", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every contender")
+    parser.add_argument("--epochs", type=int, default=4, help="timed epochs per run")
+    parser.add_argument("--threads", type=int, default=None, help="total DALI threads (CPUs)")
+    args = parser.parse_args(argv)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    root = str(ensure_sample_dataset())
+    with tempfile.TemporaryDirectory() as directory:
+        shards = write_tars(root, directory, samples_per_shard=64)
+        local = f"{directory}/train-{{000000..{len(shards) - 1:06d}}}.tar"
+        server, options = _serve(shards)
+        try:
+            remote = f"s3://{BUCKET}/train-{{000000..{len(shards) - 1:06d}}}.tar"
+            contenders = {
+                "sharded_files": functools.partial(S.files_source, root=root, batch_size=BATCH),
+                "tars local": functools.partial(tars_source, urls=local, window=None, options=None),
+                "tars local w=2": functools.partial(
+                    tars_source, urls=local, window=2, options=None
+                ),
+                "tars s3 w=2": functools.partial(
+                    tars_source, urls=remote, window=2, options=options
+                ),
+            }
+            runs: dict[str, list[Run]] = {name: [] for name in contenders}
+            ratios: dict[str, list[float]] = {name: [] for name in contenders}
+            for round_number in range(args.rounds):
+                names = list(contenders)
+                names = names[round_number % len(names) :] + names[: round_number % len(names)]
+                done = {name: measure(contenders[name], args.epochs, threads) for name in names}
+                for name, run in done.items():
+                    runs[name].append(run)
+                    ratios[name].append(
+                        run.batches_per_second / done["sharded_files"].batches_per_second
+                    )
+                print(
+                    f"round {round_number}: "
+                    + ", ".join(f"{n} {r.batches_per_second:.2f}" for n, r in done.items()),
+                    flush=True,
+                )
+        finally:
+            server.kill()
+            server.wait()
+    print(
+        f"\n{'contender':<15} {'batches/s':>9} {'vs files':>8} {'worker CPU ms/batch':>19} "
+        f"{'1st batch ms':>12}"
+    )
+    for name, made in runs.items():
+        print(
+            f"{name:<15} {statistics.median(r.batches_per_second for r in made):>9.2f} "
+            f"{statistics.median(ratios[name]):>8.2f} "
+            f"{statistics.median(r.worker_cpu_ms for r in made):>19.1f} "
+            f"{statistics.median(r.first_batch_ms for r in made):>12.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
