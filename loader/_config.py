@@ -19,6 +19,7 @@ from typing import Any
 from workers import Shard, WorkerSpec
 
 from . import _env
+from ._autotune import Layout, first_layout
 from ._validate import check_choice, check_importable, check_positive_int
 
 OUTPUTS = ("numpy", "torch", "cupy")
@@ -86,6 +87,11 @@ class LoaderConfig:
     placement_source: str = "arguments"
     num_threads_given: bool = True  # False: num_threads follows the placement
     trace: str | None = None  # where close() writes the trace (Chrome trace-event JSON)
+    #: num_workers="auto" / num_threads="auto": the loader chooses them (see loader._autotune)
+    workers_auto: bool = False
+    threads_auto: bool = False
+    memory_limit: int | None = None  # bytes this rank's workers may hold (with "auto")
+    cpus: int = 1  # the CPUs this rank's workers share (affinity / local ranks and xdist peers)
 
     @classmethod
     def build(
@@ -115,11 +121,14 @@ class LoaderConfig:
         max_skipped: Any = None,
         in_order: Any = True,
         trace: Any = None,
+        memory_limit: Any = None,
     ) -> LoaderConfig:
         """Validate the constructor's arguments (``TypeError``/``ValueError`` that say what to
         change) and discover rank, GPU and thread budget."""
         batch_size = check_positive_int(batch_size, "batch_size")
-        num_workers = check_positive_int(num_workers, "num_workers")
+        workers_auto, threads_auto = _is_auto(num_workers), _is_auto(num_threads)
+        if not workers_auto:
+            num_workers = _check_count(num_workers, "num_workers")
         prefetch = check_positive_int(prefetch, "prefetch")
         output = check_choice(output, "output", OUTPUTS)
         device = check_choice(device, "device", DEVICES)
@@ -127,8 +136,8 @@ class LoaderConfig:
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         timeout = check_seconds(timeout, "timeout", optional=True)
         startup_timeout = check_seconds(startup_timeout, "startup_timeout", optional=False)
-        if num_threads is not None:
-            check_positive_int(num_threads, "num_threads")
+        if num_threads is not None and not threads_auto:
+            _check_count(num_threads, "num_threads")
         if shm_limit is not None:
             check_positive_int(shm_limit, "shm_limit")
         max_restarts = check_positive_int(max_restarts, "max_restarts", minimum=0)
@@ -146,6 +155,20 @@ class LoaderConfig:
             raise ValueError("output='cupy' needs device='gpu'")
         placement = _env.discover_placement(rank, world_size)
         device_id = _check_device(device, output, device_id, placement)
+        cpus = _env.cpu_budget(placement.local_world_size)
+        if workers_auto or threads_auto:
+            memory_limit = _env.memory_budget(memory_limit, placement.local_world_size)
+            guess = first_layout(
+                cpus,
+                None if workers_auto else num_workers,
+                None if threads_auto else num_threads,
+            )
+            num_workers, num_threads = guess.workers, guess.threads
+        elif memory_limit is not None:
+            raise ValueError(
+                "memory_limit= is the memory budget of num_workers='auto' or "
+                "num_threads='auto'; drop it, or pass num_workers='auto'"
+            )
         return cls(
             source=source,
             step=step,
@@ -173,8 +196,12 @@ class LoaderConfig:
             max_skipped=max_skipped,
             in_order=bool(in_order),
             placement_source=placement.source,
-            num_threads_given=num_threads is not None,
+            num_threads_given=num_threads is not None and not threads_auto,
             trace=trace,
+            workers_auto=workers_auto,
+            threads_auto=threads_auto,
+            memory_limit=memory_limit,
+            cpus=cpus,
         )
 
     @property
@@ -186,7 +213,7 @@ class LoaderConfig:
     def placed(self, placement: _env.Placement) -> LoaderConfig:
         """This configuration at another rank and world size (a settled placement)."""
         num_threads = self.num_threads
-        if not self.num_threads_given:
+        if not (self.num_threads_given or self.workers_auto or self.threads_auto):
             num_threads = _env.default_num_threads(self.num_workers, placement.local_world_size)
         return dataclasses.replace(
             self,
@@ -195,7 +222,16 @@ class LoaderConfig:
             local_world_size=placement.local_world_size,
             placement_source=placement.source,
             num_threads=num_threads,
+            cpus=_env.cpu_budget(placement.local_world_size),
         )
+
+    def with_layout(self, layout: Layout) -> LoaderConfig:
+        """This configuration with another number of workers and DALI threads each."""
+        return dataclasses.replace(self, num_workers=layout.workers, num_threads=layout.threads)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.num_workers, self.num_threads)
 
     @property
     def num_slots(self) -> int:
@@ -245,15 +281,35 @@ class LoaderConfig:
         # a default thread count follows each machine's CPUs: only a given one must agree
         return {
             "batch_size": self.batch_size,
-            "num_workers": self.num_workers,
+            "num_workers": "auto" if self.workers_auto else self.num_workers,
             "seed": self.seed,
             "capture": self.capture,
             "device": self.device,
-            "num_threads": self.num_threads if self.num_threads_given else "default",
+            "num_threads": "auto"
+            if self.threads_auto
+            else self.num_threads
+            if self.num_threads_given
+            else "default",
             "prefetch": self.prefetch,
             "output": self.output,
             "on_error": self.on_error,
         }
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def _check_count(value: Any, name: str) -> int:
+    """A positive int, or a clear error that also names "auto"."""
+    if isinstance(value, str):
+        raise ValueError(f"{name} must be a positive int or 'auto', got {value!r}")
+    try:
+        return check_positive_int(value, name)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a positive int or 'auto', got {type(value).__name__} ({value!r})"
+        ) from None
 
 
 def check_trace_path(path: Any) -> str | None:

@@ -110,13 +110,54 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def default_num_threads(num_workers: int, local_world_size: int = 1) -> int:
-    """DALI threads per worker: this process's CPUs split among workers, ranks and xdist peers."""
-    sharers = max(1, local_world_size)
+def sharers(local_world_size: int = 1) -> int:
+    """Processes that share this machine's CPUs and memory with this one: the local ranks, times
+    the pytest-xdist workers when under xdist."""
+    count = max(1, local_world_size)
     xdist = _env_int("PYTEST_XDIST_WORKER_COUNT")
     if xdist is not None and xdist > 1:
-        sharers *= xdist
-    return max(1, usable_cpus() // (sharers * max(1, num_workers)))
+        count *= xdist
+    return count
+
+
+def cpu_budget(local_world_size: int = 1) -> int:
+    """CPUs this rank's workers may use: this process's affinity split among its sharers."""
+    return max(1, usable_cpus() // sharers(local_world_size))
+
+
+def default_num_threads(num_workers: int, local_world_size: int = 1) -> int:
+    """DALI threads per worker: this process's CPUs split among workers, ranks and xdist peers."""
+    return max(1, cpu_budget(local_world_size) // max(1, num_workers))
+
+
+#: The memory budget of ``num_workers="auto"`` when ``memory_limit`` is not given: this share
+#: of the memory available when the Loader is made.
+DEFAULT_MEMORY_FRACTION = 0.5
+
+
+def memory_budget(limit: int | float | None, local_world_size: int = 1) -> int:
+    """Bytes this rank's workers may hold: ``limit`` bytes, or a fraction (0, 1] of the memory
+    available now split among this machine's sharers (None: :data:`DEFAULT_MEMORY_FRACTION`)."""
+    if limit is None:
+        limit = DEFAULT_MEMORY_FRACTION
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+        raise TypeError(
+            "memory_limit must be a number of bytes (int) or a fraction of the available "
+            f"memory (float in (0, 1]), got {type(limit).__name__} ({limit!r})"
+        )
+    if isinstance(limit, int):
+        if limit < 1:
+            raise ValueError(f"memory_limit must be a positive number of bytes, got {limit}")
+        return limit
+    if not 0.0 < limit <= 1.0:
+        raise ValueError(
+            "memory_limit as a float is a fraction of the available memory, in (0, 1]; got "
+            f"{limit!r} (pass an int for bytes, e.g. memory_limit=8 * 2**30)"
+        )
+    import psutil
+
+    available = int(psutil.virtual_memory().available)
+    return max(1, int(available * limit) // sharers(local_world_size))
 
 
 def default_device_id(placement: Placement, visible_gpus: int) -> int:

@@ -18,6 +18,7 @@ coordinator (:mod:`loader._coordinator`); the state arithmetic is :mod:`loader._
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -30,7 +31,8 @@ from typing import Any
 from ipc.wire import Position, Sampling
 from workers import Shard
 
-from . import _checkpoint, _distributed, _env, _ranks, _trace
+from . import _autotune, _checkpoint, _distributed, _ranks, _trace
+from ._autotune import Autotuner, AutotuneReport
 from ._checkpoint import Resume
 from ._config import LoaderConfig
 from ._coordinator import Coordinator
@@ -46,7 +48,7 @@ from ._views import build_batch, current_stream, register_pytree_nodes
 
 logger = logging.getLogger("loader")
 
-__all__ = ["Diagnosis", "Loader", "LoaderStats", "WorkerStats"]
+__all__ = ["AutotuneReport", "Diagnosis", "Loader", "LoaderStats", "WorkerStats"]
 
 
 class Loader:
@@ -64,11 +66,11 @@ class Loader:
         step: Callable[..., Any],
         *,
         batch_size: int,
-        num_workers: int = 2,
+        num_workers: int | str = 2,
         feeders: Callable[[Shard], Mapping[str, Any]] | None = None,
         device: str = "cpu",
         device_id: int | None = None,
-        num_threads: int | None = None,
+        num_threads: int | str | None = None,
         prefetch: int = 2,
         output: str = "numpy",
         copy: bool = False,
@@ -85,6 +87,7 @@ class Loader:
         max_skipped: int | None = None,
         in_order: bool = True,
         trace: str | os.PathLike[str] | None = None,
+        memory_limit: int | float | None = None,
     ) -> None:
         arguments = {k: v for k, v in locals().items() if k not in ("self", "source", "step")}
         self._closed = True  # until the pool is up; close() must work on a half-built loader
@@ -92,6 +95,10 @@ class Loader:
         self._finalizer: weakref.finalize[Any, Any] | None = None
         check_not_importing_main()
         config = LoaderConfig.build(source, step, **arguments)
+        self._autotuner = _make_autotuner(config)
+        if self._autotuner is not None:
+            config = config.with_layout(self._autotuner.layout)
+        self._next_layout: _autotune.Layout | None = None  # decided, applied between epochs
         self._epoch = 0
         self._current: EpochIterator | None = None
         self._kind: str | None = None
@@ -102,9 +109,12 @@ class Loader:
         self._resume: Resume | None = None  # a loaded state, until its epoch is over
         self._resume_steps: list[int] = []  # batches each worker has left in that epoch
         self._launch(config)
+        if self._autotuner is not None:
+            self._fit_memory(self._autotuner)
 
-    def _launch(self, config: LoaderConfig) -> None:
-        """Start ``config``'s workers and wait until each is ready (raises, closed, if not)."""
+    def _launch(self, config: LoaderConfig, *, relaunch: bool = False) -> None:
+        """Start ``config``'s workers and wait until each is ready (raises, closed, if not).
+        ``relaunch``: a new layout of an open loader at an epoch boundary (num_workers="auto")."""
         self.config = config
         if config.output == "torch":
             register_pytree_nodes()
@@ -134,6 +144,8 @@ class Loader:
         except BaseException:
             self.close()
             raise
+        if relaunch:
+            return
         self._counters.ready_at = time.monotonic()
         self._counters.startup_wait_ns = coordinator.wait_ns
         if config.on_error == "skip" or config.max_restarts:
@@ -232,6 +244,7 @@ class Loader:
         expects of a shorter epoch). :meth:`remaining` gives the batches left.
         """
         self._settle()
+        self._apply_layout()
         resume = self._resume
         if resume is not None and resume.epoch == self._active_epoch():
             return resume.epoch_length(self._epoch_length(), sum(self._resume_steps))
@@ -241,6 +254,7 @@ class Loader:
         """Batches still to come in the epoch in progress (between epochs: in the next one,
         which is shorter than ``len()`` after :meth:`load_state_dict`)."""
         self._settle()
+        self._apply_layout()
         current = self._current
         if current is not None and current.in_progress:
             if current.expected is None:
@@ -316,7 +330,8 @@ class Loader:
         ``ValueError`` naming the field, before any worker does anything; ``strict=False``
         resumes over a dataset whose fingerprint differs with a warning instead.
         """
-        coordinator = self._settle()
+        self._settle()
+        coordinator = self._apply_layout()
         config = self.config
         resume = _checkpoint.parse_state(
             state,
@@ -393,8 +408,9 @@ class Loader:
         if current is not None and current.finished and not self.closed:
             # an epoch over by count: its end (with the workers' counters) is on its way
             coordinator.finish_epoch()
-        cpus = _env.default_num_threads(1, self.config.local_world_size)
-        return coordinator.stats(self._counters, float(window), cpus)
+        stats = coordinator.stats(self._counters, float(window), self.config.cpus)
+        tuner = self._autotuner
+        return stats if tuner is None else dataclasses.replace(stats, autotune=tuner.report())
 
     def diagnose(self, window: float = 30.0) -> Diagnosis:
         """Is the input pipeline the bottleneck? Over the last ``window`` seconds of iteration
@@ -437,7 +453,8 @@ class Loader:
     # ------------------------------------------------------------------------------ epochs
     def _start(self, run: EpochIterator) -> Coordinator:
         """The first ``next()`` of ``run``: settle the rank, start the epoch in every worker."""
-        coordinator = self._settle()
+        self._settle()
+        coordinator = self._apply_layout()
         if not self._checks.configuration_checked and _distributed.group_size() > 1:
             self._check_configuration()
         run.epoch = epoch = self._epoch
@@ -458,9 +475,66 @@ class Loader:
         run.join_accelerate()
         return coordinator
 
+    def _epoch_over(self, run: EpochIterator) -> None:
+        """``run`` handed out its last batch: with num_workers="auto", measure it and decide
+        the next epoch's layout (a collective under torch.distributed: every rank ends an
+        epoch at the same step). The new workers start at the next ``len()``/``iter()`` step,
+        before any worker hears of that epoch."""
+        tuner = self._autotuner
+        if tuner is None or run.replaced:
+            return
+        config = self.config
+        was_settled = tuner.settled
+        decision = _autotune.after_epoch(
+            tuner, self._timeline, self._require_open().sessions, config, run.epoch
+        )
+        if decision is None:
+            return
+        if decision.changed:
+            logger.info(
+                "num_workers='auto': epoch %d runs %s (was %s): %s",
+                run.epoch + 1,
+                decision.layout,
+                config.layout,
+                decision.reason,
+            )
+            self._next_layout = decision.layout
+        elif decision.settled and not was_settled:
+            logger.info("num_workers='auto': %s", decision.reason)
+
+    def _apply_layout(self) -> Coordinator:
+        """Between epochs, the layout num_workers="auto" decided (a new pool), if any."""
+        coordinator = self._require_open()
+        current = self._current
+        if self._next_layout is None or (current is not None and current.in_progress):
+            return coordinator
+        layout, self._next_layout = self._next_layout, None
+        return self._relaunch(coordinator, layout)
+
+    def _fit_memory(self, tuner: Autotuner) -> None:
+        """Before the first epoch: fewer workers when those started are over the memory
+        budget of num_workers="auto" (a collective under torch.distributed)."""
+        decision = _autotune.at_start(tuner, self._require_open().sessions, self.config)
+        if decision.changed:
+            logger.info(
+                "num_workers='auto': starting with %s: %s", decision.layout, decision.reason
+            )
+            self._relaunch(self._require_open(), decision.layout)
+
+    def _relaunch(self, coordinator: Coordinator, layout: _autotune.Layout) -> Coordinator:
+        """Close this pool (its processes and shared memory) and start one of ``layout``
+        between two epochs; the next epoch's shards follow the new layout."""
+        waited = coordinator.wait_ns - self._counters.startup_wait_ns
+        if self._finalizer is not None:
+            self._finalizer()
+        self._launch(self.config.with_layout(layout), relaunch=True)
+        fresh = self._require_open()
+        self._counters.startup_wait_ns = fresh.wait_ns - waited
+        return fresh
+
     def _next(self, run: EpochIterator) -> Any:
         entered = time.perf_counter_ns()
-        coordinator = self._require_open()
+        coordinator = first = self._require_open()
         polled = coordinator.wait_ns
         if run.replaced:
             raise RuntimeError(
@@ -469,6 +543,8 @@ class Loader:
             )
         if not run.started:
             coordinator = self._start(run)
+            if coordinator is not first:  # relaunched: the old pool's waits, then the new one's
+                polled -= first.wait_ns
         delivery = None
         if not run.finished and (run.expected is None or run.delivered < run.expected):
             coordinator.wait_signatures()
@@ -478,18 +554,23 @@ class Loader:
                 self._collective(lambda: self._checks.traced(fields))
             delivery = coordinator.next_batch()
         if delivery is None:  # over (or nothing left: a state saved at its epoch's end)
-            if not run.finished:
+            over = not run.finished
+            if over:
                 run.finished = True
                 self._counters.last_batch_at = time.monotonic()
             run.leave_accelerate()
             waited = self._require_open().wait_ns - polled
             self._timeline.next_call(entered, waited, run.epoch, -1, -1)
+            if over:
+                self._epoch_over(run)
             raise StopIteration
         run.handed_out()
         info = delivery.info
         batch = self._hand_out(coordinator, delivery)
         waited = coordinator.wait_ns - polled
         self._timeline.next_call(entered, waited, info.epoch, info.step, info.worker)
+        if run.finished:
+            self._epoch_over(run)
         return batch
 
     def _hand_out(self, coordinator: Coordinator, delivery: Delivery) -> Any:
@@ -581,3 +662,22 @@ class Loader:
         if self._closed or coordinator is None or coordinator.pool.closed:
             raise LoaderClosedError("the loader is closed")
         return coordinator
+
+
+def _make_autotuner(config: LoaderConfig) -> Autotuner | None:
+    """The layout search of num_workers="auto" / num_threads="auto" (None without either). With
+    a process group up every rank starts from the same guess: the smallest budgets of all."""
+    if not (config.workers_auto or config.threads_auto):
+        return None
+    cpus, memory_limit = config.cpus, config.memory_limit or 0
+    gathered = _distributed.gather({"cpus": cpus, "memory_limit": memory_limit})
+    if gathered is not None:
+        cpus = min(int(g["cpus"]) for g in gathered)
+        memory_limit = min(int(g["memory_limit"]) for g in gathered)
+    follows = config.workers_auto and not config.num_threads_given
+    return Autotuner(
+        cpus=cpus,
+        memory_limit=memory_limit,
+        workers=None if config.workers_auto else config.num_workers,
+        threads=None if config.threads_auto or follows else config.num_threads,
+    )

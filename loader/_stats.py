@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ipc import wire
 
+from ._autotune import AutotuneReport
 from ._session import WorkerSession
 
 #: A worker's stages, in the order a batch goes through them (see ``wire.StageTimes``).
@@ -116,6 +117,8 @@ class LoaderStats:
     #: (the traced first batch left out)
     window_seconds: float = 0.0
     cpus: int = 1  # the CPUs this rank's workers share (affinity / local ranks and xdist peers)
+    #: with num_workers="auto" / num_threads="auto": the layout chosen and why
+    autotune: AutotuneReport | None = None
 
     @property
     def samples_per_second(self) -> float:
