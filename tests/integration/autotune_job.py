@@ -15,7 +15,7 @@ from loader import Loader
 from tests import timing_pipelines as T
 
 BATCH = 8
-TOTAL = BATCH * 2 * 60
+TOTAL = BATCH * 2 * 60 + 4  # padded: the epoch length depends on the layout
 
 
 def main(out: Path) -> None:
@@ -24,8 +24,12 @@ def main(out: Path) -> None:
     rank = dist.get_rank()
     source = functools.partial(T.sleeping_source, total=TOTAL, batch_size=BATCH, seconds=0.002)
     epochs = []
-    with Loader(source, T.id_step, batch_size=BATCH, num_workers="auto") as loader:
-        for _ in range(4):
+    loader = Loader(
+        source, T.id_step, batch_size=BATCH, num_workers="auto", start_method="forkserver"
+    )
+    with loader:
+        for _ in range(3):
+            length = len(loader)  # (the layout of this epoch starts here)
             workers = loader.num_workers
             ids, steps = [], 0
             for batch in loader:
@@ -33,7 +37,7 @@ def main(out: Path) -> None:
                 ids.extend(int(i) for i in batch["id"][:real].ravel())
                 steps += 1
                 del batch
-            epochs.append({"workers": workers, "ids": ids, "steps": steps})
+            epochs.append({"workers": workers, "ids": ids, "steps": steps, "len": length})
         report = loader.stats().autotune
         assert report is not None
         summary = {
