@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 import timeit
 
-from ipc.wire import _TIMING, BatchReady, OutputPlacement, StageTimes
-from loader._stats import Timeline
-from workers._timing import BatchClock
+from ipc.wire import TIMING, BatchReady, OutputPlacement, StageTimes
+from loader import Timeline
+from workers import BatchClock
 
 RUNS = 200_000
 
@@ -38,7 +38,7 @@ def main() -> None:
         waited = time.perf_counter_ns()
         totals.wait_ns += time.perf_counter_ns() - waited
         clock.evaluated()
-        _TIMING.pack(*clock.stages(0))
+        TIMING.pack(*clock.stages(0))
 
     def worker_prefetch_thread() -> None:
         wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
@@ -47,12 +47,12 @@ def main() -> None:
 
     timeline = Timeline(2)
     placement = OutputPlacement("x", "|u1", 0, 128, ((4, 4),) * 8, True, "")
-    frame = _TIMING.pack(*StageTimes(1, 2, 3, 4, 5, 6, 7, 8))
+    frame = TIMING.pack(*StageTimes(1, 2, 3, 4, 5, 6, 7, 8))
 
     message = BatchReady(0, 1, 0, 0, 1, (placement,), 128, 0, 0, 0)  # (made anyway)
 
     def trainer() -> None:
-        StageTimes._make(_TIMING.unpack_from(frame, 0))
+        StageTimes._make(TIMING.unpack_from(frame, 0))
         timeline.batch(0, 1, message)
         timeline.next_call(time.perf_counter_ns(), 0, 0, 1, 0)
 

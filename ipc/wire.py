@@ -506,7 +506,7 @@ _LOAD_RUNNING = re.compile(
 #: Every frame: ``<u32 payload length><u8 kind>``, then the payload.
 FRAME = struct.Struct("<IB")
 FRAME_PICKLED = 0  #: payload: a pickled record
-#: payload: ``_BATCH``, ``_TIMING``, the output layout (:meth:`BatchCodec.encode_layout`), the
+#: payload: ``_BATCH``, ``TIMING``, the output layout (:meth:`BatchCodec.encode_layout`), the
 #: random states
 FRAME_BATCH = 1
 FRAME_RELEASE = 2  #: payload: ``(slot, generation)`` pairs as little-endian int64
@@ -515,7 +515,7 @@ FRAME_RELEASE = 2  #: payload: ``(slot, generation)`` pairs as little-endian int
 #: random state bytes
 _BATCH = struct.Struct("<qqiiqqiqqIH")
 #: a batch's StageTimes, its fields in order
-_TIMING = struct.Struct("<8q")
+TIMING = struct.Struct("<8q")
 #: per output: offset, nbytes, dense, ndim, samples, then the byte lengths of name, dtype, layout
 _OUTPUT = struct.Struct("<qqBBIHHH")
 #: layouts a codec remembers (a ragged output makes a new one per batch; the cache then resets)
@@ -555,7 +555,7 @@ class BatchCodec:
                     len(layout),
                     len(random),
                 )
-                timing = _TIMING.pack(*message.timing)
+                timing = TIMING.pack(*message.timing)
                 size = len(head) + len(timing) + len(layout) + len(random)
                 return FRAME.pack(size, FRAME_BATCH) + head + timing + layout + random
         elif type(message) is Release:
@@ -572,8 +572,8 @@ class BatchCodec:
                 epoch, step, arena, slot, generation, nbytes, padded, blocked, busy, size, extra = (
                     _BATCH.unpack_from(buffer, start)
                 )
-                timing = StageTimes._make(_TIMING.unpack_from(buffer, start + _BATCH.size))
-                layout_start = start + _BATCH.size + _TIMING.size
+                timing = StageTimes._make(TIMING.unpack_from(buffer, start + _BATCH.size))
+                layout_start = start + _BATCH.size + TIMING.size
                 layout_end = layout_start + size
                 if layout_end + extra != end:
                     raise ProtocolError("a batch frame's layout does not fill its frame")

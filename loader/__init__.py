@@ -33,6 +33,7 @@ from ._errors import (
     WorkerTimeoutError,
 )
 from ._loader import Loader, LoaderStats, WorkerStats
+from ._stats import Timeline
 from ._views import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple
 from .sample import ensure_sample_dataset, list_images
 
@@ -60,6 +61,7 @@ __all__ = [
     "SlotsExhaustedError",
     "StartupError",
     "TarsDataset",
+    "Timeline",
     "WorkerDiedError",
     "WorkerError",
     "WorkerStats",

@@ -23,6 +23,7 @@ from ._sampling import BatchedSamples, sharded_source
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
 from ._tars import sharded_tars, write_tars
+from ._timing import BatchClock
 
 #: DALI-facing helpers shared with in-process measurements; importing them imports DALI.
 _DALI_HELPERS = ("epoch_iterator", "make_context")
@@ -38,6 +39,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BatchClock",
     "BatchedSamples",
     "FeederFactory",
     "FilesDataset",

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from workers import _folder_index
-from workers._files import ListedFiles, _FileLoader, list_files
+from workers._files import ListedFiles, FileLoader, list_files
 from workers._folder_index import CACHE_DIR_ENV, FolderIndex, open_folder
 
 #: Folder and file names, with what an ImageFolder keeps of them.
@@ -269,8 +269,8 @@ def test_a_root_that_is_no_image_folder_raises(root: Path, tmp_path: Path, cache
 def test_a_folder_and_its_list_load_the_same(root: Path, cache: Path) -> None:
     (root / "b" / "2.jpg").write_bytes(b"\xff\xd8 bytes")
     files, labels = list_files(root)
-    from_folder = _FileLoader(open_folder(str(root)))
-    from_list = _FileLoader(ListedFiles(files, labels))
+    from_folder = FileLoader(open_folder(str(root)))
+    from_list = FileLoader(ListedFiles(files, labels))
     for index, path in enumerate(files):
         assert from_folder.describe(index) == from_list.describe(index) == path
         if not os.path.isdir(path):
