@@ -14,7 +14,10 @@ worker imports the main module, so such a script makes every worker import torch
 ``--no-defer`` turns the worker's torch deferral off (``DALI_LOADER_DEFER_TORCH=0``).
 
 "ready s" is the first loader's construction until every worker said hello (the server's start
-and the workers' start), "trace s" the slowest worker's first traced step.
+and the workers' start), "trace s" the slowest worker's first traced step. The ``in-process``
+rows are the reference: DALI imported and the same source and step traced in the main process,
+from the import to the first batch (what a loader's first batch cannot beat without starting
+earlier: its workers or their server import DALI and trace the same way).
 """
 
 from __future__ import annotations
@@ -78,13 +81,31 @@ SCRIPT = textwrap.dedent(
         }}))
 
 
+    def in_process():
+        # the reference: DALI in this process, from its import to the first traced batch
+        started = time.perf_counter()
+        import nvidia.dali.experimental.dynamic as ndd
+
+        import workers
+
+        ctx = workers.make_context(2, None)
+        source = S.tiny_source(workers.Shard(0, 1, 0, 1, 0, 1, 0), batches=200)
+        inputs = next(iter(workers.epoch_iterator(source, S.TINY_BATCH, ctx, True)))
+        {{k: ndd.as_tensor(v).evaluate() for k, v in S.tiny_step(inputs).items()}}
+        first = time.perf_counter() - started
+        print(json.dumps({{"first": [first, first], "boundary": [0.0], "ready": [0.0],
+                          "trace": [0.0], "server": "-"}}))
+
+
     if __name__ == "__main__":
-        main(sys.argv[1])
+        in_process() if sys.argv[1] == "in-process" else main(sys.argv[1])
     """
 )
 
 #: (start method, main script, how the worker server starts)
 ROWS = [
+    ("in-process", "plain", "-"),
+    ("in-process", "torch", "-"),
     ("spawn", "plain", "-"),
     ("spawn", "torch", "-"),
     ("forkserver", "plain", "fork"),
