@@ -56,6 +56,21 @@ class Store:
         finally:
             client.close()
 
+    def require_credentials(self, required: bool) -> None:
+        """Make the server check every request's signature against its IAM users (there are
+        none: every key is wrong), or stop checking."""
+        import urllib.request
+
+        body = b"0" if required else b"inf"
+        request = urllib.request.Request(
+            f"{self.endpoint}/moto-api/reset-auth",
+            body,
+            headers={"Content-Type": "text/plain"},  # (a form's body would be parsed away)
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+
     def delete(self, names: list[str]) -> None:
         client = self.client()
         try:
@@ -73,7 +88,10 @@ def store(tmp_path: Path) -> Iterator[Store]:
         host, port = server.get_host_and_port()
         made = Store(f"http://{host}:{port}")
         made.upload(T.write_id_tars(tmp_path / "tars", TOTAL, 4))
-        yield made
+        try:
+            yield made
+        finally:
+            made.require_credentials(False)  # (the setting is the test process's, not the server's)
     finally:
         server.stop()
         if server._server is not None:  # (stop() leaves the listening socket open)
@@ -138,12 +156,16 @@ def test_a_shard_deleted_mid_run_is_a_clear_error_naming_it(store: Store) -> Non
                 pass
 
 
-def test_a_missing_shard_or_an_unreachable_endpoint_fail_before_the_first_batch(
+def test_a_missing_shard_wrong_credentials_or_an_unreachable_endpoint_fail_at_start(
     store: Store,
 ) -> None:
     store.delete(["train-007.tar"])
     with pytest.raises(FileNotFoundError, match=rf"s3://{BUCKET}/train-007\.tar"):
         make(store, 1, 0, 1)
+    store.require_credentials(True)
+    with pytest.raises(PermissionError, match=rf"s3://{BUCKET}/.* denied .*check the credentials"):
+        make(store, 1, 0, 1)
+    store.require_credentials(False)
     # nothing listens on port 9: s3fs tries once, the source twice (logged), then names it
     unreachable = dict(
         store.options,
