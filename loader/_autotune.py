@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from . import _distributed
+from ._stats import batch_end
 
 if TYPE_CHECKING:
     from ._config import LoaderConfig
@@ -404,7 +405,13 @@ def measure(
     """``epoch`` as the trainer received it (None when it had too few batches to tell): its
     rate and waits past the pool's first batches (the traced ones, and those prefetched before
     the trainer asked), the workers' CPU time then, and their memory now."""
-    calls = [c for c in timeline.calls if c[3] == epoch and c[4] >= 0]
+    calls = []
+    for call in reversed(timeline.calls):  # (the latest epoch's are last: stop before them)
+        if call[3] < epoch:
+            break
+        if call[3] == epoch and call[4] >= 0:
+            calls.append(call)
+    calls.reverse()
     warm = layout.workers * (prefetch + 1)
     skip = warm if len(calls) >= 3 * warm else min(layout.workers, len(calls) // 2)
     if len(calls) - skip < 2:
@@ -413,15 +420,20 @@ def measure(
     start, end = calls[skip - 1][1], calls[-1][1]
     seconds = (end - start) / 1e9
     waited = sum(c[2] for c in calls[skip:]) / 1e9
-    tracks = timeline.workers[: layout.workers]
-    busy = sum(track.window(start, end).cpu for track in tracks)
+    busy = 0  # the workers' CPU time (every thread) in the batches made in the span
+    for track in timeline.workers[: layout.workers]:
+        for record in reversed(track.records):
+            if record[0] < epoch:
+                break
+            if record[0] == epoch and batch_end(record[3], record[2]) >= start:
+                busy += record[3].cpu_ns
     memory, largest = worker_memory(sessions, num_slots)
     return Measurement(
         layout=layout,
         batches=len(calls) - skip,
         seconds=seconds,
         waiting=waited / seconds if seconds > 0 else 0.0,
-        worker_cpus=busy / seconds if seconds > 0 else 0.0,
+        worker_cpus=busy / 1e9 / seconds if seconds > 0 else 0.0,
         memory=memory,
         worker_memory=largest,
         cpus=cpus,

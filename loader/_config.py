@@ -127,6 +127,7 @@ class LoaderConfig:
         change) and discover rank, GPU and thread budget."""
         batch_size = check_positive_int(batch_size, "batch_size")
         workers_auto, threads_auto = _is_auto(num_workers), _is_auto(num_threads)
+        threads_given = num_threads is not None and not threads_auto
         if not workers_auto:
             num_workers = _check_count(num_workers, "num_workers")
         prefetch = check_positive_int(prefetch, "prefetch")
@@ -196,7 +197,7 @@ class LoaderConfig:
             max_skipped=max_skipped,
             in_order=bool(in_order),
             placement_source=placement.source,
-            num_threads_given=num_threads is not None and not threads_auto,
+            num_threads_given=threads_given,
             trace=trace,
             workers_auto=workers_auto,
             threads_auto=threads_auto,

@@ -6,11 +6,14 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ipc import wire
 
-from ._autotune import AutotuneReport
 from ._session import WorkerSession
+
+if TYPE_CHECKING:
+    from ._autotune import AutotuneReport
 
 #: A worker's stages, in the order a batch goes through them (see ``wire.StageTimes``).
 STAGES = ("load", "dali", "blocked", "publish", "idle")

@@ -7,7 +7,9 @@ import pytest
 
 from loader import Loader
 from loader._autotune import Autotuner, Layout, Measurement, combine, first_layout
+from loader._config import LoaderConfig
 from loader._env import memory_budget
+from loader._loader import _make_autotuner
 from tests import timing_pipelines as T
 
 MiB = 2**20
@@ -162,3 +164,40 @@ def test_a_fraction_is_of_the_available_memory_split_among_sharers() -> None:
     assert memory_budget(4096) == 4096
     half = memory_budget(0.5, local_world_size=2)
     assert 0 < half <= available / 4 * 1.2
+
+
+def _config(**arguments: object) -> LoaderConfig:
+    defaults: dict[str, object] = {
+        "batch_size": 4,
+        "num_workers": 2,
+        "feeders": None,
+        "device": "cpu",
+        "device_id": None,
+        "num_threads": None,
+        "prefetch": 2,
+        "output": "numpy",
+        "copy": False,
+        "capture": True,
+        "seed": 0,
+        "timeout": None,
+        "start_method": None,
+        "rank": None,
+        "world_size": None,
+        "startup_timeout": 300.0,
+        "shm_limit": None,
+    }
+    return LoaderConfig.build(T.quick_source, T.id_step, **{**defaults, **arguments})
+
+
+def test_what_auto_tunes_follows_the_arguments() -> None:
+    both = _make_autotuner(_config(num_workers="auto"))
+    assert both is not None and both.tuning == "workers and threads"
+    assert both.layout == first_layout(_config(num_workers="auto").cpus, None, None)
+    workers = _make_autotuner(_config(num_workers="auto", num_threads=1))
+    assert workers is not None and workers.tuning == "workers"
+    assert all(layout.threads == 1 for layout in workers.ladder())
+    threads = _make_autotuner(_config(num_workers=3, num_threads="auto"))
+    assert threads is not None and threads.tuning == "threads"
+    assert _make_autotuner(_config()) is None
+    payload = _config(num_workers="auto", num_threads="auto").agreement_payload()
+    assert (payload["num_workers"], payload["num_threads"]) == ("auto", "auto")

@@ -1,0 +1,205 @@
+"""``num_workers="auto"`` against the best fixed layout: ``python -m bench.autotune``
+(``--quick`` for a short run).
+
+For each workload of ``python -m bench`` (images, python, tiny; see ``bench/run.py``), an auto
+loader first runs its tuning epochs (until it settles, at most ``--tune-epochs``, plus one to
+start the layout it settled on). Then it and a loader of every fixed layout (W in 1, 2, 4 workers
+times the DALI threads: the CPUs split among the workers, and 1 where that differs) run
+``--epochs`` epochs side by side: one epoch of each in turn, in a rotated order, each after one
+warm-up epoch of its own. The throughput of each is its median epoch (batches per second from
+the epoch's ``iter()`` to its end); ``auto / best`` is the auto loader's over the best fixed
+layout's. Every loader uses the forkserver (a new layout of the auto loader starts its workers
+as fast as the fixed loaders started theirs). The auto loader's memory (its workers' USS plus
+slots, measured after each epoch) is checked against its budget. The machine's load average is
+printed before and after: on a busy machine the ratios move by more than the 5% they are judged
+by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench import _sources as S
+from loader import Loader, ensure_sample_dataset
+from loader._autotune import worker_memory
+from loader._env import cpu_budget
+from loader.sample import image_source, image_step
+
+
+@dataclass
+class Workload:
+    name: str
+    batch_size: int
+    source: Callable[..., Any]
+    step: Callable[..., Any]
+
+
+@dataclass
+class Contender:
+    name: str
+    loader: Loader
+    rates: list[float] = field(default_factory=list)
+    memory: int = 0  # the largest measured, workers' USS plus slots
+
+
+def workloads(quick: bool) -> list[Workload]:
+    root = str(ensure_sample_dataset())
+    return [
+        Workload(
+            "images",
+            32,
+            functools.partial(image_source, root=root, batch_size=32, shuffle=True),
+            image_step,
+        ),
+        Workload(
+            "python",
+            S.PY_BATCH,
+            functools.partial(S.python_source, batches=64 if quick else 128),
+            S.light_step,
+        ),
+        Workload(
+            "tiny",
+            S.TINY_BATCH,
+            functools.partial(S.tiny_source, batches=1500 if quick else 4000),
+            S.tiny_step,
+        ),
+    ]
+
+
+def epoch_rate(loader: Loader) -> float:
+    """One epoch; batches per second from its ``iter()`` to its end."""
+    started = time.perf_counter()
+    batches = 0
+    for batch in loader:
+        batches += 1
+        del batch
+    return batches / (time.perf_counter() - started)
+
+
+def fixed_layouts(cpus: int, quick: bool) -> list[tuple[int, int]]:
+    layouts = []
+    for workers in (1, 2, 4):
+        split = max(1, cpus // workers)
+        for threads in sorted({split} if quick else {split, 1}):
+            layouts.append((workers, threads))
+    return layouts
+
+
+def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    cpus = cpu_budget()
+    common: dict[str, Any] = {"batch_size": workload.batch_size, "start_method": "forkserver"}
+    auto = Contender(
+        "auto",
+        Loader(workload.source, workload.step, num_workers="auto", **common),
+    )
+    contenders = [auto]
+    try:
+        tuning = 0
+        while tuning < args.tune_epochs:
+            epoch_rate(auto.loader)
+            tuning += 1
+            report = auto.loader.stats().autotune
+            assert report is not None
+            if report.settled:
+                break
+        epoch_rate(auto.loader)  # the settled layout's first epoch (a new pool, maybe)
+        for workers, threads in fixed_layouts(cpus, args.quick):
+            loader = Loader(
+                workload.source, workload.step, num_workers=workers, num_threads=threads, **common
+            )
+            contenders.append(Contender(f"W={workers} x {threads} threads", loader))
+            epoch_rate(loader)  # warm-up: the traced first batches
+        for round_index in range(args.epochs):
+            shift = round_index % len(contenders)
+            for contender in contenders[shift:] + contenders[:shift]:
+                contender.rates.append(epoch_rate(contender.loader))
+                if contender is auto:
+                    sessions = auto.loader._require_open().sessions
+                    memory, _ = worker_memory(sessions, auto.loader.num_slots)
+                    auto.memory = max(auto.memory, memory)
+        report = auto.loader.stats().autotune
+        assert report is not None
+    finally:
+        for contender in contenders:
+            contender.loader.close()
+    medians = {c.name: statistics.median(c.rates) for c in contenders}
+    fixed = {name: rate for name, rate in medians.items() if name != "auto"}
+    best = max(fixed, key=lambda name: fixed[name])
+    peak = max([auto.memory, *(t.memory for t in report.trials)])
+    return {
+        "workload": workload.name,
+        "tuning_epochs": tuning,
+        "layout": f"W={report.layout.workers} x {report.layout.threads} threads",
+        "settled": report.settled,
+        "reason": report.reason,
+        "medians": medians,
+        "best": best,
+        "ratio": medians["auto"] / fixed[best] if fixed[best] else 0.0,
+        "memory": peak,
+        "memory_limit": report.memory_limit,
+    }
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'workload':<8} {'auto chose':<20} {'tuning':>6} {'auto b/s':>9} "
+        f"{'best fixed':<20} {'b/s':>9} {'auto/best':>9} {'memory / budget':>20}"
+    ]
+    for row in rows:
+        memory = f"{row['memory'] / 2**20:.0f} / {row['memory_limit'] / 2**20:.0f} MiB"
+        lines.append(
+            f"{row['workload']:<8} {row['layout']:<20} {row['tuning_epochs']:>6} "
+            f"{row['medians']['auto']:>9.1f} {row['best']:<20} "
+            f"{row['medians'][row['best']]:>9.1f} {row['ratio']:>8.2f}x {memory:>20}"
+        )
+    lines.append("")
+    lines.append("every fixed layout (median batches/s):")
+    for row in rows:
+        others = ", ".join(
+            f"{name}: {rate:.1f}" for name, rate in row["medians"].items() if name != "auto"
+        )
+        lines.append(f"  {row['workload']:<8} {others}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.autotune", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="shorter epochs, one thread split")
+    parser.add_argument("--epochs", type=int, default=None, help="timed epochs per contender")
+    parser.add_argument("--tune-epochs", type=int, default=5, help="most tuning epochs")
+    parser.add_argument(
+        "--workloads", default="images,python,tiny", help="comma-separated: images,python,tiny"
+    )
+    args = parser.parse_args(argv)
+    if args.epochs is None:
+        args.epochs = 3 if args.quick else 5
+    wanted = args.workloads.split(",")
+    unknown = set(wanted) - {"images", "python", "tiny"}
+    if unknown:
+        parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+    load_before = os.getloadavg()
+    print(f"CPUs for the workers: {cpu_budget()}; load average {load_before[0]:.1f}", flush=True)
+    started = time.perf_counter()
+    rows = []
+    for workload in workloads(args.quick):
+        if workload.name in wanted:
+            rows.append(run_workload(workload, args))
+            print(f"  {workload.name}: {rows[-1]['reason']}", flush=True)
+    print()
+    print(render(rows))
+    load_after = os.getloadavg()
+    print(
+        f"\n{time.perf_counter() - started:.0f} s; load average {load_before[0]:.1f} before, "
+        f"{load_after[0]:.1f} after (1-minute)"
+    )
+
+
+if __name__ == "__main__":
+    main()
