@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.epochs is None:
-        args.epochs = 3 if args.quick else 5
+        args.epochs = 5 if args.quick else 9
     wanted = args.workloads.split(",")
     unknown = set(wanted) - {"images", "python", "tiny"}
     if unknown:

@@ -45,6 +45,8 @@ MEMORY_MARGIN = 1.1
 #: Before the first epoch, a worker's memory as started times this is its prediction: a worker
 #: grows while its pipeline runs (its buffers; with a forkserver, pages it stops sharing).
 STARTUP_GROWTH = 2.0
+#: Once settled, every this many epochs the layout is measured again (for the memory budget).
+SETTLED_EVERY = 4
 #: A measurement shorter than this (seconds, batches) is pooled with the next epoch's.
 MIN_SECONDS = 0.5
 MIN_BATCHES = 8

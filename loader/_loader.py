@@ -483,6 +483,8 @@ class Loader:
         tuner = self._autotuner
         if tuner is None or run.replaced:
             return
+        if tuner.settled and run.epoch % _autotune.SETTLED_EVERY:
+            return  # settled: the memory is checked every few epochs (the same on every rank)
         config = self.config
         was_settled = tuner.settled
         decision = _autotune.after_epoch(
@@ -525,6 +527,14 @@ class Loader:
         """Close this pool (its processes and shared memory) and start one of ``layout``
         between two epochs; the next epoch's shards follow the new layout."""
         waited = coordinator.wait_ns - self._counters.startup_wait_ns
+        if self.config.device == "gpu" and any(s.reader.held for s in coordinator.sessions):
+            warnings.warn(
+                f"num_workers='auto' starts {layout} while batches of the old workers are "
+                "still held: their GPU memory goes with those workers, so they must not be "
+                "used any more (drop batches before the next epoch starts, or pass copy=True)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         if self._finalizer is not None:
             self._finalizer()
         self._launch(self.config.with_layout(layout), relaunch=True)
