@@ -97,7 +97,13 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
     common: dict[str, Any] = {"batch_size": workload.batch_size, "start_method": "forkserver"}
     auto = Contender(
         "auto",
-        Loader(workload.source, workload.step, num_workers="auto", **common),
+        Loader(
+            workload.source,
+            workload.step,
+            num_workers="auto",
+            memory_limit=args.memory_limit,
+            **common,
+        ),
     )
     contenders = [auto]
     try:
@@ -169,11 +175,21 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _limit(text: str) -> int | float:
+    return float(text) if "." in text else int(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.autotune", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="shorter epochs, one thread split")
     parser.add_argument("--epochs", type=int, default=None, help="timed epochs per contender")
     parser.add_argument("--tune-epochs", type=int, default=5, help="most tuning epochs")
+    parser.add_argument(
+        "--memory-limit",
+        type=_limit,
+        default=None,
+        help="the auto loader's memory_limit: bytes (an integer) or a fraction (0, 1]",
+    )
     parser.add_argument(
         "--workloads", default="images,python,tiny", help="comma-separated: images,python,tiny"
     )

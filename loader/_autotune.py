@@ -300,6 +300,16 @@ class Autotuner:
             f"memory budget of {_mib(self.memory_limit)}",
         )
 
+    def resume_on(self, workers: int) -> Layout | None:
+        """The layout of a state saved with ``workers`` workers (None: none of the ladder's, or
+        over the memory budget as measured): the search goes on from it."""
+        found = [layout for layout in self.ladder() if layout.workers == workers]
+        if not found or (self._too_big is not None and found[0] >= self._too_big):
+            return None
+        self._pending = None
+        self.layout, self.reason = found[0], f"the layout of the state resumed from ({found[0]})"
+        return found[0]
+
     # ------------------------------------------------------------------------------ steps
     def _best(self) -> Layout:
         """The fastest layout measured; a more parallel one only when :data:`BETTER`."""

@@ -92,6 +92,7 @@ class LoaderConfig:
     threads_auto: bool = False
     memory_limit: int | None = None  # bytes this rank's workers may hold (with "auto")
     cpus: int = 1  # the CPUs this rank's workers share (affinity / local ranks and xdist peers)
+    first_epoch: int = 0  # workers started later (a new layout) build their sources for it
 
     @classmethod
     def build(
@@ -226,9 +227,12 @@ class LoaderConfig:
             cpus=_env.cpu_budget(placement.local_world_size),
         )
 
-    def with_layout(self, layout: Layout) -> LoaderConfig:
-        """This configuration with another number of workers and DALI threads each."""
-        return dataclasses.replace(self, num_workers=layout.workers, num_threads=layout.threads)
+    def with_layout(self, layout: Layout, first_epoch: int = 0) -> LoaderConfig:
+        """This configuration with another number of workers and DALI threads each, whose
+        workers start with ``first_epoch`` (not epoch 0's order)."""
+        return dataclasses.replace(
+            self, num_workers=layout.workers, num_threads=layout.threads, first_epoch=first_epoch
+        )
 
     @property
     def layout(self) -> Layout:
@@ -249,7 +253,7 @@ class LoaderConfig:
                 worker=worker,
                 num_workers=self.num_workers,
                 seed=self.seed,
-            )
+            ).for_epoch(self.first_epoch)
             for worker in range(self.num_workers)
         )
 

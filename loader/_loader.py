@@ -331,6 +331,8 @@ class Loader:
         resumes over a dataset whose fingerprint differs with a warning instead.
         """
         self._settle()
+        if self._autotuner is not None:
+            self._resume_layout(state)
         coordinator = self._apply_layout()
         config = self.config
         resume = _checkpoint.parse_state(
@@ -504,6 +506,25 @@ class Loader:
         elif decision.settled and not was_settled:
             logger.info("num_workers='auto': %s", decision.reason)
 
+    def _resume_layout(self, state: Mapping[str, Any]) -> None:
+        """num_workers="auto": a state saved on this world size resumes on its own number of
+        workers (the same bytes, random draws included), and the search goes on from there."""
+        layout = state.get("layout") if isinstance(state, Mapping) else None
+        if not isinstance(layout, Mapping) or layout.get("world_size") != self.config.world_size:
+            return
+        workers = layout.get("num_workers")
+        tuner = self._autotuner
+        if tuner is None or tuner.workers is not None or not isinstance(workers, int):
+            return
+        current = self._current
+        if workers < 1 or workers == self.config.num_workers:
+            return
+        if current is not None and current.in_progress:
+            return
+        target = tuner.resume_on(workers)
+        if target is not None:
+            self._next_layout = target
+
     def _apply_layout(self) -> Coordinator:
         """Between epochs, the layout num_workers="auto" decided (a new pool), if any."""
         coordinator = self._require_open()
@@ -537,7 +558,7 @@ class Loader:
             )
         if self._finalizer is not None:
             self._finalizer()
-        self._launch(self.config.with_layout(layout), relaunch=True)
+        self._launch(self.config.with_layout(layout, self._epoch), relaunch=True)
         fresh = self._require_open()
         self._counters.startup_wait_ns = fresh.wait_ns - waited
         return fresh

@@ -154,3 +154,30 @@ def test_auto_under_torchrun_two_ranks_agree(tmp_path: Path) -> None:
     assert len(set(layouts)) > 1, layouts
     assert records[0]["report"] == records[1]["report"]
     assert "num_workers='auto': epoch" in output
+
+
+def test_a_state_resumes_on_its_own_layout_exactly() -> None:
+    with Loader(_sleeping(), T.id_step, batch_size=BATCH, num_workers="auto") as loader:
+        first = loader.num_workers
+        _epoch(loader)
+        length = len(loader)  # the next layout starts here
+        saved_on = loader.num_workers
+        before: list[int] = []
+        for batch in loader:
+            before.extend(int(i) for i in batch["id"][: BATCH - batch.info.padded].ravel())
+            del batch
+            if len(before) >= BATCH * (length // 2):
+                break
+        state = loader.state_dict()
+    assert saved_on != first  # (a sleeping load: more workers were tried)
+    with Loader(_sleeping(), T.id_step, batch_size=BATCH, num_workers="auto") as resumed:
+        assert resumed.num_workers == first
+        resumed.load_state_dict(state)
+        assert resumed.num_workers == saved_on
+        report = resumed.stats().autotune
+        assert report is not None and "state resumed from" in report.reason
+        after, _workers, _batches = _epoch(resumed)
+        assert sorted(before + after) == list(range(TOTAL))
+        # the epoch after goes on whole
+        ids, _workers, _batches = _epoch(resumed)
+        assert sorted(ids) == list(range(TOTAL))
