@@ -8,7 +8,9 @@ times the DALI threads: the CPUs split among the workers, and 1 where that diffe
 ``--epochs`` epochs side by side: one epoch of each in turn, in a rotated order, each after one
 warm-up epoch of its own. The throughput of each is its median epoch (batches per second from
 the epoch's ``iter()`` to its end); ``auto / best`` is the auto loader's over the best fixed
-layout's. Every loader uses the forkserver (a new layout of the auto loader starts its workers
+layout's, and ``auto / same`` over the fixed loader of the very layout auto chose (how far two
+loaders of one layout differ on this machine: the noise the other ratio sits in). Every loader
+uses the forkserver (a new layout of the auto loader starts its workers
 as fast as the fixed loaders started theirs). The auto loader's memory (its workers' USS plus
 slots, measured after each epoch) is checked against its budget. The machine's load average is
 printed before and after: on a busy machine the ratios move by more than the 5% they are judged
@@ -61,13 +63,13 @@ def workloads(quick: bool) -> list[Workload]:
         Workload(
             "python",
             S.PY_BATCH,
-            functools.partial(S.python_source, batches=64 if quick else 128),
+            functools.partial(S.python_source, batches=128 if quick else 256),
             S.light_step,
         ),
         Workload(
             "tiny",
             S.TINY_BATCH,
-            functools.partial(S.tiny_source, batches=1500 if quick else 4000),
+            functools.partial(S.tiny_source, batches=2000 if quick else 6000),
             S.tiny_step,
         ),
     ]
@@ -138,6 +140,7 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
     medians = {c.name: statistics.median(c.rates) for c in contenders}
     fixed = {name: rate for name, rate in medians.items() if name != "auto"}
     best = max(fixed, key=lambda name: fixed[name])
+    same = f"W={report.layout.workers} x {report.layout.threads} threads"
     peak = max([auto.memory, *(t.memory for t in report.trials)])
     return {
         "workload": workload.name,
@@ -148,6 +151,8 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
         "medians": medians,
         "best": best,
         "ratio": medians["auto"] / fixed[best] if fixed[best] else 0.0,
+        # the fixed loader of auto's own layout: how far two loaders of one layout differ here
+        "same": medians["auto"] / fixed[same] if fixed.get(same) else None,
         "memory": peak,
         "memory_limit": report.memory_limit,
     }
@@ -156,16 +161,19 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
 def render(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"{'workload':<8} {'auto chose':<20} {'tuning':>6} {'auto b/s':>9} "
-        f"{'best fixed':<20} {'b/s':>9} {'auto/best':>9} {'memory / budget':>20}"
+        f"{'best fixed':<20} {'b/s':>9} {'auto/best':>9} {'auto/same':>9} "
+        f"{'memory / budget':>20}"
     ]
     for row in rows:
         memory = f"{row['memory'] / 2**20:.0f} / {row['memory_limit'] / 2**20:.0f} MiB"
+        same = "-" if row["same"] is None else f"{row['same']:.2f}x"
         lines.append(
             f"{row['workload']:<8} {row['layout']:<20} {row['tuning_epochs']:>6} "
             f"{row['medians']['auto']:>9.1f} {row['best']:<20} "
-            f"{row['medians'][row['best']]:>9.1f} {row['ratio']:>8.2f}x {memory:>20}"
+            f"{row['medians'][row['best']]:>9.1f} {row['ratio']:>8.2f}x {same:>9} {memory:>20}"
         )
     lines.append("")
+    lines.append("auto/same: against the fixed loader of the layout auto chose (the noise here)")
     lines.append("every fixed layout (median batches/s):")
     for row in rows:
         others = ", ".join(
