@@ -253,11 +253,9 @@ def _release_inherited(keep: set[int]) -> None:
 
 
 def _import_dali(files: list[str]) -> None:
-    from workers._imports import dali_files_traced, import_dali_modules, warm_source_analysis
+    from workers import prepare_worker_server
 
-    import_dali_modules()
-    main = getattr(sys.modules.get("__main__"), "__file__", None)
-    warm_source_analysis([*dali_files_traced(), *([main] if main else []), *files])
+    prepare_worker_server(files)
 
 
 def files_of(*functions: Any) -> list[str]:

@@ -10,6 +10,7 @@ from ipc.wire import Position, Sampling
 
 from ._entry import run_worker
 from ._files import list_files, sharded_files
+from ._imports import prepare_worker_server
 from ._mix import FilesDataset, SamplesDataset, TarsDataset, sharded_mix
 from ._phase import Phase
 from ._positions import (
@@ -55,6 +56,7 @@ __all__ = [
     "continue_from",
     "list_files",
     "plan_epoch",
+    "prepare_worker_server",
     "run_worker",
     "shard_batches",
     "shard_indices",

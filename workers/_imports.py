@@ -126,3 +126,12 @@ def warm_source_analysis(files: Sequence[str]) -> list[str]:
         except Exception:  # a file DALI cannot parse is parsed (and refused) at trace time
             logger.debug("source analysis of %s not warmed", path, exc_info=True)
     return done
+
+
+def prepare_worker_server(files: Sequence[str]) -> None:
+    """What a worker server does before it forks any worker: import DALI and the worker's
+    modules (torch deferred), and parse DALI's own traced files, the main module's and
+    ``files`` for DALI's capture (:func:`warm_source_analysis`)."""
+    import_dali_modules()
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    warm_source_analysis([*dali_files_traced(), *([main] if main else []), *files])
