@@ -216,6 +216,11 @@ def _fork_server(listener_fd: int, alive_r: int, alive_w: int, files: list[str])
         return pid
     code = 1
     try:
+        # the trainer held these while forking: a worker starting a forkserver of its own must
+        # find them free
+        global _lock
+        _lock = threading.Lock()
+        forkserver._forkserver._lock = threading.Lock()
         os.close(alive_w)
         _release_inherited(keep={0, 1, 2, listener_fd, alive_r})
         _import_dali(files)
