@@ -155,6 +155,7 @@ FORKSERVER_SCRIPT = """
 import time
 import psutil
 from loader import Loader
+from loader._server import server_pid
 from tests import pipelines as P
 
 def ids(loader):
@@ -163,8 +164,8 @@ def ids(loader):
 if __name__ == "__main__":
     with Loader(P.id_source, P.cast_step, batch_size=4, start_method="forkserver") as loader:
         assert ids(loader) == list(range(64))
-    servers = [c for c in psutil.Process().children() if "forkserver" in " ".join(c.cmdline())]
-    mapped = any("dali" in m.path for s in servers for m in s.memory_maps())
+    server = psutil.Process(server_pid())
+    mapped = any("dali" in m.path for m in server.memory_maps())
     started = time.monotonic()
     with Loader(P.id_source, P.cast_step, batch_size=4, start_method="forkserver") as loader:
         ready = time.monotonic() - started
@@ -180,7 +181,7 @@ def test_forkserver_preloads_dali_and_its_workers_run_it_safely(tmp_path: Path) 
     import subprocess
     import sys
 
-    script = tmp_path / "forkserver_check.py"
+    script = tmp_path / "two_loaders.py"
     script.write_text(FORKSERVER_SCRIPT)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
