@@ -539,10 +539,15 @@ class Loader:
         budget of num_workers="auto" (a collective under torch.distributed)."""
         decision = _autotune.at_start(tuner, self._require_open().sessions, self.config)
         if decision.changed:
-            logger.info(
-                "num_workers='auto': starting with %s: %s", decision.layout, decision.reason
-            )
             self._relaunch(self._require_open(), decision.layout)
+        logger.info(
+            "num_workers='auto' (tuning %s): starting with %s, %s; budgets: %d CPUs, %.0f MiB",
+            tuner.tuning,
+            decision.layout,
+            decision.reason,
+            tuner.cpus,
+            tuner.memory_limit / 2**20,
+        )
 
     def _relaunch(self, coordinator: Coordinator, layout: _autotune.Layout) -> Coordinator:
         """Close this pool (its processes and shared memory) and start one of ``layout``
