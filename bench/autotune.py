@@ -28,10 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from bench import _sources as S
 from loader import Loader, ensure_sample_dataset
-from loader._autotune import worker_memory
-from loader._env import cpu_budget
 from loader.sample import image_source, image_step
 
 
@@ -94,8 +94,17 @@ def fixed_layouts(cpus: int, quick: bool) -> list[tuple[int, int]]:
     return layouts
 
 
+def workers_memory(loader: Loader) -> int:
+    """What the loader's workers hold: each one's USS plus its slots (as the loader counts)."""
+    total = 0
+    for worker, pid in zip(loader.stats().workers, loader.worker_pids(), strict=False):
+        uss = int(psutil.Process(pid).memory_full_info().uss)
+        slots = loader.num_slots * (worker.bytes // worker.steps) if worker.steps else 0
+        total += uss + slots
+    return total
+
+
 def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    cpus = cpu_budget()
     common: dict[str, Any] = {"batch_size": workload.batch_size, "start_method": "forkserver"}
     auto = Contender(
         "auto",
@@ -108,6 +117,7 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
         ),
     )
     contenders = [auto]
+    cpus = auto.loader.stats().cpus
     try:
         tuning = 0
         while tuning < args.tune_epochs:
@@ -129,9 +139,7 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
             for contender in contenders[shift:] + contenders[:shift]:
                 contender.rates.append(epoch_rate(contender.loader))
                 if contender is auto:
-                    sessions = auto.loader._require_open().sessions
-                    memory, _ = worker_memory(sessions, auto.loader.num_slots)
-                    auto.memory = max(auto.memory, memory)
+                    auto.memory = max(auto.memory, workers_memory(auto.loader))
         report = auto.loader.stats().autotune
         assert report is not None
     finally:
@@ -144,6 +152,7 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
     peak = max([auto.memory, *(t.memory for t in report.trials)])
     return {
         "workload": workload.name,
+        "cpus": cpus,
         "tuning_epochs": tuning,
         "layout": f"W={report.layout.workers} x {report.layout.threads} threads",
         "settled": report.settled,
@@ -209,13 +218,13 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
     load_before = os.getloadavg()
-    print(f"CPUs for the workers: {cpu_budget()}; load average {load_before[0]:.1f}", flush=True)
+    print(f"load average {load_before[0]:.1f}", flush=True)
     started = time.perf_counter()
     rows = []
     for workload in workloads(args.quick):
         if workload.name in wanted:
             rows.append(run_workload(workload, args))
-            print(f"  {workload.name}: {rows[-1]['reason']}", flush=True)
+            print(f"  {workload.name} ({rows[-1]['cpus']} CPUs): {rows[-1]['reason']}", flush=True)
     print()
     print(render(rows))
     load_after = os.getloadavg()

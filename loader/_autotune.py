@@ -2,9 +2,9 @@
 worker) to run next. Runs in the trainer.
 
 A policy that returns decisions and never touches a worker: the Loader measures each finished
-epoch (:func:`measure`: the trainer's rate and waits from the timeline, the workers' CPU time,
-their memory with psutil), hands the measurement to :meth:`Autotuner.observe`, and applies the
-:class:`Decision` it gets back at the epoch boundary (a new pool of workers; the elastic
+epoch (:mod:`loader._tuning`: the trainer's rate and waits from the timeline, the workers' CPU
+time, their memory with psutil), hands the measurement to :meth:`Autotuner.observe`, and applies
+the :class:`Decision` it gets back at the epoch boundary (a new pool of workers; the elastic
 reshard keeps every epoch exactly once). Every rank feeds its tuner the same measurement (each
 rank's combined by :func:`combine`: the slowest rate, the largest wait and memory, the smallest
 budgets), so every rank decides the same layout without another message.
@@ -22,15 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
-
-from . import _distributed
-from ._stats import batch_end
-
-if TYPE_CHECKING:
-    from ._config import LoaderConfig
-    from ._session import WorkerSession
-    from ._stats import Timeline
+from typing import Any
 
 logger = logging.getLogger("loader")
 
@@ -401,112 +393,3 @@ def _powers(limit: int) -> list[int]:
 
 def _mib(value: int) -> str:
     return f"{value / 2**20:.0f} MiB"
-
-
-def measure(
-    timeline: Timeline,
-    sessions: Sequence[WorkerSession],
-    epoch: int,
-    *,
-    layout: Layout,
-    prefetch: int,
-    num_slots: int,
-    cpus: int,
-    memory_limit: int,
-) -> Measurement | None:
-    """``epoch`` as the trainer received it (None when it had too few batches to tell): its
-    rate and waits past the pool's first batches (the traced ones, and those prefetched before
-    the trainer asked), the workers' CPU time then, and their memory now."""
-    calls = []
-    for call in reversed(timeline.calls):  # (the latest epoch's are last: stop before them)
-        if call[3] < epoch:
-            break
-        if call[3] == epoch and call[4] >= 0:
-            calls.append(call)
-    calls.reverse()
-    warm = layout.workers * (prefetch + 1)
-    skip = warm if len(calls) >= 3 * warm else min(layout.workers, len(calls) // 2)
-    if len(calls) - skip < 2:
-        return None
-    skip = max(1, skip)
-    start, end = calls[skip - 1][1], calls[-1][1]
-    seconds = (end - start) / 1e9
-    waited = sum(c[2] for c in calls[skip:]) / 1e9
-    busy = 0  # the workers' CPU time (every thread) in the batches made in the span
-    for track in timeline.workers[: layout.workers]:
-        for record in reversed(track.records):
-            if record[0] < epoch:
-                break
-            if record[0] == epoch and batch_end(record[3], record[2]) >= start:
-                busy += record[3].cpu_ns
-    memory, largest = worker_memory(sessions, num_slots)
-    return Measurement(
-        layout=layout,
-        batches=len(calls) - skip,
-        seconds=seconds,
-        waiting=waited / seconds if seconds > 0 else 0.0,
-        worker_cpus=busy / 1e9 / seconds if seconds > 0 else 0.0,
-        memory=memory,
-        worker_memory=largest,
-        cpus=cpus,
-        memory_limit=memory_limit,
-    )
-
-
-def worker_memory(sessions: Sequence[WorkerSession], num_slots: int) -> tuple[int, int]:
-    """Bytes the workers hold, and the largest one's: each process's USS (its own pages, as
-    psutil measures them) plus its shared-memory slots (``num_slots`` of its batch size)."""
-    import psutil
-
-    total = largest = 0
-    for session in sessions:
-        pid = session.handle.pid
-        uss = 0
-        if pid is not None:
-            try:
-                uss = int(psutil.Process(pid).memory_full_info().uss)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                uss = 0
-        counters = session.counters
-        slots = num_slots * (counters.bytes // counters.steps) if counters.steps else 0
-        total += uss + slots
-        largest = max(largest, uss + slots)
-    return total, largest
-
-
-def after_epoch(
-    tuner: Autotuner,
-    timeline: Timeline,
-    sessions: Sequence[WorkerSession],
-    config: LoaderConfig,
-    epoch: int,
-) -> Decision | None:
-    """The tuner's decision on ``epoch``, just delivered by ``sessions`` on ``config``'s layout,
-    measured on every rank and combined (a collective with a process group up); None when the
-    epoch was too short to measure on some rank."""
-    measured = measure(
-        timeline,
-        sessions,
-        epoch,
-        layout=config.layout,
-        prefetch=config.prefetch,
-        num_slots=config.num_slots,
-        cpus=config.cpus,
-        memory_limit=config.memory_limit or tuner.memory_limit,
-    )
-    gathered = _distributed.gather({"measured": None if measured is None else measured.payload()})
-    if gathered is not None:
-        payloads = [g["measured"] for g in gathered]
-        measured = None if None in payloads else combine(payloads)
-    return None if measured is None else tuner.observe(epoch, measured)
-
-
-def at_start(tuner: Autotuner, sessions: Sequence[WorkerSession], config: LoaderConfig) -> Decision:
-    """Before the first epoch: the workers as started, measured on every rank (a collective
-    with a process group up), must fit the memory budget."""
-    memory, largest = worker_memory(sessions, config.num_slots)
-    gathered = _distributed.gather({"memory": memory, "worker_memory": largest})
-    if gathered is not None:
-        memory = max(int(g["memory"]) for g in gathered)
-        largest = max(int(g["worker_memory"]) for g in gathered)
-    return tuner.fit(memory, largest)

@@ -31,7 +31,7 @@ from typing import Any
 from ipc.wire import Position, Sampling
 from workers import Shard
 
-from . import _autotune, _checkpoint, _distributed, _ranks, _trace
+from . import _autotune, _checkpoint, _distributed, _ranks, _trace, _tuning
 from ._autotune import Autotuner, AutotuneReport
 from ._checkpoint import Resume
 from ._config import LoaderConfig
@@ -489,7 +489,7 @@ class Loader:
             return  # settled: the memory is checked every few epochs (the same on every rank)
         config = self.config
         was_settled = tuner.settled
-        decision = _autotune.after_epoch(
+        decision = _tuning.after_epoch(
             tuner, self._timeline, self._require_open().sessions, config, run.epoch
         )
         if decision is None:
@@ -537,7 +537,7 @@ class Loader:
     def _fit_memory(self, tuner: Autotuner) -> None:
         """Before the first epoch: fewer workers when those started are over the memory
         budget of num_workers="auto" (a collective under torch.distributed)."""
-        decision = _autotune.at_start(tuner, self._require_open().sessions, self.config)
+        decision = _tuning.at_start(tuner, self._require_open().sessions, self.config)
         if decision.changed:
             self._relaunch(self._require_open(), decision.layout)
         logger.info(
