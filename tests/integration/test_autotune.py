@@ -97,8 +97,12 @@ def _uss(pids: list[int]) -> list[int]:
 
 
 def test_the_memory_budget_is_respected() -> None:
+    # spawned workers: a forked one's USS grows as its server's pages stop being shared with it,
+    # so two forked loaders of one pipeline can differ twofold; a spawned one's is its own
     # what one worker of this pipeline holds
-    with Loader(_sleeping(seconds=0.0002), T.id_step, batch_size=BATCH, num_workers=1) as one:
+    with Loader(
+        _sleeping(seconds=0.0002), T.id_step, batch_size=BATCH, num_workers=1, start_method="spawn"
+    ) as one:
         _epoch(one)
         single = max(_uss(one.worker_pids()))
     limit = int(1.5 * single)  # room for one worker, not for two
@@ -108,6 +112,7 @@ def test_the_memory_budget_is_respected() -> None:
         batch_size=BATCH,
         num_workers="auto",
         memory_limit=limit,
+        start_method="spawn",
     ) as loader:
         for _ in range(3):
             ids, workers, _batches = _epoch(loader)
