@@ -77,7 +77,12 @@ def _job_flags(parser: argparse.ArgumentParser) -> None:
         help="an ImageFolder (root/<class>/<image>.jpg); default: a built-in sample dataset, "
         "generated into ~/.cache/dali-capture-loader on first use",
     )
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument(
+        "--workers",
+        type=_workers,
+        default=2,
+        help="worker processes (default 2), or auto: tuned between epochs (num_workers='auto')",
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
     parser.add_argument(
         "--capture",
@@ -122,6 +127,13 @@ def _table(stats: LoaderStats, report: Diagnosis | None = None) -> str:
         "  traces: loops traced for capture; 1st step ms: the first step, traced or eager;"
     )
     lines.append("  batches/s: per second of the worker's busy time")
+    if stats.autotune is not None:
+        tuned = stats.autotune
+        lines.append("")
+        lines.append(
+            f"  autotune           {tuned.layout}{'' if tuned.settled else ' (still searching)'}: "
+            f"{tuned.reason}"
+        )
     if report is not None:
         lines.append("")
         lines.append(f"  diagnosis          {report.verdict}")
@@ -129,13 +141,25 @@ def _table(stats: LoaderStats, report: Diagnosis | None = None) -> str:
     return "\n".join(lines)
 
 
-def _setup(args: argparse.Namespace, counts: list[tuple[str, float]]) -> Path | None:
+def _workers(text: str) -> int | str:
+    """``--workers``: a count, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
+def _setup(args: argparse.Namespace, counts: list[tuple[str, Any]]) -> Path | None:
     """Logging, the flags' checks and the dataset: its root, or None after printing why not."""
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     for name, value in counts:
+        if value == "auto":
+            continue
         if not value >= 1:
             print(f"error: {name} must be at least 1, got {value}", file=sys.stderr)
             return None

@@ -54,6 +54,17 @@ def test_main_job_prints_a_summary(image_root: Path, capture: str) -> None:
     assert traces == ([1, 1] if capture == "--capture" else [0, 0])
 
 
+def test_main_job_tunes_its_workers_with_workers_auto(image_root: Path) -> None:
+    result = run_cli(
+        "--data", str(image_root), "--epochs", "2", "--workers", "auto", "--no-progress"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "auto workers" in result.stdout and "samples            96" in result.stdout
+    assert re.search(r"(?m)^  autotune +\d+ workers x \d+ threads", result.stdout), result.stdout
+    bad = run_cli("--workers", "some")
+    assert bad.returncode == 2 and "expected a number or auto" in bad.stderr
+
+
 def test_main_job_says_a_file_is_not_a_dataset(tmp_path: Path) -> None:
     path = tmp_path / "train.txt"
     path.write_text("not images")
