@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from workers import _folder_index
-from workers._files import ListedFiles, FileLoader, list_files
+from workers._files import FileLoader, ListedFiles, list_files
 from workers._folder_index import CACHE_DIR_ENV, FolderIndex, open_folder
 
 #: Folder and file names, with what an ImageFolder keeps of them.
