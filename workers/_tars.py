@@ -26,6 +26,7 @@ decoders), or for ``cls``-like members (:data:`INTEGER_EXTS`) their text parsed 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import os
@@ -189,12 +190,16 @@ class TarOrders:
         return order
 
 
-def _decode_int(data: np.ndarray[Any, Any], dtype: Any, where: str) -> np.ndarray[Any, Any]:
-    text = bytes(data).strip()
+def _decode_int(
+    data: np.ndarray[Any, Any], dtype: Any, table: TarIndex, sample: int, ext: str
+) -> np.ndarray[Any, Any]:
+    text = data.tobytes()
     try:
         return np.array([int(text)], dtype=dtype)
     except ValueError:
-        raise ValueError(f"{where} is not an integer: {text[:40]!r}") from None
+        raise ValueError(
+            f"{table.url}: {table.key(sample)}.{ext} is not an integer: {text[:40]!r}"
+        ) from None
 
 
 class _Fetcher:
@@ -275,6 +280,8 @@ class TarLoader:
         self._tables: OrderedDict[int, tuple[TarIndex, _Int64s, _Int64s]] = OrderedDict()
         self._lock = threading.Lock()
         self._fetcher = None if shards.storage.local else _Fetcher(shards.storage, ahead)
+        self._starts: list[int] = shards.starts.tolist()
+        self._integers = [INTEGER_EXTS.get(name) for name in self.names]
 
     def _table(self, shard: int) -> tuple[TarIndex, _Int64s, _Int64s]:
         with self._lock:
@@ -304,8 +311,8 @@ class TarLoader:
         return f"{self.shards.urls[shard]}:{table.key(index - int(self.shards.starts[shard]))}"
 
     def __call__(self, index: int) -> tuple[np.ndarray[Any, Any], ...]:
-        shard = int(self.shards.shard_of(np.array([index]))[0])
-        sample = index - int(self.shards.starts[shard])
+        shard = bisect.bisect_right(self._starts, index) - 1
+        sample = index - self._starts[shard]
         url = self.shards.urls[shard]
         try:
             table, offsets, sizes = self._table(shard)
@@ -313,31 +320,29 @@ class TarLoader:
             raise
         except (OSError, EOFError) as error:
             raise StorageFailure(f"cannot read {url}: {error}") from error
-        row_offsets, row_sizes = offsets[sample], sizes[sample]
-        missing = np.flatnonzero(row_sizes < 0)
-        if missing.size:
+        # (Python lists from here: numpy's per-call cost is most of a sample's on small rows)
+        row_offsets, row_sizes = offsets[sample].tolist(), sizes[sample].tolist()
+        if min(row_sizes) < 0:
+            column = row_sizes.index(min(row_sizes))
             has = sorted(
                 table.exts[int(e)] for e in table.member_ext[table.member_sample == sample]
             )
             raise ValueError(
                 f"{url}: sample {table.key(sample)!r} has no "
-                f"{' or '.join('.' + e for e in self.ext[int(missing[0])])} member (it has "
+                f"{' or '.join('.' + e for e in self.ext[column])} member (it has "
                 f"{', '.join('.' + e for e in has) or 'none'})"
             )
-        start = int(row_offsets.min())
-        end = int((row_offsets + row_sizes).max())
+        start = min(row_offsets)
+        end = max(offset + size for offset, size in zip(row_offsets, row_sizes, strict=True))
         data = self._read(shard, url, start, end)
         outputs = []
-        for column, (offset, size) in enumerate(
-            zip(row_offsets.tolist(), row_sizes.tolist(), strict=True)
-        ):
+        for column, (offset, size) in enumerate(zip(row_offsets, row_sizes, strict=True)):
             member = data[offset - start : offset - start + size]
-            dtype = INTEGER_EXTS.get(self.names[column])
+            dtype = self._integers[column]
             if dtype is None:
                 outputs.append(member)
             else:
-                where = f"{url}: {table.key(sample)}.{self.names[column]}"
-                outputs.append(_decode_int(member, dtype, where))
+                outputs.append(_decode_int(member, dtype, table, sample, self.names[column]))
         return tuple(outputs)
 
     def _read(self, shard: int, url: str, start: int, end: int) -> np.ndarray[Any, Any]:
