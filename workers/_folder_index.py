@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -52,11 +51,12 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ._index_file import locked
 
 logger = logging.getLogger("workers")
 
@@ -192,7 +192,7 @@ def open_folder(root: str) -> FolderIndex:
         return index
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with _locked(path.with_suffix(".lock")):
+        with locked(path.with_suffix(".lock")):
             index = _read(path, root, real)  # (built while this process waited)
             if index is not None:
                 return index
@@ -209,18 +209,6 @@ def open_folder(root: str) -> FolderIndex:
                 CACHE_DIR_ENV,
             )
         return _from_listing(root, *scan_folder(root))
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (released on exit, or by the kernel when this
-    process dies)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _identity(real: str, classes: list[str]) -> list[list[int]]:

@@ -27,6 +27,7 @@ position in ``sources`` (int32).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -388,17 +389,9 @@ def sharded_mix(
         shuffle=True,  # (the order is the mix's: ``shuffle`` is applied there)
         drop_last=drop_last,
         fingerprint=f"mix:{digest.hexdigest()[:16]}",
-        orders=_MixOrders(mix),
+        orders=functools.partial(MixOrder, mix),
     )
     return ShardedExternalSource(samples)
-
-
-class _MixOrders:
-    def __init__(self, mix: Mixture) -> None:
-        self.mix = mix
-
-    def __call__(self, epoch: int) -> MixOrder:
-        return MixOrder(self.mix, epoch)
 
 
 def _log_turns(mix: Mixture, epoch: int) -> None:

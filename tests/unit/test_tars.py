@@ -6,6 +6,8 @@ import io
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -183,44 +185,21 @@ def test_transient_errors_are_tried_again_and_logged(caplog: pytest.LogCaptureFi
     assert sum("trying again" in r.message for r in caplog.records) == 3
 
 
+def _write_shards(source: Path, target: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m loader.tars --from source --to target --samples-per-shard 20``."""
+    command = ["--from", str(source), "--to", str(target), "--samples-per-shard", "20"]
+    return subprocess.run(
+        [sys.executable, "-m", "loader.tars", *command], capture_output=True, text=True
+    )
+
+
 def test_the_command_line_writes_shards_and_refuses_a_missing_folder(
     image_root: Path, tmp_path: Path
 ) -> None:
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loader.tars",
-            "--from",
-            str(image_root),
-            "--to",
-            str(tmp_path),
-            "--samples-per-shard",
-            "20",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    done = _write_shards(image_root, tmp_path)
+    assert done.returncode == 0, done.stderr
     assert "wrote 3 shards" in done.stdout and "train-{000000..000002}.tar" in done.stdout
     shards = open_shards(str(tmp_path / "train-{000000..000002}.tar"), None, 0.0)
     assert shards.counts.tolist() == [20, 20, 8]
-    failed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loader.tars",
-            "--from",
-            str(tmp_path / "none"),
-            "--to",
-            str(tmp_path),
-            "--samples-per-shard",
-            "20",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    failed = _write_shards(tmp_path / "none", tmp_path)
     assert failed.returncode == 2 and "does not exist" in failed.stderr
