@@ -203,3 +203,42 @@ def test_the_command_line_writes_shards_and_refuses_a_missing_folder(
     assert shards.counts.tolist() == [20, 20, 8]
     failed = _write_shards(tmp_path / "none", tmp_path)
     assert failed.returncode == 2 and "does not exist" in failed.stderr
+
+
+def test_remote_shards_are_read_one_range_per_shard_not_one_request_per_sample(
+    tmp_path: Path,
+) -> None:
+    """Over fsspec's in-memory filesystem (a remote storage to the loader): an epoch planned
+    with ``expect`` reads each shard once, ahead, and every sample comes out right."""
+    import fsspec
+
+    from workers._tars import TarLoader, TarOrder
+
+    memory = fsspec.filesystem("memory")
+    for path in T.write_id_tars(tmp_path, 30, 7):
+        memory.pipe(f"/shards-{os.getpid()}/{path.name}", path.read_bytes())
+    try:
+        shards = open_shards(f"memory://shards-{os.getpid()}/train-{{000..004}}.tar", None, 0.0)
+        assert not shards.storage.local
+        loader = TarLoader(shards, parse_ext(("cls", "id")), 1, ["cls", "id"])
+        reads: list[tuple[str, int, int]] = []
+        read = shards.storage.read
+
+        def counted(path: str, start: int, end: int) -> np.ndarray:
+            reads.append((path, start, end))
+            return read(path, start, end)
+
+        shards.storage.read = counted  # type: ignore[method-assign]
+        ids = TarOrder(shards, 0, 3, 2).at(np.arange(30))
+        batches = [ids[k : k + 4] for k in range(0, 30, 4)]
+        loader.expect(0, batches)
+        for step, batch in enumerate(batches):
+            for index in batch.tolist():
+                cls, got = loader(index)
+                assert int(got[0]) == index and int(cls[0]) == index % 3
+            loader.passed(0, step)
+        assert sorted(path for path, _start, _end in reads) == sorted(
+            f"memory://shards-{os.getpid()}/train-{k:03d}.tar" for k in range(5)
+        )
+    finally:
+        memory.rm(f"/shards-{os.getpid()}", recursive=True)
