@@ -81,7 +81,7 @@ def run_case(
     plan: ShardBatches, total: int, shards: int, repeats: int
 ) -> dict[str, float | int | str]:
     sampling = Sampling(total, BATCH, 0, True, False)
-    steps = steps_per_epoch(total, shards, BATCH, False)
+    steps = steps_per_epoch(total, shards, BATCH, False, shards)  # a shard per rank
     received = np.random.default_rng(1).integers(0, steps + 1, shards).tolist()
     position = Position(3, ((shards, tuple(received)),))
     new = shards // 2

@@ -22,7 +22,7 @@ BATCH = 64
 
 def _state(total: int, received: list[int]) -> dict[str, object]:
     return {
-        "format": 1,
+        "format": 3,
         "seed": 0,
         "epoch": 0,
         "batch_size": BATCH,

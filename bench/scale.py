@@ -51,7 +51,7 @@ def _loader(total: int, world_size: int) -> Loader:
 def every_rank(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (one rank's, taken without a process group) as if every rank had received an
     arbitrary number of its batches."""
-    steps = steps_per_epoch(state["sampling"]["total"], WORLD_SIZE, BATCH, False)
+    steps = steps_per_epoch(state["sampling"]["total"], WORLD_SIZE, BATCH, False, WORLD_SIZE)
     received = np.random.default_rng(1).integers(0, steps + 1, WORLD_SIZE).tolist()
     return {**state, "received": received, "steps": received}
 

@@ -91,8 +91,9 @@ class Sampling:
 
 @dataclass(frozen=True, slots=True)
 class Position:
-    """Where epoch ``epoch`` stands: ``segments`` of ``(num_shards, batches received per
-    shard)``, oldest first (each a layout a run used). ``Seek`` carries it.
+    """Where epoch ``epoch`` stands: ``segments`` of ``(ranks, batches received per shard)``,
+    oldest first (each a layout a run used: its world size, and one count per shard of its
+    ``ranks * num_workers``). ``Seek`` carries it.
 
     ``continues``: the run that uses this position has the layout of the last segment (same
     world size and workers), so each shard goes on with its own batches; otherwise the samples
@@ -106,9 +107,12 @@ class Position:
     continues: bool = False
 
     def __post_init__(self) -> None:
-        for count, received in self.segments:
-            if count < 1 or len(received) != count or any(r < 0 for r in received):
-                raise ValueError(f"a position segment needs {count} counts >= 0, got {received}")
+        for ranks, received in self.segments:
+            if ranks < 1 or not received or len(received) % ranks or any(r < 0 for r in received):
+                raise ValueError(
+                    f"a position segment needs counts >= 0 for a whole number of shards per "
+                    f"rank on {ranks} rank(s), got {received}"
+                )
 
 
 #: A worker's DALI random generators, as a batch, a Seek or a worker's spec carries them: each

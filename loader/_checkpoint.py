@@ -10,7 +10,9 @@ was itself resumed on another layout) are kept in ``history``. The arithmetic th
 into each new shard's batches is :func:`workers.plan_epoch`, in the workers.
 
 Fields added to format 2 after it was first written (``random``, ``sampling.fingerprint``) may be
-missing from a state: it still loads, and the loader logs what it then cannot guarantee.
+missing from a state: it still loads, and the loader logs what it then cannot guarantee. A format
+2 state loads when it was taken at an epoch's start (nothing received); mid-epoch, its counts
+are of another split of the epoch among workers, so it is refused with what to do.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from ipc.wire import Position, RandomStates, Sampling, join_states, split_states
 
 logger = logging.getLogger("loader")
 
-#: 2: epochs are ordered by a seeded bijection (O(shard) planning); format 1's order differed.
-FORMAT = 2
+#: 3: a rank's batches are shared out whole among its workers (only a rank's last batch is
+#: padded), and ``history`` names each earlier layout by its world size; format 2 split an epoch
+#: into equal parts per worker. 2: epochs are ordered by a seeded bijection (O(shard) planning);
+#: format 1's order differed.
+FORMAT = 3
 
 #: Why a DALI reader (or a plain ExternalSource) cannot be resumed.
 NOT_RESUMABLE = (
@@ -95,12 +100,17 @@ class Resume:
         mine = [o + d for o, d in zip(offsets, delivered, strict=True)]
         return mine, self.history(), self.before + sum(delivered)
 
-    def first_turn(self, shard_indices: Sequence[int]) -> tuple[list[int], int]:
+    def first_turn(
+        self, shard_indices: Sequence[int], left: Sequence[int] | None = None
+    ) -> tuple[list[int], int]:
         """Per shard of this rank, the epoch's step of its first batch in the resumed run, and
         the worker whose turn is first: round robin as if never interrupted, the first of those
-        that received the fewest batches."""
+        with batches ``left`` that received the fewest (a worker may have one batch more than
+        another: one whose batches are all received has had its last turn)."""
         base = self.offsets(shard_indices)
-        return base, base.index(min(base))
+        going = [w for w in range(len(base)) if left is None or left[w] > 0] or [0]
+        fewest = min(base[w] for w in going)
+        return base, next(w for w in going if base[w] == fewest)
 
 
 def make_state(
@@ -127,7 +137,7 @@ def make_state(
         },
         "layout": {"world_size": world_size, "num_workers": num_workers},
         "received": list(received),
-        "history": [[count, list(done)] for count, done in history],
+        "history": [[ranks, list(done)] for ranks, done in history],
         "steps": list(steps),
         "random": list(random),
     }
@@ -166,6 +176,14 @@ def parse_state(
         )
     if version < 1:
         raise ValueError(f"format: {version} is not a valid state format")
+    if version == 2 and not _at_epoch_start(state):
+        raise ValueError(
+            "format: this state has format 2, from a loader before 0.3 that split an epoch into "
+            "equal parts per worker (0.3 shares a rank's batches out whole, padding only its "
+            "last batch), so its counts of batches received do not say which samples are left "
+            "here; finish that epoch with the version that saved it, or start the epoch again "
+            "(drop the loader's state)"
+        )
     _check_sampling(state, sampling)
     _check_dataset(state, sampling, strict)
     epoch = _field(state, "epoch", int)
@@ -176,7 +194,7 @@ def parse_state(
     received = _field(state, "received", list)
     if len(received) != count:
         raise ValueError(f"received: {len(received)} counts for a layout of {count} shards")
-    history = _history(state, sampling)
+    history = _history(state, sampling) if version > 2 else []
     for index, value in enumerate(received):
         if value is not None and not _is_count(value):
             raise ValueError(
@@ -194,11 +212,21 @@ def parse_state(
             "world size and workers, or take states with the process group up"
         )
     filled = tuple(0 if r is None else int(r) for r in received)
-    _check_within("received", filled, sampling)
+    _check_within("received", filled, saved_world, sampling, sampling.drop_last)
     steps = _steps(state, saved_world)
     before = _received_before(steps, filled, saved_world, saved_workers, rank, continues)
     random = _random(state, count, mine if continues else range(0))
-    return Resume(Position(epoch, (*history, (count, filled)), continues), before, random)
+    return Resume(Position(epoch, (*history, (saved_world, filled)), continues), before, random)
+
+
+def _at_epoch_start(state: Mapping[str, Any]) -> bool:
+    """Nothing received in the saved epoch (a state taken between two epochs)."""
+    received = state.get("received")
+    return (
+        not state.get("history")
+        and isinstance(received, list)
+        and all(r is None or r == 0 for r in received)
+    )
 
 
 def _check_sampling(state: Mapping[str, Any], sampling: Sampling) -> None:
@@ -308,18 +336,22 @@ def _layout(state: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def _history(state: Mapping[str, Any], sampling: Sampling) -> list[tuple[int, tuple[int, ...]]]:
-    """Earlier layouts of the saved epoch, oldest first."""
+    """Earlier layouts of the saved epoch, oldest first: ``[world_size, [received...]]``."""
     history: list[tuple[int, tuple[int, ...]]] = []
+    shape = "[world_size, [received per shard...]]"
     for entry in _field(state, "history", list):
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
-            raise ValueError(f"history: {entry!r} is not [num_shards, [received...]]")
-        shards, done = entry
-        if not _is_count(shards) or shards < 1 or not isinstance(done, (list, tuple)):
-            raise ValueError(f"history: {entry!r} is not [num_shards, [received...]]")
-        if len(done) != shards or not all(_is_count(d) for d in done):
-            raise ValueError(f"history: {entry!r} needs {shards} whole counts >= 0")
-        _check_within(f"history {entry!r}", done, sampling)
-        history.append((shards, tuple(done)))
+            raise ValueError(f"history: {entry!r} is not {shape}")
+        ranks, done = entry
+        if not _is_count(ranks) or ranks < 1 or not isinstance(done, (list, tuple)):
+            raise ValueError(f"history: {entry!r} is not {shape}")
+        if not done or len(done) % ranks or not all(_is_count(d) for d in done):
+            raise ValueError(
+                f"history: {entry!r} needs whole counts >= 0, the same number per rank of {ranks}"
+            )
+        # a resharded layout splits what was left: at most the batches of a whole epoch
+        _check_within(f"history {entry!r}", done, ranks, sampling, False)
+        history.append((ranks, tuple(done)))
     return history
 
 
@@ -342,19 +374,22 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_within(what: str, counts: Sequence[int], sampling: Sampling) -> None:
+def _check_within(
+    what: str, counts: Sequence[int], ranks: int, sampling: Sampling, drop_last: bool
+) -> None:
     """No shard can have received more batches than its epoch has."""
-    from workers import steps_per_epoch
+    from workers import every_shard_steps
 
     shards = len(counts)
-    most = steps_per_epoch(sampling.total, shards, sampling.batch_size, sampling.drop_last)
-    beyond = [(index, value) for index, value in enumerate(counts) if value > most]
+    most = every_shard_steps(sampling.total, shards, sampling.batch_size, drop_last, ranks)
+    beyond = [index for index, value in enumerate(counts) if value > most[index]]
     if beyond:
-        index, value = beyond[0]
+        index = beyond[0]
         raise ValueError(
-            f"{what}: shard {index} of {shards} received {value} batches, but an epoch of "
-            f"{sampling.total} samples in batches of {sampling.batch_size} has {most} per shard "
-            f"on {shards} shards; this state is not of this data (or was edited)"
+            f"{what}: shard {index} of {shards} (on {ranks} rank(s)) received {counts[index]} "
+            f"batches, but an epoch of {sampling.total} samples in batches of "
+            f"{sampling.batch_size} has {most[index]} for it; this state is not of this data "
+            "(or was edited)"
         )
 
 

@@ -193,7 +193,12 @@ class Healing:
             new = Running(target.epoch, target.start)
             epoch = target.epoch
             position = continue_from(
-                target.start, epoch, shard.count, shard.index, session.delivered
+                target.start,
+                epoch,
+                shard.count,
+                shard.index,
+                session.delivered,
+                ranks=shard.world_size,
             )
             first = session.base_step + session.delivered
             where = f"goes on at batch {first} of epoch {epoch}"

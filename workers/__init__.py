@@ -9,15 +9,18 @@ from typing import Any
 from ipc.wire import Position, Sampling
 
 from ._entry import run_worker
+from ._error_text import FAILING_SAMPLES
 from ._files import list_files, sharded_files
 from ._imports import prepare_worker_server
 from ._mix import FilesDataset, SamplesDataset, TarsDataset, sharded_mix
 from ._phase import Phase
 from ._positions import (
     continue_from,
+    every_shard_steps,
     plan_epoch,
     shard_batches,
     shard_indices,
+    shard_steps,
     steps_per_epoch,
 )
 from ._sampling import BatchedSamples, sharded_source
@@ -40,6 +43,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "FAILING_SAMPLES",
     "BatchClock",
     "BatchedSamples",
     "FeederFactory",
@@ -54,12 +58,14 @@ __all__ = [
     "TarsDataset",
     "WorkerSpec",
     "continue_from",
+    "every_shard_steps",
     "list_files",
     "plan_epoch",
     "prepare_worker_server",
     "run_worker",
     "shard_batches",
     "shard_indices",
+    "shard_steps",
     "sharded_files",
     "sharded_mix",
     "sharded_source",

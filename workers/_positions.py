@@ -2,19 +2,22 @@
 
 Pure arithmetic, no DALI and no I/O. An epoch of ``total`` samples is one seeded order
 (:class:`~workers._epoch_order.EpochOrder`: the sample at each position, computed per
-position); a *layout* of ``S`` shards splits it into equal contiguous parts
-(:func:`shard_indices`), each cut into batches of ``batch_size``. A *position* says how far the
-trainer got: per shard, how many of its batches it has received. Because every order is computed
-from the seed and the epoch alone, a position is a few integers and any shard can start at any
-batch without reading the ones before it.
+position); a *layout* of ``S`` shards on ``R`` ranks (``S / R`` workers each) splits it into
+``R`` contiguous parts as equal as they can be, each cut into batches of ``batch_size`` that the
+rank's workers share out whole (:class:`Layout`): every rank yields the same number of batches,
+a worker may yield one more than another, and only the last batch of a rank is padded. A
+*position* says how far the trainer got: per shard, how many of its batches it has received.
+Because every order is computed from the seed and the epoch alone, a position is a few integers
+and any shard can start at any batch without reading the ones before it.
 
-A position is a list of *segments*, oldest first: ``(S, received)`` -- the layout a run used and
-how many batches each of its shards delivered. A run resumed on the same layout continues each
-shard's own batches (the stream equals the uninterrupted one); a run resumed on another layout
-(another world size or worker count) takes the samples not yet received -- every old shard's
-remaining real samples, in shard order -- and splits them into equal contiguous parts for the new
-shards, padding short ones with repeats that are flagged. Such a split never drops a sample, even
-with ``drop_last=True``: what the interrupted epoch would still have delivered is delivered once.
+A position is a list of *segments*, oldest first: ``(R, received)`` -- the layout a run used
+(its ranks, and one count per shard) and how many batches each of its shards delivered. A run
+resumed on the same layout continues each shard's own batches (the stream equals the
+uninterrupted one); a run resumed on another layout (another world size or worker count) takes
+the samples not yet received -- every old shard's remaining real samples, in shard order -- and
+splits them the same way among the new ranks and shards, padding the last batch of each rank
+with repeats that are flagged. Such a split never drops a sample, even with ``drop_last=True``:
+what the interrupted epoch would still have delivered is delivered once.
 
 Nothing here is O(samples) but a shard's own batches. What a layout splits is a sequence of
 positions of the epoch's order kept as :class:`Runs` (one range per shard that left samples), so
@@ -24,7 +27,6 @@ shard's batches are then computed for that shard's positions alone.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -53,14 +55,28 @@ Batch = tuple[np.ndarray[Any, Any], int]
 _Int64s = np.ndarray[Any, np.dtype[np.int64]]
 
 
-def samples_per_shard(total: int, count: int, drop_last: bool) -> int:
-    return total // count if drop_last else math.ceil(total / count)
+def steps_per_epoch(
+    total: int, count: int, batch_size: int, drop_last: bool, ranks: int = 1
+) -> int:
+    """Batches every rank yields per epoch when ``count`` shards (``count // ranks`` workers on
+    each of ``ranks`` ranks) split an epoch of ``total`` samples. A worker yields
+    :func:`shard_steps` of them: the rank's batches shared out whole, one more for some."""
+    return Layout(Runs.whole(total), count, batch_size, drop_last, ranks=ranks).rank_steps
 
 
-def steps_per_epoch(total: int, count: int, batch_size: int, drop_last: bool) -> int:
-    """Batches every shard yields per epoch."""
-    per_shard = samples_per_shard(total, count, drop_last)
-    return per_shard // batch_size if drop_last else math.ceil(per_shard / batch_size)
+def shard_steps(
+    total: int, index: int, count: int, batch_size: int, drop_last: bool, ranks: int = 1
+) -> int:
+    """Batches shard ``index`` of ``count`` (on ``ranks`` ranks) yields in a whole epoch."""
+    return Layout(Runs.whole(total), count, batch_size, drop_last, ranks=ranks).steps(index)
+
+
+def every_shard_steps(
+    total: int, count: int, batch_size: int, drop_last: bool, ranks: int = 1
+) -> list[int]:
+    """:func:`shard_steps` of every shard, in one O(shards) pass."""
+    layout = Layout(Runs.whole(total), count, batch_size, drop_last, ranks=ranks)
+    return layout.bounds(np.arange(count, dtype=np.int64))[4].tolist()  # type: ignore[no-any-return]
 
 
 class Runs:
@@ -112,64 +128,108 @@ class Runs:
 
 
 class Layout:
-    """``count`` shards over the sequence ``runs``: shard ``k`` takes its items
-    ``[k * per_shard, (k + 1) * per_shard)`` (fewer at the end: the rest of its ``per_shard`` are
-    padding, repeats of the sequence's first items), cut into ``steps`` batches; the last partial
-    batch is dropped (``drop_last``) or filled with repeats of its final sample (flagged)."""
+    """``count`` shards over the sequence ``runs``, ``count // ranks`` consecutive shards (the
+    workers) on each of ``ranks`` ranks.
 
-    __slots__ = ("batch_size", "count", "drop_last", "per_shard", "runs", "steps")
+    The sequence is split into ``ranks`` contiguous parts as equal as they can be (with
+    ``drop_last``: ``rank_steps`` full batches each, the rest of the sequence left out). Every rank
+    yields ``rank_steps`` batches, the fewest that hold its part; its batches are shared out whole
+    among its workers, in order (worker ``w`` takes the next ``rank_steps // W`` of them, one more
+    while ``w < rank_steps % W``), so only a rank's last batch can be short: its missing rows are
+    padding (repeats of the shard's last sample, flagged), at most ``ranks * batch_size - 1`` rows
+    in an epoch. When a rank has fewer batches than workers, each of its workers yields one batch
+    (the rest padding): a worker always has a batch to trace.
+    """
 
-    def __init__(self, runs: Runs, count: int, batch_size: int, drop_last: bool) -> None:
+    __slots__ = ("batch_size", "count", "drop_last", "rank_steps", "ranks", "runs", "workers")
+
+    def __init__(
+        self, runs: Runs, count: int, batch_size: int, drop_last: bool, *, ranks: int
+    ) -> None:
+        if ranks < 1 or count < 1 or count % ranks:
+            raise ValueError(f"{count} shards cannot be split evenly among {ranks} ranks")
         self.runs, self.count, self.batch_size, self.drop_last = runs, count, batch_size, drop_last
-        self.per_shard = samples_per_shard(len(runs), count, drop_last)
-        self.steps = steps_per_epoch(len(runs), count, batch_size, drop_last)
-        if drop_last and self.per_shard == 0:
+        self.ranks, self.workers = ranks, count // ranks
+        size, rows = len(runs), ranks * batch_size
+        steps = size // rows if drop_last else -(-size // rows)
+        if drop_last and steps < self.workers:
             raise ValueError(
-                f"{len(runs)} samples cannot give every one of {count} shards a sample with "
-                "drop_last=True; use fewer workers or ranks, or drop_last=False"
+                f"{size} samples in batches of {batch_size} give each of {ranks} rank(s) "
+                f"{steps} full batch(es) with drop_last=True, fewer than its {self.workers} "
+                f"workers; use at most {max(steps, 1)} workers, fewer ranks, a smaller batch "
+                "or drop_last=False"
             )
+        #: batches every rank yields
+        self.rank_steps = max(steps, self.workers) if steps else 0
 
-    def real(self, index: int) -> tuple[int, int]:
-        """Shard ``index``'s items of the sequence (its real samples): ``[first, last)``."""
+    def bounds(self, index: _Int64s) -> tuple[_Int64s, _Int64s, _Int64s, _Int64s, _Int64s]:
+        """Per shard in ``index``: its rank's first item of the sequence, the rank's number of
+        items, the shard's real items ``[first, last)`` counted from the rank's first, and its
+        batches."""
+        rank, worker = np.divmod(index, self.workers)
+        size, batch = len(self.runs), self.batch_size
+        if self.drop_last:
+            share = np.full_like(rank, self.rank_steps * batch)
+            rank_first = rank * share
+        else:
+            base, extra = divmod(size, self.ranks)
+            rank_first = rank * base + np.minimum(rank, extra)
+            share = base + (rank < extra).astype(np.int64)
+        each, more = divmod(self.rank_steps, self.workers)
+        steps = each + (worker < more).astype(np.int64)
+        first_step = worker * each + np.minimum(worker, more)
+        first = np.minimum(first_step * batch, share)
+        last = np.minimum((first_step + steps) * batch, share)
+        return rank_first, share, first, last, steps
+
+    def _one(self, index: int) -> tuple[int, int, int, int, int]:
         if not 0 <= index < self.count:
             raise ValueError(f"shard {index} is not in [0, {self.count})")
-        first = min(index * self.per_shard, len(self.runs))
-        return first, min(first + self.per_shard, len(self.runs))
+        rank_first, share, first, last, steps = self.bounds(np.array([index], np.int64))
+        return (
+            int(rank_first[0]),
+            int(share[0]),
+            int(first[0]),
+            int(last[0]),
+            int(steps[0]),
+        )
+
+    def steps(self, index: int) -> int:
+        """Batches shard ``index`` yields."""
+        return self._one(index)[4]
 
     def remaining(self, received: Sequence[int]) -> Runs:
         """The real samples of every shard's batches after its ``received`` ones, in shard order."""
         assert len(received) == self.count
-        size, step_rows = len(self.runs), self.steps * self.batch_size
-        firsts = np.minimum(np.arange(self.count, dtype=np.int64) * self.per_shard, size)
-        ends = np.minimum(np.minimum(firsts + self.per_shard, size), firsts + step_rows)
-        done = np.minimum(np.asarray(received, dtype=np.int64), self.steps) * self.batch_size
-        return self.runs.select(np.minimum(firsts + done, ends), ends)
+        rank_first, _share, first, last, steps = self.bounds(np.arange(self.count, dtype=np.int64))
+        done = np.minimum(np.asarray(received, dtype=np.int64), steps) * self.batch_size
+        return self.runs.select(rank_first + np.minimum(first + done, last), rank_first + last)
 
-    def samples(self, order: Order, index: int, first: int, last: int) -> _Int64s:
-        """Items ``[first, last)`` of shard ``index``'s ``per_shard`` (real, then padding)."""
-        real_first, real_last = self.real(index)
-        real = real_last - real_first
-        assert 0 <= first <= last <= self.per_shard and self.per_shard - real <= len(self.runs)
-        positions = np.concatenate(
-            [
-                self.runs.positions(real_first + min(first, real), real_first + min(last, real)),
-                self.runs.positions(max(first, real) - real, max(last, real) - real),
-            ]
-        )
-        return order.at(positions)
+    def rows(self, order: Order, index: int, done: int) -> tuple[_Int64s, int, int]:
+        """Shard ``index``'s rows after its first ``done`` batches (real samples, then
+        padding), its real samples in all and its batches."""
+        rank_first, share, first, last, steps = self._one(index)
+        if done >= steps:
+            return np.empty(0, np.int64), last - first, steps
+        start = min(first + done * self.batch_size, last)
+        ids = order.at(self.runs.positions(rank_first + start, rank_first + last))
+        missing = (steps - done) * self.batch_size - len(ids)
+        if missing:
+            # a repeat of the shard's last sample, else of its rank's first, else the first one
+            filler = rank_first + (last - 1 if last > first else 0) if share else 0
+            repeat = order.at(self.runs.positions(filler, filler + 1))
+            ids = np.concatenate([ids, np.repeat(repeat, missing)])
+        return ids, last - first, steps
 
     def batches(self, order: Order, index: int, delivered: Sequence[int]) -> list[Batch]:
         """Shard ``index``'s batches after the ``delivered[index]`` it has delivered."""
-        real_first, real_last = self.real(index)
-        size, steps, done = self.batch_size, self.steps, delivered[index]
+        ids, real, steps = self.rows(order, index, delivered[index] if index < self.count else 0)
+        done, size = delivered[index], self.batch_size
         if done >= steps:
             return []
-        last = steps * size if self.drop_last else self.per_shard
-        ids = self.samples(order, index, done * size, last)
-        rows = np.concatenate([ids, np.repeat(ids[-1:], (steps - done) * size - len(ids))])
-        real_rows = (real_last - real_first) - size * np.arange(done, steps)
+        real_rows = real - size * np.arange(done, steps)
         padded = size - np.clip(real_rows, 0, size)
-        return list(zip(rows.reshape(steps - done, size), padded.tolist(), strict=True))
+        return list(zip(ids.reshape(steps - done, size), padded.tolist(), strict=True))
 
 
 def shard_indices(
@@ -182,36 +242,42 @@ def shard_indices(
     shuffle: bool,
     drop_last: bool,
 ) -> tuple[np.ndarray[Any, Any], int]:
-    """This shard's sample indices for ``epoch``, and how many of them (at the end) are padding."""
+    """This shard's sample indices for ``epoch``, and how many of them (at the end) are padding.
+    Every shard gets the same number of indices (as a rank would): the shards' parts differ by
+    at most one sample, so a shard pads at most one."""
     order = EpochOrder(total, epoch, seed, shuffle)
-    layout = Layout(Runs.whole(total), shard_count, 1, drop_last)  # (batches play no part)
-    first, last = layout.real(shard_index)
-    indices = layout.samples(order, shard_index, 0, layout.per_shard)
-    return indices, layout.per_shard - (last - first)
+    layout = Layout(Runs.whole(total), shard_count, 1, drop_last, ranks=shard_count)
+    indices, real, _steps = layout.rows(order, shard_index, 0)
+    return indices, len(indices) - real
 
 
 def _final_layout(
-    sampling: Sampling, epoch: int, count: int, position: Position | None
+    sampling: Sampling, epoch: int, count: int, ranks: int, position: Position | None
 ) -> tuple[Layout, Sequence[int]]:
-    """The layout ``count`` shards run ``epoch`` in from ``position``, and how many of each
-    shard's batches they have already delivered."""
+    """The layout ``count`` shards on ``ranks`` ranks run ``epoch`` in from ``position``, and
+    how many of each shard's batches they have already delivered."""
     if sampling.total < 1:
         raise ValueError("the dataset is empty")
     whole = Runs.whole(sampling.total)
+    size, drop_last = sampling.batch_size, sampling.drop_last
     if position is None or position.epoch != epoch or not position.segments:
-        return Layout(whole, count, sampling.batch_size, sampling.drop_last), (0,) * count
+        return Layout(whole, count, size, drop_last, ranks=ranks), (0,) * count
     segments = position.segments
-    layout = Layout(whole, segments[0][0], sampling.batch_size, sampling.drop_last)
-    for k, (segment_count, received) in enumerate(segments):
+    first_ranks, first_received = segments[0]
+    layout = Layout(whole, len(first_received), size, drop_last, ranks=first_ranks)
+    for k, (segment_ranks, received) in enumerate(segments):
         last = k == len(segments) - 1
         if last and position.continues:
-            if segment_count != count:
+            if (segment_ranks, len(received)) != (ranks, count):
                 raise ValueError(
-                    f"the position continues a layout of {segment_count} shards, not {count}"
+                    f"the position continues a layout of {len(received)} shards on "
+                    f"{segment_ranks} rank(s), not {count} on {ranks}"
                 )
             return layout, received
-        next_count = count if last else segments[k + 1][0]
-        layout = Layout(layout.remaining(received), next_count, sampling.batch_size, False)
+        next_ranks, next_count = (
+            (ranks, count) if last else (segments[k + 1][0], len(segments[k + 1][1]))
+        )
+        layout = Layout(layout.remaining(received), next_count, size, False, ranks=next_ranks)
     return layout, (0,) * count
 
 
@@ -227,11 +293,14 @@ def plan_epoch(
     count: int,
     position: Position | None,
     orders: Orders | None = None,
+    *,
+    ranks: int = 1,
 ) -> list[list[Batch]]:
-    """Every shard's batches of ``epoch`` on a layout of ``count`` shards, from ``position``
-    (a fresh epoch when it is None or about another epoch). ``orders``: the source's own epoch
-    orders, if it has them (else the seeded :class:`EpochOrder` of ``sampling``)."""
-    layout, delivered = _final_layout(sampling, epoch, count, position)
+    """Every shard's batches of ``epoch`` on a layout of ``count`` shards over ``ranks`` ranks,
+    from ``position`` (a fresh epoch when it is None or about another epoch). ``orders``: the
+    source's own epoch orders, if it has them (else the seeded :class:`EpochOrder` of
+    ``sampling``)."""
+    layout, delivered = _final_layout(sampling, epoch, count, ranks, position)
     order = _order(sampling, epoch, orders)
     return [layout.batches(order, index, delivered) for index in range(count)]
 
@@ -243,31 +312,34 @@ def shard_batches(
     count: int,
     position: Position | None,
     orders: Orders | None = None,
+    *,
+    ranks: int = 1,
 ) -> list[Batch]:
-    """Shard ``index`` of ``count``: its batches of ``epoch`` from ``position`` on. Costs
-    O(shards of the position's segments + this shard's samples)."""
-    layout, delivered = _final_layout(sampling, epoch, count, position)
+    """Shard ``index`` of ``count`` (on ``ranks`` ranks): its batches of ``epoch`` from
+    ``position`` on. Costs O(shards of the position's segments + this shard's samples)."""
+    layout, delivered = _final_layout(sampling, epoch, count, ranks, position)
     order = _order(sampling, epoch, orders)
     return layout.batches(order, index, delivered)
 
 
 def continue_from(
-    position: Position | None, epoch: int, count: int, index: int, steps: int
+    position: Position | None, epoch: int, count: int, index: int, steps: int, *, ranks: int
 ) -> Position:
-    """Where shard ``index`` of ``count`` goes on in ``epoch`` after ``steps`` more of its
-    batches than ``position`` (the position its sources started from; None: the epoch's start).
+    """Where shard ``index`` of ``count`` (on ``ranks`` ranks) goes on in ``epoch`` after
+    ``steps`` more of its batches than ``position`` (the position its sources started from;
+    None: the epoch's start).
 
     Only shard ``index``'s count matters in the result: the position continues each shard.
     """
     if position is None or position.epoch != epoch or not position.segments:
         received = [0] * count
         received[index] = steps
-        return Position(epoch, ((count, tuple(received)),), continues=True)
+        return Position(epoch, ((ranks, tuple(received)),), continues=True)
     if position.continues:
-        *head, (last_count, last) = position.segments
+        *head, (last_ranks, last) = position.segments
         advanced = list(last)
         advanced[index] += steps
-        return Position(epoch, (*head, (last_count, tuple(advanced))), continues=True)
+        return Position(epoch, (*head, (last_ranks, tuple(advanced))), continues=True)
     received = [0] * count
     received[index] = steps
-    return Position(epoch, (*position.segments, (count, tuple(received))), continues=True)
+    return Position(epoch, (*position.segments, (ranks, tuple(received))), continues=True)

@@ -37,7 +37,7 @@ import numpy as np
 from ipc.wire import Sampling
 
 from ._control import FedBatch, FeedState, SampleControl
-from ._positions import Batch, Order, Orders, shard_batches, steps_per_epoch
+from ._positions import Batch, Order, Orders, shard_batches, shard_steps
 from ._shard import Shard
 
 logger = logging.getLogger("workers")
@@ -105,7 +105,10 @@ class BatchedSamples:
         self.wait_ns = 0
         self.load_ns = 0
         self.load_cpu_ns = 0
-        self.steps = steps_per_epoch(total, shard.count, batch_size, drop_last)
+        #: batches of this shard in a whole epoch (a worker may have one more than another)
+        self.steps = shard_steps(
+            total, shard.index, shard.count, batch_size, drop_last, shard.world_size
+        )
         #: batches of the first epoch these sources run (fewer when resumed mid-epoch)
         self.first_epoch_steps = len(self.batches_for_epoch(self.epoch))
 
@@ -128,8 +131,15 @@ class BatchedSamples:
 
     def batches_for_epoch(self, epoch: int) -> list[Batch]:
         """(indices, padded rows) of every batch of ``epoch`` this shard yields."""
+        shard = self.shard
         return shard_batches(
-            self.sampling, epoch, self.shard.index, self.shard.count, self.position, self.orders
+            self.sampling,
+            epoch,
+            shard.index,
+            shard.count,
+            self.position,
+            self.orders,
+            ranks=shard.world_size,
         )
 
     def load_sample(self, index: int, epoch: int) -> Any:

@@ -150,7 +150,7 @@ def test_another_layout_delivers_the_rest_of_the_epoch_once(
                 expected = loader.remaining()
                 # the saving ranks had each received 3 batches: len() counts them, and is never
                 # shorter than this layout's epochs (a trainer keeps it for the next ones)
-                full = steps_per_epoch(TOTAL, new_world * new_workers, 4, False) * new_workers
+                full = steps_per_epoch(TOTAL, new_world * new_workers, 4, False, new_world)
                 assert len(loader) == max(full, 3 + expected)
                 batches = stream(loader)
                 steps.add(len(batches))
@@ -181,7 +181,7 @@ def test_resume_costs_the_same_at_any_position() -> None:
     times = {}
     for fraction in (0.0, 0.9):
         state = {
-            "format": 2,
+            "format": 3,
             "seed": 0,
             "epoch": 0,
             "batch_size": 4,
@@ -206,7 +206,8 @@ def test_a_state_that_cannot_apply_names_its_field() -> None:
         with pytest.raises(ValueError, match=r"^seed: "):
             loader.load_state_dict(state)
         for field, value, match in (
-            ("format", 3, "^format: .*newer"),
+            ("format", 4, "^format: .*newer"),
+            ("format", 2, "^format: .*format 2, .*split an epoch into equal parts per worker"),
             ("format", 1, "^format: .*order of samples differs"),
             ("batch_size", 8, "^batch_size: "),
             ("sampling", {"total": 31, "shuffle": True, "drop_last": False}, "sampling.total"),

@@ -62,13 +62,14 @@ def test_a_continuous_iteration_runs_every_epoch_in_turn_with_their_padding() ->
             for step, (_, padded) in enumerate(samples.batches_for_epoch(epoch))
         ]
     assert feed.delivered() is None
-    assert sum(padded for _, padded in samples.batches_for_epoch(0)) == 1  # 15 ids, 4 batches
+    # the rank's 30 samples in 8 batches, shared 4 + 4: worker 1 has the rank's last batch
+    assert sum(padded for _, padded in samples.batches_for_epoch(0)) == 2
 
 
 def test_a_resumed_continuous_iteration_finishes_its_epoch_then_runs_whole_ones() -> None:
     base = Shard.make(rank=0, world_size=1, worker=0, num_workers=2, seed=5)
     whole = _samples(shard=base)
-    position = Position(0, ((2, (3, 1)),), continues=True)  # worker 0 received 3 batches
+    position = Position(0, ((1, (3, 1)),), continues=True)  # 1 rank; worker 0 received 3
     samples = _samples(shard=base.for_epoch(0, position))
     _continuous(samples)
     assert samples.epoch_steps(0) == 1 and samples.epoch_steps(1) == len(whole) == 4
@@ -140,12 +141,20 @@ def test_a_sharded_source_is_found_by_its_type() -> None:
     assert sharded_samples(ndd.ExternalSource(_samples(), cycle="raise")) is None
 
 
-def test_a_shard_without_batches_ends_a_continuous_iteration() -> None:
+def test_a_layout_without_a_full_batch_for_every_worker_is_refused_with_drop_last() -> None:
     shard = Shard.make(rank=0, world_size=1, worker=1, num_workers=2, seed=0)
-    samples = BatchedSamples(shard, 5, _id, 4, drop_last=True)  # 2 per shard: no full batch
+    with pytest.raises(ValueError, match=r"1 full batch.*fewer than its 2 workers.*at most 1"):
+        BatchedSamples(shard, 5, _id, 4, drop_last=True)  # one full batch for two workers
+
+
+def test_a_shard_whose_batches_were_all_received_ends_a_continuous_iteration_there() -> None:
+    base = Shard.make(rank=0, world_size=1, worker=1, num_workers=2, seed=0)
+    position = Position(0, ((1, (2, 1)),), continues=True)  # 10 samples, 3 batches: 2 + 1
+    samples = BatchedSamples(base.for_epoch(0, position), 10, _id, 4)
     _continuous(samples)
-    assert len(samples) == 0
-    assert list(samples) == []
+    assert samples.epoch_steps(0) == 0 and samples.epoch_steps(1) == len(samples) == 1
+    stream = iter(samples)
+    assert _ids(next(stream)) == _expected(samples, 1)[0]  # epoch 1 at once
 
 
 def test_small_equal_samples_are_stacked_and_others_stay_views() -> None:

@@ -1,0 +1,58 @@
+"""The state's format 3 (no processes): a layout's batches shared out per rank, ``history`` by
+world size, and what a format 2 state can still do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from loader._checkpoint import FORMAT, parse_state
+from workers import Sampling, plan_epoch
+
+SAMPLING = Sampling(80, 16, 0, True, False)
+
+
+def _state(**fields: Any) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "seed": 0,
+        "epoch": 1,
+        "batch_size": 16,
+        "sampling": {"total": 80, "shuffle": True, "drop_last": False, "fingerprint": ""},
+        "layout": {"world_size": 1, "num_workers": 4},
+        "received": [1, 1, 0, 0],
+        "history": [],
+        "steps": [2],
+    }
+    return {**state, **fields}
+
+
+def _parse(state: dict[str, Any], world_size: int = 1, num_workers: int = 4) -> Any:
+    return parse_state(
+        state, sampling=SAMPLING, world_size=world_size, num_workers=num_workers, rank=0
+    )
+
+
+def test_a_state_counts_uneven_workers_and_refuses_a_count_past_a_shard_s_batches() -> None:
+    # 80 samples, batches of 16, 4 workers on one rank: 5 batches, shared 2, 1, 1, 1
+    assert [len(shard) for shard in plan_epoch(SAMPLING, 1, 4, None)] == [2, 1, 1, 1]
+    resume = _parse(_state(received=[2, 1, 1, 0]))
+    assert resume.position.segments == ((1, (2, 1, 1, 0)),) and resume.continues
+    with pytest.raises(ValueError, match=r"received: shard 1 of 4 \(on 1 rank\(s\)\) .* 2 "):
+        _parse(_state(received=[2, 2, 0, 0]))
+
+
+def test_history_names_each_earlier_layout_by_its_world_size() -> None:
+    history = [[2, [1, 0, 1, 0]]]  # 2 ranks of 2 workers
+    resume = _parse(_state(history=history), world_size=2, num_workers=2)
+    assert resume.position.segments[0] == (2, (1, 0, 1, 0))
+    with pytest.raises(ValueError, match=r"history: .* same number per rank of 3"):
+        _parse(_state(history=[[3, [1, 0, 1, 0]]]))
+
+
+def test_a_format_2_state_loads_at_an_epoch_start_and_is_refused_mid_epoch() -> None:
+    fresh = _parse(_state(format=2, received=[0, 0, 0, 0], steps=[0]))
+    assert fresh.epoch == 1 and fresh.before == 0
+    with pytest.raises(ValueError, match="format 2, .*equal parts per worker.*start the epoch"):
+        _parse(_state(format=2))
