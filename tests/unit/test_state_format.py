@@ -54,5 +54,5 @@ def test_history_names_each_earlier_layout_by_its_world_size() -> None:
 def test_a_format_2_state_loads_at_an_epoch_start_and_is_refused_mid_epoch() -> None:
     fresh = _parse(_state(format=2, received=[0, 0, 0, 0], steps=[0]))
     assert fresh.epoch == 1 and fresh.before == 0
-    with pytest.raises(ValueError, match="format 2, .*equal parts per worker.*start the epoch"):
+    with pytest.raises(ValueError, match=r"format 2, .*equal parts per worker.*start the epoch"):
         _parse(_state(format=2))
