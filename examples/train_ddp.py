@@ -65,7 +65,7 @@ def step(jpegs: Any, ids: Any) -> dict[str, Any]:
 def augment_step(jpegs: Any, ids: Any) -> dict[str, Any]:
     images = ndd.decoders.image(jpegs, device="cpu")
     images = ndd.random_resized_crop(images, size=[32, 32])
-    flip = ndd.random.coin_flip(probability=0.5)
+    flip = ndd.random.coin_flip(probability=0.5, batch_size=images.batch_size)  # per sample
     images = ndd.crop_mirror_normalize(
         images, dtype=ndd.float32, mirror=flip, mean=[128.0] * 3, std=[64.0] * 3
     )

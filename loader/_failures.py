@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ipc import wire
+from workers import FAILING_SAMPLES
 
 from ._errors import (
     AgreementError,
@@ -53,6 +54,19 @@ HINTS = (
         "cannot switch to capture mode",
         "source() must return a reader that was never iterated; the loader iterates it.",
     ),
+    (
+        "Inconsistent batch size",
+        "an operator in step() got batches of two sizes, one of them not the Loader's "
+        "batch_size (a hard-coded batch_size=?): take it from a batch, e.g. "
+        "ndd.random.coin_flip(probability=0.5, batch_size=images.batch_size).",
+    ),
+)
+
+
+#: Added to an error that names the samples failing alone (only ``on_error="raise"`` raises it).
+SKIP_HINT = (
+    'on_error="skip" leaves samples that fail out of the batches (each flagged in '
+    "batch.info.skipped); DALI's whole error text is in error.remote_traceback."
 )
 
 
@@ -73,6 +87,8 @@ def relayed(session: WorkerSession, failure: wire.WorkerFailure) -> BaseExceptio
     for pattern, hint in HINTS:
         if pattern in failure.message:
             message += f" Hint: {hint}"
+    if failure.message.startswith(FAILING_SAMPLES):
+        message += f" Hint: {SKIP_HINT}"
     error, why_not = rebuild_exception(failure.type_module, failure.type_name, message)
     if error is None:
         remote = f"{failure.type_module}.{failure.type_name}"

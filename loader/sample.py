@@ -107,7 +107,7 @@ def image_step(jpegs: Any, labels: Any) -> dict[str, Any]:
 
     images = ndd.decoders.image(jpegs, device="cpu")
     images = ndd.random_resized_crop(images, size=[224, 224])
-    flip = ndd.random.coin_flip(probability=0.5)
+    flip = ndd.random.coin_flip(probability=0.5, batch_size=images.batch_size)  # per sample
     images = ndd.crop_mirror_normalize(
         images,
         dtype=ndd.float32,

@@ -438,7 +438,7 @@ def checkpointing_reader(shard: Shard, root: str) -> Any:
 
 def random_step(jpegs: Any, ids: Any) -> dict[str, Any]:
     """A captured random operator: breaking out destroys the reader (rule 12)."""
-    flip = ndd.random.coin_flip(probability=0.5, batch_size=4)
+    flip = ndd.random.coin_flip(probability=0.5, batch_size=ids.batch_size)
     return {"id": ndd.cast(ids, dtype=ndd.int64), "flip": ndd.cast(flip, dtype=ndd.int64)}
 
 
@@ -534,6 +534,19 @@ def decode_files_step(data: Any, labels: Any) -> dict[str, Any]:
     """Decodes every file: a corrupt one fails inside DALI."""
     images = ndd.decoders.image(data, device="cpu")
     return {"image": ndd.resize(images, size=[8, 8]), "label": ndd.cast(labels, dtype=ndd.int64)}
+
+
+def flip_files_step(data: Any, labels: Any) -> dict[str, Any]:
+    """A per-sample random flip whose batch size comes from the batch it flips: the same step
+    runs under any batch size (``batch_size=4`` in ``coin_flip`` would tie it to batches of 4)."""
+    images = ndd.resize(ndd.decoders.image(data, device="cpu"), size=[8, 8])
+    flip = ndd.random.coin_flip(probability=0.5, batch_size=images.batch_size)
+    return {
+        "image": images,
+        "flipped": ndd.flip(images, horizontal=flip),
+        "flip": ndd.cast(flip, dtype=ndd.int64),
+        "label": ndd.cast(labels, dtype=ndd.int64),
+    }
 
 
 def files_with_ids_source(shard: Shard, root: str, batch_size: int = 8) -> Any:
@@ -643,21 +656,21 @@ _flip_rng: Any = None
 
 def augment_step(jpegs: Any, labels: Any) -> dict[str, Any]:
     """Decode, random resized crop (the default RNG), a captured coin flip mirror from an RNG
-    the step makes on its first call (batches of 4)."""
+    the step makes on its first call."""
     global _flip_rng
     if _flip_rng is None:
         _flip_rng = ndd.random.RNG(seed=1234)
     rng = _flip_rng
     images = ndd.decoders.image(jpegs, device="cpu")
     images = ndd.random_resized_crop(images, size=[12, 12])
-    flip = ndd.random.coin_flip(probability=0.5, batch_size=4, rng=rng)
+    flip = ndd.random.coin_flip(probability=0.5, batch_size=images.batch_size, rng=rng)
     images = ndd.crop_mirror_normalize(images, dtype=ndd.float32, mirror=flip)
     return {"image": images, "label": ndd.cast(labels, dtype=ndd.int64)}
 
 
 def uniform_step(ids: Any) -> dict[str, Any]:
     """A captured random draw (the default RNG) next to the ids: the bytes follow the RNG."""
-    noise = ndd.random.uniform(range=[0.0, 1.0], shape=[2], batch_size=4)
+    noise = ndd.random.uniform(range=[0.0, 1.0], shape=[2], batch_size=ids.batch_size)
     return {"id": ndd.cast(ids, dtype=ndd.int64), "noise": noise}
 
 
@@ -665,7 +678,7 @@ def broken_pattern_step(ids: Any) -> dict[str, Any]:
     """Breaks DALI's draw-pattern rule: a random call on the first two steps only."""
     out = {"id": ndd.cast(ids, dtype=ndd.int64)}
     if _nth_call() <= 2:
-        out["noise"] = ndd.random.uniform(range=[0.0, 1.0], shape=[2], batch_size=4)
+        out["noise"] = ndd.random.uniform(range=[0.0, 1.0], shape=[2], batch_size=ids.batch_size)
     return out
 
 

@@ -8,6 +8,7 @@ them ``compile=True``/``.compiled()``) or moves its private state needs changes 
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -231,6 +232,40 @@ def _eager_external_source(source: Any, batch_size: int, ctx: Any) -> Iterator[A
             except StopIteration:
                 return
         yield item
+
+
+#: the module of DALI's dynamic-mode operators, whose ``Operator._run`` runs each of them
+_OPS_FILE = os.path.join("dynamic", "_ops.py")
+
+
+def failed_operator(error: BaseException) -> str | None:
+    """The DALI operator an eagerly run step failed in, as DALI's own errors name one (``CPU
+    operator decoders.Image``); None when no operator of DALI's is in the error's tracebacks.
+
+    DALI 2.4 words an eager failure as "An error happened during asynchronous execution" raised
+    from the operator's own error, and names no operator; the traceback of that outer error
+    still runs through the failed operator's ``_run`` (in ``dynamic/_ops.py``), whose ``self``
+    is the operator. The innermost such frame, over the error and its causes, is the one."""
+    found: Any = None
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        frames = current.__traceback__
+        while frames is not None:
+            frame = frames.tb_frame
+            if frame.f_code.co_filename.endswith(_OPS_FILE) and frame.f_code.co_name == "_run":
+                operator = frame.f_locals.get("self")
+                if isinstance(getattr(operator, "_schema_name", None), str):
+                    found = operator
+            frames = frames.tb_next
+        current = current.__cause__
+    if found is None:
+        return None
+    name = str(found._schema_name).replace("__", ".")
+    backend = str(getattr(found, "_backend", "") or "")
+    kind = {"cpu": "CPU", "gpu": "GPU", "mixed": "Mixed"}.get(backend, backend)
+    return f"{kind} operator {name}" if kind else f"operator {name}"
 
 
 def is_batch(value: object) -> bool:

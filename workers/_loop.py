@@ -36,7 +36,7 @@ from typing import Any
 from ipc import ChannelClosed, ControlChannel, wire
 from ipc.wire import Position
 
-from . import _dali
+from . import _dali, _error_text, _stderr
 from ._control import SampleControl
 from ._phase import Phase
 from ._publish import Publisher, describe_outputs, normalize_outputs
@@ -349,12 +349,16 @@ class Worker:
             and getattr(error, "_loader_phase", None) is None
         )
 
-    def find_failing_samples(self, epoch: int, step: int) -> list[int]:
+    def find_failing_samples(self, epoch: int, step: int) -> dict[int, list[str]] | None:
         """The samples of the batch at ``step`` of ``epoch`` (or, when DALI's prefetch
-        reported it early, of the next one) that fail on their own.
+        reported it early, of the next one) that fail on their own, each with the native log
+        lines it printed then (see :mod:`workers._stderr`). None when every sample of a batch
+        of several fails alone: then ``step`` or the pipeline is at fault, not the data.
 
         Method: each sample of the batch is loaded and run through ``step`` alone, eagerly (a
         batch of one, in the worker's EvalContext): it costs one re-run of the batch's samples.
+        What native code logs during the re-run repeats what the failed batch already printed:
+        it is kept for the error, not printed again.
         """
         sources = self.sources
         assert sources is not None and sources.sampled is not None
@@ -364,11 +368,23 @@ class Worker:
             if found is None:
                 continue
             batch, replaced = found
-            ids = [i for i in dict.fromkeys(batch) if i not in replaced]
-            failing = [index for index in ids if self.sample_fails(sampled, index, epoch)]
+            ids = [index for index in dict.fromkeys(batch) if index not in replaced]
+            failing: dict[int, list[str]] = {}
+            for index in ids:
+                with _stderr.repeats_captured() as printed:
+                    fails = self.sample_fails(sampled, index, epoch)
+                if fails:
+                    failing[index] = printed.native
+                if printed.native:
+                    logger.debug(
+                        "worker %d: %s printed when run alone: %s",
+                        self.shard.worker,
+                        sampled.describe(index),
+                        "; ".join(printed.native),
+                    )
             if failing:
-                return failing
-        return []
+                return failing if len(failing) < len(ids) or len(ids) == 1 else None
+        return {}
 
     def sample_fails(self, sampled: Any, index: int, epoch: int) -> bool:
         import numpy as np
@@ -393,24 +409,28 @@ class Worker:
         trainer which they are and end this process: the trainer starts a new one at that
         batch with them replaced. (A process whose captured pipeline failed must not trace
         again: DALI 2.4 then crashes with captured random operators.) Otherwise, or when no
-        sample fails alone, raise ``error`` naming them."""
+        sample fails alone, raise ``error``, its message naming them first (DALI names only
+        the operator)."""
         sources = self.sources
         assert sources is not None and sources.sampled is not None
         sampled = sources.sampled
         failing = self.find_failing_samples(epoch, done)
+        if failing is None:
+            error._loader_message = _error_text.every_sample_fails(error)  # type: ignore[attr-defined]
+            raise error
+        printed = list(dict.fromkeys(line for lines in failing.values() for line in lines))
         if self.spec.on_error != "skip" or not failing:
             if failing:
-                names = ", ".join(sampled.describe(index) for index in failing)
-                error._loader_detail = f"the failing sample: {names}"  # type: ignore[attr-defined]
+                names = [sampled.describe(index) for index in failing]
+                error._loader_message = _error_text.message(error, names, printed)  # type: ignore[attr-defined]
             raise error
-        summary = _short_reason(error)
         self.channel.send(
             wire.SamplesFailed(
                 epoch=epoch,
                 step=done,
                 ids=tuple(failing),
                 names=tuple(sampled.name(index) for index in failing),
-                reason=summary,
+                reason=_error_text.short_reason(error, printed),
             )
         )
         raise Stop
@@ -474,8 +494,9 @@ class Worker:
     def report(self, error: BaseException) -> None:
         kind = type(error)
         phase = getattr(error, "_loader_phase", None) or self.phase.value
-        detail = getattr(error, "_loader_detail", None)
-        message = str(error) if detail is None else f"{error} ({detail})"
+        # DALI's long text in a line, the failing samples first when they are known; the
+        # whole text travels in the traceback
+        message = getattr(error, "_loader_message", None) or _error_text.message(error)
         with contextlib.suppress(ChannelClosed, OSError):
             self.channel.send(
                 wire.WorkerFailure(
@@ -521,19 +542,3 @@ def close_iterator(iterator: Iterator[Any] | None) -> None:
     if close is not None:
         with contextlib.suppress(Exception):
             close()
-
-
-def _short_reason(error: BaseException) -> str:
-    """One line for a log: DALI's error text starts with "Critical error in pipeline:" and a
-    traceback; what matters is the operator ("Error in CPU operator ...") and the line after
-    "encountered:". An eager step's error ("An error happened during asynchronous execution")
-    carries DALI's own as its ``__cause__``, which is added."""
-    lines = list(dict.fromkeys(line.strip() for line in str(error).splitlines() if line.strip()))
-    operator = next((line for line in lines if line.startswith("Error in ")), None)
-    if operator is not None and "encountered:" in lines[:-1]:
-        cause = lines[lines.index("encountered:") + 1]
-        return f"{type(error).__name__}: {operator.rstrip(',')} encountered: {cause}"[:300]
-    text = f"{type(error).__name__}: {' '.join(lines[:3])}"
-    if error.__cause__ is not None:
-        text += f" ({_short_reason(error.__cause__)})"
-    return text[:300]

@@ -6,6 +6,7 @@ import functools
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from loader import (
@@ -15,7 +16,7 @@ from loader import (
     SharedMemoryError,
     WorkerTimeoutError,
 )
-from loader.sample import write_sample_dataset
+from loader.sample import list_images, write_sample_dataset
 from tests import pipelines as P
 from tests.pipelines import ids_of
 
@@ -246,3 +247,58 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> Non
     ):
         time.sleep(0.1)
     assert not left
+
+
+def test_a_corrupt_file_is_named_first_with_the_skip_option(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 31: a failing decode raised ~20 lines of DALI's text (a traceback of DALI's own
+    graph code) with the file named only at its end, never said that on_error="skip" exists,
+    and the worker printed the decoder's own log line twice (once more while it searched the
+    batch for the file). Spawned, so that the worker's stderr is this test's."""
+    root = write_sample_dataset(tmp_path / "images", count=16, classes=2, seed=3)
+    files, _labels = list_images(root)
+    bad = files[9]
+    Path(bad).write_bytes(Path(bad).read_bytes()[:200])  # a truncated JPEG
+    source = functools.partial(P.files_with_ids_source, root=str(root), batch_size=4)
+    with Loader(
+        source, P.decode_files_step, batch_size=4, num_workers=1, start_method="spawn"
+    ) as loader:
+        with pytest.raises(RuntimeError) as info:
+            list(loader)
+    message = str(info.value)
+    first = message.splitlines()[0]
+    assert first.startswith(f"failing sample 9 ({bad}): CPU operator decoders.Image failed: ")
+    assert "[worker 0, shard 0/1, epoch 0, step " in first
+    assert 'Hint: on_error="skip" leaves samples that fail out' in first
+    assert len(message.splitlines()) == 1 and len(message) < 600
+    # DALI's whole text is kept, in the worker's traceback
+    remote = getattr(info.value, "remote_traceback", "")
+    assert "nvImageCodec failure" in remote and "nvImageCodec failure" in first
+    # the decoder's own line, printed by the failed batch, is not printed again by the search
+    # for the file; it is in the message instead
+    assert capfd.readouterr().err.count("Invalid marker") == 1
+    assert "(printed: [jpeg_parser] Invalid marker)" in first
+
+
+@pytest.mark.parametrize("batch_size", [4, 8])
+def test_one_step_with_per_sample_random_flips_runs_under_any_batch_size(
+    image_root: Path, batch_size: int
+) -> None:
+    """Issue 31: ``coin_flip(batch_size=images.batch_size)`` takes the batch size from the
+    batch it flips, so one step function serves any Loader batch size; each sample is flipped
+    on its own (``coin_flip()`` without a batch size draws one flip for the whole batch)."""
+    source = functools.partial(P.files_with_ids_source, root=str(image_root), batch_size=batch_size)
+    flips: list[list[int]] = []
+    with Loader(
+        source, P.flip_files_step, batch_size=batch_size, num_workers=2, copy=True
+    ) as loader:
+        for batch in loader:
+            images = np.asarray(batch["image"])
+            flipped = np.asarray(batch["flipped"])
+            flip = [int(v) for v in np.asarray(batch["flip"]).ravel()]
+            assert images.shape == (batch_size, 8, 8, 3) and len(flip) == batch_size
+            for image, out, mirrored in zip(images, flipped, flip, strict=True):
+                np.testing.assert_array_equal(out, image[:, ::-1] if mirrored else image)
+            flips.append(flip)
+    assert any(len(set(flip)) == 2 for flip in flips)  # flips differ within a batch

@@ -1,0 +1,138 @@
+"""What a worker's error says: DALI's long text in a line (its operator and cause), the failing
+samples named first, and the decoder's own stderr line held back while samples are re-run
+alone (no processes; real DALI errors, run eagerly in this one)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loader.sample import list_images, write_sample_dataset
+from workers._error_text import dali_summary, message, short_reason
+from workers._stderr import repeats_captured, split_native
+
+#: DALI 2.4's text for a corrupt JPEG in a captured pipeline (as the worker gets it)
+CAPTURED_TEXT = """Critical error in pipeline:
+Critical error in pipeline:
+Error in CPU operator `nvidia.dali.ops.decoders.Image`,
+which was used in the pipeline definition with the following traceback:
+
+  File "_capture.py", line 582, in build_pipeline
+    _wire_capture_graph(self.sources, self.nodes, captured_rngs)
+  File "_capture.py", line 953, in _wire_capture_graph
+    out = op(*positional, **kw_nodes)
+
+encountered:
+
+nvImageCodec failure: '#3'
+Current pipeline object is no longer valid.
+Current pipeline object is no longer valid."""
+
+#: ... and for a crop out of bounds, with the C++ line that follows DALI's cause
+CROP_TEXT = """Critical error in pipeline:
+Error in CPU operator `nvidia.dali.ops.Crop`,
+which was used in the pipeline definition with the following traceback:
+
+  File "_capture.py", line 953, in _wire_capture_graph
+    out = op(*positional, **kw_nodes)
+
+encountered:
+
+Slice can't be placed out of bounds with current policy. Got: input_shape={1 x 1 x 3}
+C++ context: [/opt/dali/dali/operators/generic/slice/out_of_bounds_policy.h:106]
+Current pipeline object is no longer valid."""
+
+
+def test_a_captured_pipelines_error_is_its_operator_and_cause() -> None:
+    assert dali_summary(RuntimeError(CAPTURED_TEXT)) == (
+        "CPU operator decoders.Image",
+        "nvImageCodec failure: '#3'",
+    )
+    assert dali_summary(RuntimeError(CROP_TEXT)) == (
+        "CPU operator Crop",
+        "Slice can't be placed out of bounds with current policy. Got: input_shape={1 x 1 x 3}",
+    )
+
+
+def test_the_failing_samples_come_first_then_the_error_in_a_line() -> None:
+    error = RuntimeError(CAPTURED_TEXT)
+    text = message(error, ["sample 14 (/d/a.jpg)"], ["[jpeg_parser] Invalid marker"])
+    assert text == (
+        "failing sample 14 (/d/a.jpg): CPU operator decoders.Image failed: nvImageCodec "
+        "failure: '#3' (printed: [jpeg_parser] Invalid marker)"
+    )
+    assert message(error) == "CPU operator decoders.Image failed: nvImageCodec failure: '#3'"
+
+
+def test_any_other_error_keeps_its_message() -> None:
+    error = ValueError("bad shape\n\n(3, 4)\nmore\nmore")
+    assert dali_summary(error) is None
+    assert message(error) == str(error)
+    assert message(error, ["sample 3"]) == f"failing sample 3: {error}"
+    assert short_reason(error) == "ValueError: bad shape (3, 4) more"
+
+
+def test_a_skip_reason_is_one_line() -> None:
+    assert short_reason(RuntimeError(CAPTURED_TEXT), ["[jpeg_parser] Invalid marker"]) == (
+        "RuntimeError: CPU operator decoders.Image failed: nvImageCodec failure: '#3' "
+        "(printed: [jpeg_parser] Invalid marker)"
+    )
+
+
+def test_an_eager_error_is_its_cause_without_dalis_wrapper() -> None:
+    """DALI raises "An error happened during asynchronous execution" from the real error."""
+    try:
+        try:
+            raise RuntimeError("nvImageCodec failure: '#4'")
+        except RuntimeError as cause:
+            raise RuntimeError("An error happened during asynchronous execution") from cause
+    except RuntimeError as error:
+        assert dali_summary(error) == (None, "nvImageCodec failure: '#4'")
+        assert short_reason(error) == "RuntimeError: nvImageCodec failure: '#4'"
+
+
+@pytest.fixture(scope="module")
+def corrupt_jpeg(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    root = write_sample_dataset(tmp_path_factory.mktemp("one"), count=1, classes=1, seed=3)
+    [path], _labels = list_images(root)
+    return Path(path).read_bytes()[:200]
+
+
+def test_a_real_eager_decode_error_names_its_operator_and_holds_back_the_decoders_line(
+    corrupt_jpeg: bytes, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """As a sample re-run alone fails: the operator comes from DALI's own frames; the line
+    nvImageCodec writes to file descriptor 2 comes back instead of reaching stderr."""
+    import nvidia.dali.experimental.dynamic as ndd
+
+    error: BaseException | None = None
+    with repeats_captured() as printed, ndd.EvalContext(num_threads=1):
+        try:
+            images = ndd.decoders.image(ndd.batch([np.frombuffer(corrupt_jpeg, np.uint8)]))
+            ndd.resize(images, size=[8, 8]).evaluate()
+        except RuntimeError as caught:
+            error = caught
+    assert error is not None and "asynchronous execution" in str(error)
+    assert dali_summary(error) == ("CPU operator decoders.Image", "nvImageCodec failure: '#3'")
+    assert printed.native == ["[jpeg_parser] Invalid marker"]
+    assert "Invalid marker" not in capfd.readouterr().err
+
+
+def test_other_output_of_a_held_block_still_reaches_stderr(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    with repeats_captured() as printed:
+        os.write(2, b"\x1b[0;31m[ERROR] \x1b[0m[jpeg_parser] Invalid marker\n")
+        os.write(2, b"a user's own line\n")
+        os.write(2, b"[ERROR] [jpeg_parser] Invalid marker\n")  # the same line again: once
+    assert printed.native == ["[jpeg_parser] Invalid marker"]
+    assert capfd.readouterr().err == "a user's own line\n"
+
+
+def test_native_log_lines_are_told_apart() -> None:
+    native, rest = split_native("[WARNING] [x] slow\nplain\n  [ERROR]  [y] bad \n[notalevel] z\n")
+    assert native == ["[x] slow", "[y] bad"]
+    assert rest == "plain\n[notalevel] z\n"
