@@ -65,7 +65,7 @@ def time_to_heal(root: str, step: Callable[..., Any]) -> float:
         prefetched = 0
         for batch in batches:
             if batch.info.worker == 0:
-                prefetched = batch.info.step
+                prefetched = batch.info.worker_step
                 break
         del batch
         time.sleep(1.0)  # worker 0 fills its slots: all it made before dying is delivered first
@@ -73,7 +73,7 @@ def time_to_heal(root: str, step: Callable[..., Any]) -> float:
         killed = time.perf_counter()
         made_before = prefetched + loader.config.num_slots  # steps it can have published
         for batch in batches:
-            if batch.info.worker == 0 and batch.info.step > made_before:
+            if batch.info.worker == 0 and batch.info.worker_step > made_before:
                 break
             del batch
         elapsed = time.perf_counter() - killed

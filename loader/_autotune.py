@@ -11,7 +11,9 @@ budgets), so every rank decides the same layout without another message.
 
 The search: start with a guess (two workers, the CPUs split among them); when the trainer waited
 for data, try the next layout up the ladder (more workers, or more threads), past this rank's
-CPUs only while the workers left CPUs unused (they wait on storage); keep going while the rate
+CPUs (its host's, split among the local ranks) only while the workers left CPUs unused (they
+wait on storage), up to :data:`loader._env.OVERSUBSCRIBE` workers per CPU, the budget
+``loader.diagnose()`` advises within; keep going while the rate
 improves by :data:`BETTER`; then try one step down from the start; settle on the fastest layout
 measured. A layout whose predicted memory (the largest worker's USS plus its shared-memory slots,
 times the workers) is over the budget is never tried, and a measured one over it is left.
@@ -23,6 +25,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from ._env import OVERSUBSCRIBE
 
 logger = logging.getLogger("loader")
 
@@ -206,7 +210,7 @@ class Autotuner:
         """The layouts tried, from the least parallel up (a fixed dimension stays fixed)."""
         cpus = max(1, self.cpus)
         if self.workers is None:
-            counts = _powers(max(2, 2 * cpus))
+            counts = _powers(max(2, OVERSUBSCRIBE * cpus))
             return [Layout(w, self.threads or max(1, cpus // w)) for w in counts]
         counts = sorted(set(_powers(cpus)) | {self.layout.threads})
         return [Layout(self.workers, t) for t in counts]
@@ -291,6 +295,18 @@ class Autotuner:
             f"{layout} held {_mib(memory)} once started, {STARTUP_GROWTH:g}x that is over the "
             f"memory budget of {_mib(self.memory_limit)}",
         )
+
+    def rebudget(self, cpus: int) -> bool:
+        """Before the first epoch, the CPU budget once every rank's host is known: True when
+        the first guess was made for another budget and is replaced by this one's."""
+        if cpus == self.cpus:
+            return False
+        self.cpus = cpus
+        if self.trials or self.settled or self.layout in self.ladder():
+            return False
+        self.layout = first_layout(cpus, self.workers, self.threads)
+        self.reason = f"the first guess for {cpus} CPUs (this host's, split among its ranks)"
+        return True
 
     def resume_on(self, workers: int) -> Layout | None:
         """The layout of a state saved with ``workers`` workers (None: none of the ladder's, or

@@ -1,5 +1,6 @@
-"""The command line: the main job, and ``doctor`` (a short measurement of the same job and the
-loader's verdict on it). Runs in the trainer; the only module that prints."""
+"""The command line: the main job, and the dispatch to ``doctor`` (:mod:`loader._doctor`, a short
+measurement of this job or yours and the loader's verdict on it). Runs in the trainer; with
+``_doctor``, the only modules that print."""
 
 from __future__ import annotations
 
@@ -7,15 +8,12 @@ import argparse
 import functools
 import logging
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
-from ._diagnose import Diagnosis, measure_headspace
+from ._diagnose import Diagnosis
 from ._errors import LoaderError
 from ._loader import Loader, LoaderStats
 from .sample import (
@@ -37,34 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     _job_flags(parser)
     parser.add_argument("--epochs", type=int, default=3, help="epochs (default 3)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    return parser
-
-
-def build_doctor_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m loader doctor",
-        description="Run the main job's pipeline for a few seconds, then print the loader's "
-        "verdict (loader.diagnose()) and the headspace: how fast the loop goes over batches "
-        "replayed from memory, without the loader.",
-    )
-    _job_flags(parser)
-    parser.add_argument(
-        "--seconds", type=float, default=10.0, help="seconds to measure after the first batch"
-    )
-    parser.add_argument(
-        "--train-ms",
-        type=float,
-        default=0.0,
-        help="milliseconds of a stand-in training step per batch (default 0: none)",
-    )
-    parser.add_argument(
-        "--headspace",
-        type=int,
-        default=4,
-        metavar="N",
-        help="batches kept in memory and replayed to time the loop alone (default 4; 0: skip)",
-    )
-    parser.add_argument("--trace", type=Path, default=None, help="also write the trace here")
     return parser
 
 
@@ -151,8 +121,8 @@ def _workers(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
 
 
-def _setup(args: argparse.Namespace, counts: list[tuple[str, Any]]) -> Path | None:
-    """Logging, the flags' checks and the dataset: its root, or None after printing why not."""
+def _check_flags(args: argparse.Namespace, counts: list[tuple[str, Any]]) -> bool:
+    """Logging, and the flags' checks: False after printing why not."""
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -162,9 +132,19 @@ def _setup(args: argparse.Namespace, counts: list[tuple[str, Any]]) -> Path | No
             continue
         if not value >= 1:
             print(f"error: {name} must be at least 1, got {value}", file=sys.stderr)
-            return None
+            return False
+    return True
+
+
+def _setup(
+    args: argparse.Namespace, counts: list[tuple[str, Any]], *, quiet: bool = False
+) -> Path | None:
+    """Logging, the flags' checks and the dataset: its root, or None after printing why not.
+    ``quiet``: say nothing unless something is wrong (a rank other than 0)."""
+    if not _check_flags(args, counts):
+        return None
     if args.data is None:
-        if not sample_dataset_ready():
+        if not sample_dataset_ready() and not quiet:
             print("generating the sample dataset (first run only)...", file=sys.stderr)
         root: Path = ensure_sample_dataset()
     else:
@@ -174,11 +154,16 @@ def _setup(args: argparse.Namespace, counts: list[tuple[str, Any]]) -> Path | No
     except (FileNotFoundError, NotADirectoryError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return None
-    print(
-        f"{len(files)} images in {root}; {args.workers} workers, batch {args.batch_size}, "
+    if not quiet:
+        print(f"{len(files)} images in {root}; {_layout(args)}")
+    return root
+
+
+def _layout(args: argparse.Namespace) -> str:
+    return (
+        f"{args.workers} workers, batch {args.batch_size}, "
         f"capture={'on' if args.capture else 'off'}"
     )
-    return root
 
 
 def _loader(args: argparse.Namespace, root: Path, trace: Path | None = None) -> Loader:
@@ -198,6 +183,8 @@ def _loader(args: argparse.Namespace, root: Path, trace: Path | None = None) -> 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["doctor"]:
+        from ._doctor import doctor  # (it builds on this module's flags)
+
         return doctor(argv[1:])
     args = build_parser().parse_args(argv)
     counts = [("--workers", args.workers), ("--batch-size", args.batch_size)]
@@ -225,66 +212,4 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return 0
-
-
-def _stand_in_step(train_seconds: float) -> Callable[[Any], None]:
-    """The doctor's training step: reads the batch's labels, then sleeps ``train_seconds``."""
-
-    def train_step(batch: Any) -> None:
-        int(np.asarray(batch["label"]).shape[0])
-        if train_seconds > 0:
-            time.sleep(train_seconds)
-
-    return train_step
-
-
-def doctor(argv: list[str]) -> int:
-    """``python -m loader doctor [flags]``: measure, then print the verdict and the headspace."""
-    args = build_doctor_parser().parse_args(argv)
-    counts = [("--workers", args.workers), ("--batch-size", args.batch_size)]
-    root = _setup(args, [*counts, ("--seconds", args.seconds * 10)])  # (0.1 s at least)
-    if root is None:
-        return 2
-    if args.headspace < 0 or args.train_ms < 0:
-        print("error: --headspace and --train-ms must be at least 0", file=sys.stderr)
-        return 2
-    train_step = _stand_in_step(args.train_ms / 1000)
-    kept: list[dict[str, np.ndarray[Any, Any]]] = []
-    try:
-        with _loader(args, root, args.trace) as loader:
-            batches, until = 0, None
-            while until is None or time.perf_counter() < until:
-                for batch in loader:
-                    if len(kept) < args.headspace:
-                        kept.append({name: np.array(value) for name, value in batch.items()})
-                    train_step(batch)
-                    del batch
-                    batches += 1
-                    if until is None:  # the traced first batch is not measured
-                        until = time.perf_counter() + args.seconds
-                    elif time.perf_counter() >= until:
-                        break
-            report = loader.diagnose(window=args.seconds)
-            stats = loader.stats(window=args.seconds)
-    except (LoaderError, ValueError, TypeError, RuntimeError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    print()
-    print(report)
-    recent = stats.recent_trainer
-    rate = recent.batches / recent.loop if recent.loop > 0 else 0.0
-    print(f"  with the loader: {rate:.1f} batches/s ({batches} batches)")
-    if kept:
-        alone = measure_headspace(kept, train_step, max(1, recent.batches))
-        print(
-            f"  headspace: the loop alone, over {len(kept)} batches replayed from memory: "
-            f"{alone:.1f} batches/s"
-            + (f"; with the loader it runs at {rate / alone:.2%} of that" if alone > 0 else "")
-        )
-    if args.trace is not None:
-        print(f"  trace: {args.trace} (open it in https://ui.perfetto.dev)")
     return 0

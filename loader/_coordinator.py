@@ -168,15 +168,16 @@ class Coordinator:
         self._agreement_due = True
 
     # ------------------------------------------------------------------------------ batches
-    def next_batch(self) -> Delivery | None:
-        """The next batch in the loader's order; None when every worker's epoch is over."""
+    def next_batch(self, step: int) -> Delivery | None:
+        """The next batch in the loader's order, the rank's ``step`` of the epoch (what
+        ``batch.info.step`` says); None when every worker's epoch is over."""
         while True:
             decision = self.order.choose(self.sessions)
             if decision is None:
                 return None
             if isinstance(decision, Take):
                 self._send_releases(lazy=True)
-                return self._deliver(self.sessions[decision.worker])
+                return self._deliver(self.sessions[decision.worker], step)
             blocked = [self.sessions[index] for index in decision.blocked]
             if all(s.reader.all_held for s in blocked):
                 self._send_releases(lazy=False)
@@ -185,14 +186,14 @@ class Coordinator:
             waiting = self.sessions[decision.worker]
             self._wait(waiting, self.healing.wait_limit(waiting))
 
-    def _deliver(self, session: WorkerSession) -> Delivery:
+    def _deliver(self, session: WorkerSession, step: int) -> Delivery:
         descriptor = session.queue[0]
         if descriptor.skipped:  # (checked before any view of the slot is made)
             sampling = self.sampling()
             error = self.healing.delivered(descriptor, 0 if sampling is None else sampling.total)
             if error is not None:
                 raise self._fail(error)
-        return session.deliver()
+        return session.deliver(step)
 
     def release_at_once(self, worker: int, reader: SlotReader, descriptor: wire.BatchReady) -> None:
         """The batch is a private copy (``copy=True``): its slot goes back now."""
@@ -232,6 +233,13 @@ class Coordinator:
         """Batches per epoch over this rank's workers (None when a source cannot say)."""
         steps = [s.hello.steps_per_epoch if s.hello else None for s in self.sessions]
         return None if None in steps else sum(s for s in steps if s is not None)
+
+    def next_epoch(self) -> int | None:
+        """The epoch every worker starts at its next ``StartEpoch`` without a seek: the one
+        after the epoch it runs or ran, or the one its sources were built for (None when the
+        workers differ, which a seek settles)."""
+        epochs = {s.next_epoch for s in self.sessions}
+        return next(iter(epochs)) if len(epochs) == 1 else None
 
     def delivered(self) -> list[int]:
         """Per worker, the batches of the epoch in progress handed to the user."""

@@ -27,6 +27,16 @@ def group_size() -> int:
     return 0
 
 
+def group_rank() -> int:
+    """This process's rank in the initialised default process group (0 when there is none): its
+    index in :func:`gather`'s list."""
+    if group_size() == 0:
+        return 0
+    import torch.distributed as dist
+
+    return int(dist.get_rank())
+
+
 def gather(payload: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Every rank's ``payload``, in rank order; None without a process group."""
     size = group_size()

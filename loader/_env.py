@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import socket
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,51 @@ def sharers(local_world_size: int = 1) -> int:
 def cpu_budget(local_world_size: int = 1) -> int:
     """CPUs this rank's workers may use: this process's affinity split among its sharers."""
     return max(1, usable_cpus() // sharers(local_world_size))
+
+
+#: Workers that leave their CPUs idle (their ``load`` waits on storage) may number up to this
+#: many per CPU of their rank's share; workers busy on the CPU, one per CPU.
+OVERSUBSCRIBE = 2
+
+
+def worker_budget(cpus: int, cpu_per_worker: float) -> int:
+    """The most workers a rank may run on its share of ``cpus`` CPUs, given the CPUs each worker
+    was measured to keep busy: one per CPU, or as many as their CPU use fits when each uses
+    less than a CPU, up to :data:`OVERSUBSCRIBE` per CPU."""
+    cpus = max(1, cpus)
+    if cpu_per_worker <= 0:
+        return OVERSUBSCRIBE * cpus
+    return max(cpus, min(OVERSUBSCRIBE * cpus, math.floor(cpus / cpu_per_worker)))
+
+
+def host_facts() -> dict[str, Any]:
+    """What the ranks exchange to count the CPUs of each host: its name, this process's CPUs,
+    ``LOCAL_WORLD_SIZE`` (None when unset) and the pytest-xdist peers."""
+    return {
+        "host": socket.gethostname(),
+        "node_cpus": usable_cpus(),
+        "local_world_size": _env_int("LOCAL_WORLD_SIZE"),
+        "peers": sharers(1),
+    }
+
+
+def local_ranks(hosts: Sequence[str], index: int, local_world_size: int | None) -> int:
+    """Trainer processes on the host of rank ``index``: ``LOCAL_WORLD_SIZE`` when the launcher
+    set it, else the ranks whose host name is that rank's (``hosts``: every rank's, in order)."""
+    if local_world_size is not None:
+        return max(1, local_world_size)
+    return max(1, sum(1 for host in hosts if host == hosts[index]))
+
+
+def node_shares(gathered: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Each rank's CPU budget from every rank's :func:`host_facts`: its host's CPUs split among
+    the local ranks (and pytest-xdist peers) there."""
+    hosts = [str(facts["host"]) for facts in gathered]
+    shares = []
+    for index, facts in enumerate(gathered):
+        local = local_ranks(hosts, index, facts["local_world_size"])
+        shares.append(max(1, int(facts["node_cpus"]) // (local * max(1, int(facts["peers"])))))
+    return shares
 
 
 def default_num_threads(num_workers: int, local_world_size: int = 1) -> int:

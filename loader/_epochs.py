@@ -1,54 +1,63 @@
-"""One epoch of a Loader as the user iterates it, and accelerate's dataloader protocol.
-Runs in the trainer."""
+"""One epoch of a Loader: what the loader and the iterator the user holds share, the iterator
+itself, accelerate's dataloader protocol, and the sampler trainers call ``set_epoch`` on. Runs in
+the trainer.
+
+References go one way, so that dropping a Loader closes it at once (its finalizer runs when the
+last reference goes, not when the cyclic garbage collector gets to it)::
+
+    Loader ──owns──► Epoch ◄──shares── EpochIterator ──keeps alive──► Loader
+    Loader ──owns──► EpochSampler ┈┈weak┈┈► Loader
+    accelerate's GradientState ┈┈weak┈┈► Epoch
+
+An :class:`Epoch` refers to neither; an iterator keeps its loader alive (``iter(Loader(...))``
+alone is enough), and nothing the loader holds refers back to the loader or to an iterator.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from typing import TYPE_CHECKING, Any
 
+from ._errors import LoaderClosedError
+
 if TYPE_CHECKING:
+    from ._checkpoint import Resume
     from ._loader import Loader
 
 
-class EpochIterator:
-    """One epoch of a Loader. Obtained from ``iter(loader)``; started by its first ``next()``.
+class Epoch:
+    """One epoch as the loader delivers it: made by ``iter(loader)``, started by the first
+    ``next()``, over at its last batch. The loader owns the newest one (between epochs, the one
+    that ended); its iterator shares it.
 
-    ``len(iterator)`` is the number of batches it still yields. It also speaks accelerate's
-    dataloader protocol (``end_of_dataloader``, ``remainder``): under an ``Accelerator`` with
-    gradient accumulation, gradients are synchronised at the epoch's last batch.
+    It is also what registers with accelerate's ``GradientState`` (``end_of_dataloader``,
+    ``remainder``): under an ``Accelerator`` with gradient accumulation, gradients are
+    synchronised at the epoch's last batch.
     """
 
-    def __init__(self, loader: Loader, epoch: int) -> None:
-        self._loader = loader
-        self.epoch = epoch  # settled when it starts
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch  # settled when it starts (set_epoch may change it until then)
         self.started = False
         self.finished = False
         self.replaced = False
-        self.delivered = 0  # batches handed out by this iterator
+        self.resume: Resume | None = None  # the loaded state it goes on from, if any
+        self.first_step = 0  # the rank's step of its first batch (> 0 in a resumed epoch)
+        self.delivered = 0  # batches handed out in this run of the epoch
         self.expected: int | None = None  # batches it hands out in all, when known
         self.end_of_dataloader = False  # accelerate: the last batch was handed out
         self.remainder = -1  # accelerate: no samples of the last batch are duplicates to drop
         self.accelerate: Any = None  # accelerate's GradientState, while registered with it
 
-    def __iter__(self) -> EpochIterator:
-        return self
-
-    def __next__(self) -> Any:
-        return self._loader._next(self)
-
-    def __len__(self) -> int:
-        if self.finished or self.replaced:
-            return 0
-        if self.started:
-            if self.expected is None:
-                raise TypeError("the length of this epoch is unknown for this source")
-            return self.expected - self.delivered
-        return self._loader.remaining()
-
     @property
     def in_progress(self) -> bool:
         return self.started and not self.finished
+
+    @property
+    def next_step(self) -> int:
+        """The rank's step in the epoch of the next batch handed out (``batch.info.step``)."""
+        return self.first_step + self.delivered
 
     def handed_out(self) -> None:
         """One more batch; the epoch's last one ends it now, not at a ``next()`` that a trainer
@@ -60,7 +69,8 @@ class EpochIterator:
 
     def join_accelerate(self) -> None:
         """Register with accelerate's ``GradientState`` when an ``Accelerator`` exists in this
-        process (nothing of accelerate is imported or created here)."""
+        process (nothing of accelerate is imported or created here). It keeps a weak
+        reference."""
         state = sys.modules.get("accelerate.state")
         gradient_state = getattr(state, "GradientState", None)
         if gradient_state is None or not getattr(gradient_state, "_shared_state", None):
@@ -76,3 +86,85 @@ class EpochIterator:
             with contextlib.suppress(ValueError):
                 self.accelerate._remove_dataloader(self)
             self.accelerate = None
+
+
+class EpochIterator:
+    """One epoch of a Loader. Obtained from ``iter(loader)``; started by its first ``next()``.
+
+    ``len(iterator)`` is the number of batches it still yields. It keeps its loader alive; it
+    also shows accelerate's ``end_of_dataloader`` and ``remainder`` of its epoch.
+    """
+
+    def __init__(self, loader: Loader, epoch: Epoch) -> None:
+        self._loader = loader
+        self._epoch = epoch
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return self._loader._next(self._epoch)
+
+    def __len__(self) -> int:
+        run = self._epoch
+        if run.finished or run.replaced:
+            return 0
+        if run.started:
+            if run.expected is None:
+                raise TypeError("the length of this epoch is unknown for this source")
+            return run.expected - run.delivered
+        return self._loader.remaining()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch this iterator runs (settled at its first ``next()``)."""
+        return self._epoch.epoch
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return self._epoch.end_of_dataloader
+
+    @property
+    def remainder(self) -> int:
+        return self._epoch.remainder
+
+
+class EpochSampler:
+    """``loader.sampler`` (and ``loader.batch_sampler``): what trainers reach for at each epoch's
+    start. ``set_epoch(e)`` is ``loader.set_epoch(e)``: Lightning's ``_set_sampler_epoch`` calls
+    it on ``dataloader.sampler`` and ``dataloader.batch_sampler.sampler`` (both this object, so
+    once). ``batch_size`` is the loader's, for code that reads a batch sampler's (DeepSpeed).
+
+    It is neither a torch ``Sampler`` nor iterable, so nothing mistakes the loader for a
+    ``DataLoader`` whose sampler it could replace. It refers to its loader weakly: the loader
+    owns it, and a sampler kept after its loader was dropped raises ``LoaderClosedError``.
+    """
+
+    __slots__ = ("__weakref__", "_loader")
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = weakref.ref(loader)
+
+    def _target(self) -> Loader:
+        loader = self._loader()
+        if loader is None:
+            raise LoaderClosedError("the loader of this sampler was dropped (and so closed)")
+        return loader
+
+    def set_epoch(self, epoch: int) -> None:
+        """The loader's next ``iter()`` runs ``epoch`` (see :meth:`Loader.set_epoch`)."""
+        self._target().set_epoch(epoch)
+
+    @property
+    def sampler(self) -> EpochSampler:
+        """Itself: a ``batch_sampler.sampler`` is the same object as ``sampler``."""
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        return int(self._target().batch_size)
+
+    def __repr__(self) -> str:
+        loader = self._loader()
+        where = "dropped" if loader is None else f"next epoch {loader.epoch}"
+        return f"<EpochSampler of a Loader: {where}>"

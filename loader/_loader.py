@@ -11,6 +11,12 @@ has delivered its epoch's last batch is finished even if nobody calls ``next()``
 next ``iter(loader)`` goes on with the next epoch, which the workers already prefetch. Leaving an
 epoch early and starting another aborts it everywhere first: every worker stops its loop,
 rebuilds its source and feeders for the next epoch (so DALI re-traces), and acknowledges.
+``set_epoch(e)`` (torch's ``DistributedSampler`` convention; Lightning calls it through
+``loader.sampler``) makes the next epoch ``e``: when the workers are ready for another one, they
+rebuild their sources at ``e``'s start (a seek) before it starts.
+
+Lifetime: the loader owns its epochs' state (:mod:`loader._epochs`) and nothing it holds refers
+back to it, so dropping the last reference closes it at once (its finalizer), iterated or not.
 
 This module is a facade: configuration, epochs and the public API. Workers are driven by the
 coordinator (:mod:`loader._coordinator`); the state arithmetic is :mod:`loader._checkpoint`'s.
@@ -37,7 +43,7 @@ from ._checkpoint import Resume
 from ._config import LoaderConfig
 from ._coordinator import Coordinator
 from ._diagnose import Diagnosis, diagnose
-from ._epochs import EpochIterator
+from ._epochs import Epoch, EpochIterator, EpochSampler
 from ._errors import LoaderClosedError
 from ._healing import Healing, Timeouts, check_healable
 from ._pool import WorkerPool
@@ -49,6 +55,10 @@ from ._views import build_batch, current_stream, register_pytree_nodes
 logger = logging.getLogger("loader")
 
 __all__ = ["AutotuneReport", "Diagnosis", "Loader", "LoaderStats", "WorkerStats"]
+
+#: Every Loader whose workers were started and that was not closed (weakly: a dropped loader
+#: leaves it). The ``leak_check`` fixture reads it to find loaders left open by a test.
+OPEN_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()
 
 
 class Loader:
@@ -99,14 +109,16 @@ class Loader:
         if self._autotuner is not None:
             config = config.with_layout(self._autotuner.layout)
         self._next_layout: _autotune.Layout | None = None  # decided, applied between epochs
-        self._epoch = 0
-        self._current: EpochIterator | None = None
+        self._epoch = 0  # the epoch the next iter() runs
+        self._current: Epoch | None = None  # the newest epoch (shared with its iterator)
+        self._sampler = EpochSampler(self)  # (it refers to this loader weakly)
         self._kind: str | None = None
         self._checks = _ranks.RankChecks()
         self._counters = TrainerCounters(created=time.monotonic())
         #: every batch's stage times and the trainer's next() calls (stats, diagnose, trace)
         self._timeline = Timeline(config.num_workers)
-        self._resume: Resume | None = None  # a loaded state, until its epoch is over
+        #: a loaded state, until its epoch starts (then the epoch's own: ``Epoch.resume``)
+        self._resume: Resume | None = None
         self._resume_steps: list[int] = []  # batches each worker has left in that epoch
         self._launch(config)
         if self._autotuner is not None:
@@ -139,6 +151,7 @@ class Loader:
         self._coordinator = coordinator
         self._finalizer = weakref.finalize(self, coordinator.close)
         self._closed = False
+        OPEN_LOADERS.add(self)
         try:
             coordinator.start(config.startup_timeout)
         except BaseException:
@@ -216,6 +229,45 @@ class Loader:
         """The epoch the next ``iter(loader)`` runs."""
         return self._epoch
 
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter(loader)`` run ``epoch``: its order, and ``batch.info.epoch``
+        (the convention of torch's ``DistributedSampler``, which Lightning follows at every
+        epoch's start through ``loader.sampler``). The epoch the next ``iter()`` runs anyway
+        costs nothing; another moves the workers to ``epoch``'s start when that epoch starts
+        (they rebuild their sources for it). An epoch half-delivered now goes on until the next
+        ``iter()``, which ends it early as always. A state loaded with :meth:`load_state_dict`
+        is kept for its own epoch, and dropped (with a logged warning) for another."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"set_epoch() takes an epoch number (an int >= 0), got {epoch!r}")
+        self._require_open()
+        if epoch == self._epoch:
+            return
+        resume = self._resume
+        if resume is not None:
+            logger.warning(
+                "set_epoch(%d): the state loaded for epoch %d is dropped, epoch %d runs from its "
+                "start (call set_epoch(%d), or nothing, to resume that state)",
+                epoch,
+                resume.epoch,
+                epoch,
+                resume.epoch,
+            )
+            self._resume, self._resume_steps = None, []
+        self._epoch = epoch
+
+    @property
+    def sampler(self) -> EpochSampler:
+        """What a trainer calls ``set_epoch`` on at each epoch's start (Lightning does):
+        ``loader.sampler.set_epoch(e)`` is :meth:`set_epoch`. Not a torch ``Sampler``, so
+        Lightning does not take the loader for a ``DataLoader`` to re-make."""
+        return self._sampler
+
+    @property
+    def batch_sampler(self) -> EpochSampler:
+        """The same object as :attr:`sampler` (with ``batch_size``), for code that looks for a
+        sampler through a ``DataLoader``'s ``batch_sampler``."""
+        return self._sampler
+
     def __iter__(self) -> Iterator[Any]:
         """An iterator over the next epoch. Lazy: the epoch starts at its first ``next()``, so
         an iterator thrown away (Lightning makes one to check the loader) changes nothing.
@@ -228,9 +280,9 @@ class Loader:
                 self._abort(current)
             elif not current.started:
                 current.replaced = True
-        run = EpochIterator(self, self._epoch)
+        run = Epoch(self._epoch)
         self._current = run
-        return run
+        return EpochIterator(self, run)
 
     def __len__(self) -> int:
         """Batches this rank gets per epoch, the same on every rank (known for
@@ -245,9 +297,10 @@ class Loader:
         """
         self._settle()
         self._apply_layout()
-        resume = self._resume
-        if resume is not None and resume.epoch == self._active_epoch():
-            return resume.epoch_length(self._epoch_length(), sum(self._resume_steps))
+        loaded = self._loaded()
+        if loaded is not None:
+            resume, left = loaded
+            return resume.epoch_length(self._epoch_length(), left)
         return self._epoch_length()
 
     def remaining(self) -> int:
@@ -261,8 +314,7 @@ class Loader:
                 self._epoch_length()  # raises: unknown for this source
             assert current.expected is not None
             return current.expected - current.delivered
-        resume = self._resume
-        if resume is not None and resume.epoch == self._epoch:
+        if self._resume is not None:
             return sum(self._resume_steps)
         return self._epoch_length()
 
@@ -284,14 +336,18 @@ class Loader:
         sampling = self._sampling()
         config = self.config
         epoch = self._active_epoch()
-        resume = self._resume
-        if resume is None or resume.epoch != epoch:
-            resume = Resume(Position(epoch, ()))  # nothing received before this run
+        loaded = self._loaded()
+        # (without a loaded state: nothing received before this run)
+        resume = Resume(Position(epoch, ())) if loaded is None else loaded[0]
         current = self._current
         in_progress = current is not None and current.in_progress
         delivered = coordinator.delivered() if in_progress else [0] * config.num_workers
         mine, history, steps = resume.progress([s.index for s in config.shards], delivered)
-        random = [_checkpoint.random_json(states) for states in coordinator.random_states()]
+        if in_progress or coordinator.next_epoch() == epoch:
+            states = coordinator.random_states()
+        else:  # set_epoch: the workers move to that epoch's start, seeded for it
+            states = [b""] * config.num_workers
+        random = [_checkpoint.random_json(s) for s in states]
         gathered = _distributed.gather(
             {
                 "rank": config.rank,
@@ -382,6 +438,7 @@ class Loader:
             except OSError as error:
                 warnings.warn(f"the trace was not written: {error}", RuntimeWarning, stacklevel=2)
         self._closed = True
+        OPEN_LOADERS.discard(self)
         if self._finalizer is not None:
             self._finalizer()
 
@@ -420,19 +477,28 @@ class Loader:
         waiting for data, the stage that dominates in the workers, whether they are
         CPU-saturated, waiting on I/O or blocked on full slots, and one suggestion with the
         figure it rests on. ``print(loader.diagnose())`` shows it. Costs no message to the
-        workers (see docs/diagnosis.md)."""
+        workers. The settings every rank shares (``num_workers``...) are advised within the
+        host's CPUs split among its local ranks, from every rank's figures: with a
+        ``torch.distributed`` group up this is a collective, call it on every rank (see
+        docs/diagnosis.md)."""
         config = self.config
+        stats = self.stats(window)
+        sampling = self._coordinator.sampling() if self._coordinator is not None else None
         return diagnose(
-            self.stats(window),
+            stats,
             num_threads=config.num_threads,
             prefetch=config.prefetch,
             in_order=config.in_order,
+            config=config,
+            fingerprint=None if sampling is None else sampling.fingerprint,
         )
 
     def save_trace(self, path: str | os.PathLike[str], seconds: float = 60.0) -> Path:
         """Write the last ``seconds`` of per-worker and trainer spans to ``path`` as Chrome
         trace-event JSON (open it in Perfetto or ``chrome://tracing``); returns the path. At
-        most the last 8,192 batches of each worker are kept (see docs/diagnosis.md)."""
+        most the last 8,192 batches of each worker are kept (see docs/diagnosis.md). With more
+        than one rank each writes its own file: ``{rank}`` in the file name is the rank, else
+        ``.rank<k>`` goes before the extension (``trace.json`` -> ``trace.rank1.json``)."""
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ValueError(f"seconds must be a positive number, got {seconds!r}")
         coordinator = self._coordinator
@@ -450,24 +516,34 @@ class Loader:
             pid=os.getpid(),
             name=f"dali-capture-loader, rank {config.rank} of {config.world_size}",
         )
-        return _trace.write_trace(path, trace)
+        target = _trace.rank_path(path, config.rank, config.world_size)
+        return _trace.write_trace(target, trace)
 
     # ------------------------------------------------------------------------------ epochs
-    def _start(self, run: EpochIterator) -> Coordinator:
+    def _start(self, run: Epoch) -> Coordinator:
         """The first ``next()`` of ``run``: settle the rank, start the epoch in every worker."""
         self._settle()
         coordinator = self._apply_layout()
         if not self._checks.configuration_checked and _distributed.group_size() > 1:
             self._check_configuration()
         run.epoch = epoch = self._epoch
-        resume = self._resume
-        if resume is not None and resume.epoch != epoch:
-            self._resume = resume = None  # that epoch is over (or was left for a newer one)
-        if resume is not None:
-            base, cursor = resume.first_turn([shard.index for shard in self.config.shards])
-            run.expected = sum(self._resume_steps)
+        resume, left = self._resume, self._resume_steps
+        self._resume, self._resume_steps = None, []  # the epoch's own from now on
+        if resume is not None and resume.epoch == epoch:  # (set_epoch drops another one)
+            shards = [shard.index for shard in self.config.shards]
+            base, cursor = resume.first_turn(shards, left)
+            run.resume, run.expected, run.first_step = resume, sum(left), resume.before
             coordinator.start_epoch(epoch, base, cursor)
         else:
+            ready = coordinator.next_epoch()
+            if ready != epoch:  # set_epoch: another epoch than the workers are ready for
+                coordinator.seek(Position(epoch, ()))
+                logger.info(
+                    "epoch %d starts as the trainer set it (set_epoch): the workers rebuilt "
+                    "their sources for it (they were ready for epoch %s)",
+                    epoch,
+                    ready,
+                )
             run.expected = coordinator.steps_per_epoch()
             coordinator.start_epoch(epoch)
         run.started = True
@@ -477,7 +553,7 @@ class Loader:
         run.join_accelerate()
         return coordinator
 
-    def _epoch_over(self, run: EpochIterator) -> None:
+    def _epoch_over(self, run: Epoch) -> None:
         """``run`` handed out its last batch: with num_workers="auto", measure it and decide
         the next epoch's layout (a collective under torch.distributed: every rank ends an
         epoch at the same step). The new workers start at the next ``len()``/``iter()`` step,
@@ -568,7 +644,7 @@ class Loader:
         self._counters.startup_wait_ns = fresh.wait_ns - waited
         return fresh
 
-    def _next(self, run: EpochIterator) -> Any:
+    def _next(self, run: Epoch) -> Any:
         entered = time.perf_counter_ns()
         coordinator = first = self._require_open()
         polled = coordinator.wait_ns
@@ -588,7 +664,7 @@ class Loader:
                 reference = coordinator.reference
                 fields = None if reference is None else dict(reference.agreement_fields())
                 self._collective(lambda: self._checks.traced(fields))
-            delivery = coordinator.next_batch()
+            delivery = coordinator.next_batch(run.next_step)
         if delivery is None:  # over (or nothing left: a state saved at its epoch's end)
             over = not run.finished
             if over:
@@ -604,7 +680,7 @@ class Loader:
         info = delivery.info
         batch = self._hand_out(coordinator, delivery)
         waited = coordinator.wait_ns - polled
-        self._timeline.next_call(entered, waited, info.epoch, info.step, info.worker)
+        self._timeline.next_call(entered, waited, info.epoch, info.worker_step, info.worker)
         if run.finished:
             self._epoch_over(run)
         return batch
@@ -636,13 +712,24 @@ class Loader:
         self._counters.handed_out(time.monotonic(), real)
         return batch
 
-    def _abort(self, run: EpochIterator) -> None:
+    def _abort(self, run: Epoch) -> None:
         """Stop ``run`` in every worker and wait until each has rebuilt its sources."""
         coordinator = self._require_open()
         run.finished = True
         run.replaced = True
         coordinator.abort_epoch(run.epoch)
         logger.info("epoch %d was left early; workers rebuilt their sources", run.epoch)
+
+    def _loaded(self) -> tuple[Resume, int] | None:
+        """The loaded state of the epoch in progress (between epochs: of the next one), and
+        the batches this rank had left at its start; None for an epoch run from its start."""
+        current = self._current
+        if current is not None and current.in_progress:
+            resume = current.resume
+            return None if resume is None else (resume, current.expected or 0)
+        if self._resume is not None:
+            return self._resume, sum(self._resume_steps)
+        return None
 
     def _active_epoch(self) -> int:
         """The epoch in progress, or between epochs the next one."""

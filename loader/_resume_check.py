@@ -25,7 +25,9 @@ import numpy as np
 if TYPE_CHECKING:
     from ._loader import Loader
 
-#: (epoch, step, shard): where a batch comes from, the same in both runs on one layout
+#: (epoch, step of the shard, shard): where a batch comes from, the same in both runs on one
+#: layout (``batch.info.worker_step``: the rank's step depends on the order of arrival with
+#: ``in_order=False``)
 Where = tuple[int, int, int]
 
 
@@ -130,7 +132,7 @@ def _copied(batch: Any) -> Delivered:
     else:
         named = {"0": batch}
     outputs = {name: _host(value) for name, value in named.items()}
-    return Delivered(info.epoch, info.step, info.shard, info.padded, info.replaced, outputs)
+    return Delivered(info.epoch, info.worker_step, info.shard, info.padded, info.replaced, outputs)
 
 
 def _host(value: Any) -> Any:

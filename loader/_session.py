@@ -146,7 +146,7 @@ class WorkerSession:
         self.handle = handle
         self.index = handle.index
         self.shard = handle.shard
-        self.target: Target = Idle(0)
+        self.target: Target = Idle(handle.shard.epoch)  # (a new layout starts at a later one)
         self.up = False  # the current process said Hello
         self.epoch: int | None = None  # the epoch it runs, ended, aborted or resumed last
         self.queue: deque[wire.BatchReady] = deque()
@@ -208,6 +208,20 @@ class WorkerSession:
         that is starting to go on with the epoch counts)."""
         target = self.target
         return isinstance(target, Running) and not target.ended
+
+    @property
+    def next_epoch(self) -> int | None:
+        """The epoch this worker starts at its next ``StartEpoch`` without a seek: the one after
+        the epoch it runs, ended or aborts (a continuous capture loop has already begun it), or
+        the one its sources are (being) built for; None once stopped."""
+        target = self.target
+        if isinstance(target, Idle):
+            return target.epoch
+        if isinstance(target, (Running, Aborting)):
+            return target.epoch + 1
+        if isinstance(target, Seeking):
+            return target.position.epoch
+        return None
 
     @property
     def next_step(self) -> int:
@@ -308,16 +322,18 @@ class WorkerSession:
             self.go(Idle(message.epoch, target.position))
 
     # ------------------------------------------------------------------------ delivery
-    def deliver(self) -> Delivery:
-        """The next queued batch, as views of its slot, with its ``batch.info``."""
+    def deliver(self, step: int) -> Delivery:
+        """The next queued batch, as views of its slot, with its ``batch.info``: the rank's
+        ``step`` of the epoch."""
         descriptor = self.queue.popleft()
         self.delivered += 1
         if descriptor.random:
             self.random = descriptor.random
         info = BatchInfo(
             epoch=descriptor.epoch,
-            step=self.epoch_step(descriptor.step),
+            step=step,
             worker=self.index,
+            worker_step=self.epoch_step(descriptor.step),
             shard=self.shard.index,
             padded=descriptor.padded,
             replaced=descriptor.replaced,

@@ -12,6 +12,12 @@ process (the trainer's pid) holds one track (thread) for the trainer and one per
   how much of it was spent waiting for the workers, the rest is handing the batch out) and a
   ``train`` span for the time between two of them.
 
+One file per rank: under a launcher with more than one rank, each rank writes its own file
+(:func:`rank_path`): ``{rank}`` in the file's name is replaced by the rank, else ``.rank<k>`` goes
+before the extension (``trace.json`` -> ``trace.rank1.json``); a world of one writes the path as
+given. (Gathering every rank's tracks into rank 0's file would need a collective at ``close()``,
+which runs from finalizers and ``atexit`` too, where a collective can hang.)
+
 Every span is a complete event (``"ph": "X"``, microseconds since the loader was made) whose
 ``args`` hold the batch's ``epoch`` and ``step`` (the epoch's step; ``-1`` for a ``next()``
 that ended an epoch) and, for the trainer's, the ``worker`` that made the batch. The spans are
@@ -30,6 +36,24 @@ from typing import Any
 from ._stats import Timeline, batch_end
 
 _TRAINER_TID = 0
+#: In a trace path, replaced by the rank.
+RANK_PLACEHOLDER = "{rank}"
+
+
+def rank_path(path: str | os.PathLike[str], rank: int, world_size: int) -> Path:
+    """Where ``rank`` of ``world_size`` writes the trace asked for at ``path``: the file name's
+    ``{rank}`` replaced by the rank; else, with more than one rank, ``.rank<k>`` before the
+    extension (``loader-trace.json`` -> ``loader-trace.rank1.json``); else ``path``."""
+    target = Path(path)
+    name = target.name
+    if RANK_PLACEHOLDER in name:
+        return target.with_name(name.replace(RANK_PLACEHOLDER, str(rank)))
+    if world_size <= 1:
+        return target
+    stem, dot, extension = name.rpartition(".")
+    if not dot or not stem:  # no extension ("trace", ".trace")
+        return target.with_name(f"{name}.rank{rank}")
+    return target.with_name(f"{stem}.rank{rank}.{extension}")
 
 
 def trace_events(

@@ -4,15 +4,19 @@ alike. Runs in the trainer.
 :func:`measure` reads an epoch off the timeline (:mod:`loader._stats`) and the workers' memory
 off psutil; :func:`after_epoch` and :func:`at_start` gather every rank's figures (one
 ``all_gather_object`` with a process group up) and hand the combined figures to the policy,
-:class:`loader._autotune.Autotuner`, which returns the decision.
+:class:`loader._autotune.Autotuner`, which returns the decision. The same gather carries each
+rank's host (:func:`loader._env.host_facts`), so the CPU budget is each host's CPUs split among
+its local ranks (``LOCAL_WORLD_SIZE``, else the ranks on the same host), the budget
+``loader.diagnose()`` advises within.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from . import _distributed
+from . import _distributed, _env
 from ._autotune import Autotuner, Decision, Layout, Measurement, combine
 from ._stats import batch_end
 
@@ -113,19 +117,30 @@ def after_epoch(
         cpus=config.cpus,
         memory_limit=config.memory_limit or tuner.memory_limit,
     )
-    gathered = _distributed.gather({"measured": None if measured is None else measured.payload()})
+    gathered = _distributed.gather(
+        {"measured": None if measured is None else measured.payload(), **_env.host_facts()}
+    )
     if gathered is not None:
         payloads = [g["measured"] for g in gathered]
         measured = None if None in payloads else combine(payloads)
+        if measured is not None:
+            measured = dataclasses.replace(measured, cpus=min(_env.node_shares(gathered)))
     return None if measured is None else tuner.observe(epoch, measured)
 
 
 def at_start(tuner: Autotuner, sessions: Sequence[WorkerSession], config: LoaderConfig) -> Decision:
     """Before the first epoch: the workers as started, measured on every rank (a collective
-    with a process group up), must fit the memory budget."""
+    with a process group up), must fit the memory budget; with every rank's host known, the
+    CPU budget is the smallest share of any host's CPUs (a first guess made for more CPUs is
+    replaced)."""
     memory, largest = worker_memory(sessions, config.num_slots)
-    gathered = _distributed.gather({"memory": memory, "worker_memory": largest})
+    gathered = _distributed.gather(
+        {"memory": memory, "worker_memory": largest, **_env.host_facts()}
+    )
+    moved = False
     if gathered is not None:
         memory = max(int(g["memory"]) for g in gathered)
         largest = max(int(g["worker_memory"]) for g in gathered)
-    return tuner.fit(memory, largest)
+        moved = tuner.rebudget(min(_env.node_shares(gathered)))
+    decision = tuner.fit(memory, largest)
+    return dataclasses.replace(decision, changed=True) if moved else decision

@@ -23,14 +23,17 @@ from ._releases import ReleaseQueue
 
 @dataclass(frozen=True, slots=True)
 class BatchInfo:
-    """Where a delivered batch came from. ``padded`` rows at its end are padding, not data;
-    with ``on_error="skip"``, ``replaced`` rows repeat a good sample of the batch in place of
-    the ``skipped`` sample ids (``skipped_names``: their names, a file's path for
-    ``sharded_files``)."""
+    """Where a delivered batch came from. ``step`` is its step in the epoch on this rank
+    (``0 .. len(loader) - 1``, counting the batches received before a resume too);
+    ``worker_step`` the step in the epoch of the ``worker`` that made it. ``padded`` rows at
+    its end are padding, not data; with ``on_error="skip"``, ``replaced`` rows repeat a good
+    sample of the batch in place of the ``skipped`` sample ids (``skipped_names``: their names,
+    a file's path for ``sharded_files``)."""
 
     epoch: int
     step: int
     worker: int
+    worker_step: int
     shard: int
     padded: int
     replaced: tuple[int, ...] = ()

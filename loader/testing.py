@@ -15,7 +15,9 @@ inode (eventfd, epoll), and a new entry in ``/dev/shm`` that this test's process
 the test process or one of its descendants holds open or mapped, or that nobody holds (a file
 made and closed but never unlinked) and belongs to this user. A new entry held only by other
 processes is another job's (a concurrent test session, a DataLoader's semaphores) and is not
-blamed. A leak report names the kinds it found.
+blamed. A leak report names the kinds it found. It also names a Loader the test opened and did
+not close: one still open, and one dropped while part of a reference cycle, so that its workers
+ran until the garbage collector found it (a Loader dropped otherwise closes at once).
 
 The worker server: one per test process (under pytest-xdist, one per xdist worker: nothing is
 shared between them), started once with DALI imported and the suite's modules parsed for DALI's
@@ -31,24 +33,30 @@ import contextlib
 import gc
 import os
 import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import pytest
 
 from . import _server
 from ._config import set_default_start_method
+from ._loader import OPEN_LOADERS
 from ._resume_check import assert_resumes_exactly
 
 __all__ = [
+    "OpenLoader",
     "Snapshot",
     "assert_resumes_exactly",
     "dali_calling_files",
     "fd_kind",
     "find_leaks",
     "leak_check",
+    "loader_leaks",
     "loader_worker_server",
+    "open_loaders",
     "shm_holders",
     "snapshot",
     "start_worker_server",
@@ -259,12 +267,62 @@ def find_leaks(before: Snapshot, *, grace: float = 5.0) -> list[str]:
     return problems
 
 
+@dataclass(frozen=True)
+class OpenLoader:
+    """A Loader found open, held weakly (noting it keeps nothing alive), and its workers."""
+
+    loader: weakref.ref[Any]
+    pids: tuple[int, ...]
+
+
+def open_loaders(known: weakref.WeakSet[Any] | None = None) -> list[OpenLoader]:
+    """The Loaders open now that are not in ``known``. Call it before any garbage collection:
+    a loader alive only through a reference cycle is still open here."""
+    found = []
+    for loader in list(OPEN_LOADERS):
+        if (known is None or loader not in known) and not loader.closed:
+            found.append(OpenLoader(weakref.ref(loader), tuple(loader.worker_pids())))
+    return found
+
+
+def loader_leaks(noted: Sequence[OpenLoader]) -> list[str]:
+    """Of the loaders ``noted`` open (by :func:`open_loaders`): those the garbage collector
+    closed, which were dropped without ``close()`` but lived on in a reference cycle, and those
+    still open."""
+    if not noted:
+        return []
+    gc.collect()
+    dropped = [entry.pids for entry in noted if entry.loader() is None]
+    still_open = [entry.pids for entry in noted if _still_open(entry)]
+    problems = []
+    if dropped:
+        problems.append(
+            f"{len(dropped)} Loader(s) dropped without close() while held in a reference cycle: "
+            f"their workers (pids {list(dropped)}) ran until the garbage collector found them; "
+            "close() each loader (or use `with Loader(...) as loader:`) or break the cycle"
+        )
+    if still_open:
+        problems.append(
+            f"{len(still_open)} Loader(s) still open after the test (workers, pids "
+            f"{list(still_open)}): close() each loader (or use `with Loader(...) as loader:`)"
+        )
+    return problems
+
+
+def _still_open(entry: OpenLoader) -> bool:
+    loader = entry.loader()
+    return loader is not None and not loader.closed
+
+
 @pytest.fixture
 def leak_check() -> Iterator[None]:
-    """Fail the test if it leaves worker processes, descriptors or shared memory behind."""
+    """Fail the test if it leaves worker processes, descriptors or shared memory behind, or a
+    Loader open (or dropped in a reference cycle, open until the garbage collector ran)."""
     before = snapshot()
+    known: weakref.WeakSet[Any] = weakref.WeakSet(OPEN_LOADERS)
     yield
-    problems = find_leaks(before)
+    noted = open_loaders(known)  # before find_leaks collects garbage
+    problems = loader_leaks(noted) + find_leaks(before)
     if problems:
         pytest.fail("resource leak: " + "; ".join(problems), pytrace=False)
 

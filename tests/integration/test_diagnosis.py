@@ -27,12 +27,12 @@ def _sleeping(total: int = 2 * BATCH * 40) -> Any:
 
 def _run(loader: Loader, epochs: int, train_seconds: float) -> list[tuple[int, int, int]]:
     """Iterate ``epochs`` epochs, "training" ``train_seconds`` per batch; the (worker, epoch,
-    step) of every batch in the order received."""
+    the worker's step) of every batch in the order received (what the trace's spans carry)."""
     seen = []
     for _ in range(epochs):
         for batch in loader:
             info = batch.info
-            seen.append((info.worker, info.epoch, info.step))
+            seen.append((info.worker, info.epoch, info.worker_step))
             del batch
             if train_seconds:
                 time.sleep(train_seconds)

@@ -166,7 +166,8 @@ def test_batch_info_reaches_training_step(reference: dict[str, Any]) -> None:
         info = s["info"]
         assert info == s["info_before_transfer"]
         assert info["epoch"] == s["epoch"], "the loader's epoch is not Lightning's"
-        assert info["step"] == s["batch_idx"] // 2  # round robin over 2 workers
+        assert info["step"] == s["batch_idx"], "info.step is not the rank's step in the epoch"
+        assert info["worker_step"] == s["batch_idx"] // 2  # round robin over 2 workers
         assert info["worker"] == s["batch_idx"] % 2
         assert info["shard"] == info["worker"]
     # 45 samples per shard: the last batch of each shard has 3 padded rows
@@ -189,6 +190,8 @@ def test_ddp_killed_job_resumes_on_two_devices(
         assert {s["len"] for s in after if s["rank"] == rank and s["epoch"] == 0} == {DDP_STEPS}
     assert {s["world_size"] for s in after} == {2}
     assert all(s["info"] is not None for s in after)
+    # the rank's step in the epoch, counting the batches received before the resume
+    assert all(s["info"]["step"] == s["batch_idx"] for s in after)
     state = _loader_state(Path(ddp_killed["folder"]) / "checkpoints" / "step-004.ckpt")
     assert (state["epoch"], state["layout"]["world_size"], state["received"]) == (0, 2, [4, 4])
 
@@ -211,6 +214,7 @@ def test_ddp_killed_job_resumes_on_one_device(
     )
     assert {s["len"] for s in after} == {12}
     assert job.end(resumed)["global_step"] == 4 + 4 + 2 * 12
+    assert all(s["info"]["step"] == s["batch_idx"] for s in after)  # 4.. in the resumed epoch
 
 
 def test_every_epoch_is_the_dataset_once_and_len_is_the_epoch(reference: dict[str, Any]) -> None:

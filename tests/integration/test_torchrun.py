@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -241,7 +242,8 @@ def test_killed_job_resumes_on_one_rank_and_covers_the_epoch_once(
     assert "step 4: saved" in output and "stopped after step 6" in output, output
     saved = torch.load(checkpoint)
     assert saved["step"] == 4
-    # 8 steps per epoch (50 samples, 4 shards of 13, batches of 4): 2 batches per shard received
+    # 7 steps per epoch and rank (25 samples each, batches of 4, shared 4 + 3 by its workers):
+    # 2 batches per shard received
     assert saved["loader"]["epoch"] == 0
     assert saved["loader"]["received"] == [2, 2, 2, 2]
     killed = _records(tmp_path / "killed", world=2)
@@ -263,15 +265,15 @@ def test_killed_job_resumes_on_one_rank_and_covers_the_epoch_once(
     assert resumed["resumed_from"] == 4
     assert [e["epoch"] for e in resumed["epochs"]] == [0, 1]
     rest, epoch1 = resumed["epochs"]
-    # the 50 - 32 samples not yet received, 6 per new shard: 2 batches each on 3 workers
-    assert rest["steps"] == rest["remaining"] == 6
-    # the epoch's length: what each old rank received plus the rest (4 + 6), but never shorter
-    # than this layout's epochs (15), which a trainer keeps as the length of the next ones
-    assert rest["len"] == 15
+    # the 50 - 32 samples not yet received: 5 batches of 4, shared 2, 2, 1 by 3 workers
+    assert rest["steps"] == rest["remaining"] == 5
+    # the epoch's length: what each old rank received plus the rest (4 + 5), but never shorter
+    # than this layout's epochs (13), which a trainer keeps as the length of the next ones
+    assert rest["len"] == 13
     seen = [i for rec in killed for i in rec["epochs"][0]["ids"]] + rest["ids"]
     assert sorted(seen) == list(range(50)), "epoch 0 is not the dataset exactly once"
     assert sorted(epoch1["ids"]) == list(range(50))
-    assert epoch1["steps"] == epoch1["len"] == 15  # 3 shards of 17 samples, 5 batches each
+    assert epoch1["steps"] == epoch1["len"] == 13  # 50 samples in 13 batches: 5, 4, 4
 
 
 def test_killed_job_resumes_on_the_same_layout_with_the_uninterrupted_stream(
@@ -313,8 +315,8 @@ def test_killed_job_resumes_on_the_same_layout_with_the_uninterrupted_stream(
         assert before["step"] == 3 and after["resumed_from"] == 3
         assert [e["epoch"] for e in after["epochs"]] == [0, 1]
         rest, epoch1 = after["epochs"]
-        assert rest["steps"] == rest["remaining"] == 8 - 3
-        assert rest["len"] == 8  # the epoch's length, as for torch's DataLoader
+        assert rest["steps"] == rest["remaining"] == 7 - 3
+        assert rest["len"] == 7  # the epoch's length, as for torch's DataLoader
         assert before["epochs"][0]["ids"] + rest["ids"] == uninterrupted["epochs"][0]["ids"], (
             f"rank {rank}: the resumed epoch 0 is not the uninterrupted stream"
         )
@@ -324,3 +326,63 @@ def test_killed_job_resumes_on_the_same_layout_with_the_uninterrupted_stream(
         )
         assert epoch1 == uninterrupted["epochs"][1], f"rank {rank}: epoch 1 differs"
         assert after["weights"] == uninterrupted["weights"], f"rank {rank}: other weights"
+
+
+# ---------------------------------------------------------------------------- observability
+
+
+def test_each_rank_writes_its_trace_and_every_rank_gets_the_same_advice(tmp_path: Path) -> None:
+    """2 local ranks with trace=: one trace file per rank (.rank<k> before the extension), each
+    with its own rank's trainer and worker tracks; diagnose() on every rank: the verdicts are
+    each rank's, the advice for the settings every rank shares is the same on both and within
+    the host's CPUs split between them."""
+    from loader._env import OVERSUBSCRIBE, usable_cpus
+
+    job = ROOT / "tests" / "integration" / "observability_job.py"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen(
+        [*launcher, str(job), str(tmp_path)],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    code, output = _finish(proc)
+    assert code == 0, output
+    assert not (tmp_path / "loader-trace.json").exists()
+    reports = [json.loads((tmp_path / f"diagnosis{r}.json").read_text()) for r in (0, 1)]
+    for rank, report in enumerate(reports):
+        trace = json.loads((tmp_path / f"loader-trace.rank{rank}.json").read_text())
+        events = trace["traceEvents"]
+        [process] = [e for e in events if e["name"] == "process_name"]
+        assert process["args"]["name"] == f"dali-capture-loader, rank {rank} of 2"
+        assert process["pid"] == report["pid"]
+        names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        pids = report["worker_pids"]
+        assert names == {
+            0: "trainer",
+            **{w + 1: f"worker {w} (shard {2 * rank + w}/4, pid {pids[w]})" for w in (0, 1)},
+        }
+        spans = {(e["tid"], e["name"]) for e in events if e["ph"] == "X"}
+        assert {(0, "next"), (1, "load"), (1, "dali"), (2, "load"), (2, "dali")} <= spans
+
+        assert report["rank"] == rank and report["world_size"] == 2
+        assert report["local_ranks"] == 2  # torchrun's LOCAL_WORLD_SIZE
+        assert report["cpus"] == max(1, usable_cpus() // 2) == max(1, report["node_cpus"] // 2)
+        assert f"rank {rank} (this rank): {report['verdict']}" in report["text"]
+    first, second = reports
+    # the same advice, the same reason and every rank's verdict, on both ranks
+    assert first["job"] == second["job"]
+    assert first["reason"] == second["reason"] and first["budget"] == second["budget"]
+    assert first["ranks"] == second["ranks"] == [first["verdict"], second["verdict"]]
+    shared = [line for line in first["text"].splitlines() if line.startswith("  every rank:")]
+    assert len(shared) == 1 and shared[0] in second["text"].splitlines()
+    workers = first["job"].get("num_workers")
+    assert first["budget"] <= OVERSUBSCRIBE * first["cpus"]
+    if workers is not None:  # within the host's CPUs: its share for each of the 2 ranks
+        assert workers <= first["budget"]
+        assert all(f"num_workers={workers}" in r["suggestion"] for r in reports)
+    for report in reports:
+        named = {int(n) for n in re.findall(r"num_workers=(\d+)", report["text"])}
+        assert named <= ({workers} if workers is not None else set()), report["text"]

@@ -201,3 +201,18 @@ def test_what_auto_tunes_follows_the_arguments() -> None:
     assert _make_autotuner(_config()) is None
     payload = _config(num_workers="auto", num_threads="auto").agreement_payload()
     assert (payload["num_workers"], payload["num_threads"]) == ("auto", "auto")
+
+
+def test_a_budget_learnt_from_the_hosts_replaces_the_first_guess_only() -> None:
+    """Without LOCAL_WORLD_SIZE the ranks on a host are counted once every rank is known: the
+    first guess follows the smaller budget; a search under way keeps its layout and ladder."""
+    tuner = Autotuner(cpus=8, memory_limit=10_000 * MiB)
+    assert tuner.layout == Layout(2, 4)
+    assert tuner.rebudget(8) is False
+    assert tuner.rebudget(4) is True
+    assert tuner.cpus == 4 and tuner.layout == Layout(2, 2)
+    assert "4 CPUs" in tuner.reason
+    assert max(layout.workers for layout in tuner.ladder()) == 8  # up to 2 per CPU
+    tuner.observe(0, _measured(Layout(2, 2), 10.0, cpus_busy=3.9, cpus=4))
+    searching = tuner.layout
+    assert tuner.rebudget(2) is False and tuner.layout == searching

@@ -6,6 +6,7 @@ import pytest
 
 from loader._order import choose_worker
 from loader._session import Aborting, Idle, Running, Stopped, WorkerState
+from workers import Shard
 
 
 def test_round_robin_starts_at_the_cursor_and_wraps() -> None:
@@ -44,7 +45,7 @@ def test_a_full_epoch_comes_in_strict_rotation(count: int) -> None:
 
 class _Handle:
     index = 0
-    shard = None
+    shard = Shard.make(rank=0, world_size=1, worker=0, num_workers=1, seed=0)
 
     class spec:
         num_slots = 2
@@ -83,3 +84,31 @@ def test_lifecycle_allows_only_the_documented_transitions() -> None:
     with pytest.raises(AssertionError):
         session.go(Idle(3))
     session.reader.close()
+
+
+def test_the_epoch_a_worker_starts_next_without_a_seek() -> None:
+    """What set_epoch compares with: a new worker starts the epoch its sources were built for
+    (a new layout's, later than 0); one that runs, ended or aborts an epoch, the next; one that
+    seeks, the position's."""
+    from ipc.wire import Position
+    from loader._session import Seeking, WorkerSession
+
+    class Later(_Handle):
+        shard = _Handle.shard.for_epoch(3)
+
+    assert WorkerSession(_Handle()).next_epoch == 0  # type: ignore[arg-type]
+    session = WorkerSession(Later())  # type: ignore[arg-type]
+    assert session.next_epoch == 3
+    session.go(Idle(3), up=True)
+    session.go(Running(3))
+    assert session.next_epoch == 4
+    session.go(Running(3, ended=True))
+    assert session.next_epoch == 4
+    session.go(Seeking(Position(7, ())))
+    assert session.next_epoch == 7
+    session.go(Idle(7, Position(7, ())))
+    session.go(Running(7))
+    session.go(Aborting(7))
+    assert session.next_epoch == 8
+    session.go(Stopped(failed=False))
+    assert session.next_epoch is None
