@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(420)
 ROOT = job.ROOT
 SCRIPT = ROOT / "examples" / "lightning_train.py"
 
-SAMPLES = 90  # 1 device x 2 workers, batches of 4: 2 shards of 45 -> 12 + 12 = 24 steps/epoch
+SAMPLES = 93  # 1 device x 2 workers, batches of 4: 24 steps/epoch, shared 12 + 12
 STEPS = 24
 EPOCHS = 3
 IMAGES = 48  # conftest's image_root; 2 ranks x 1 worker: 2 shards of 24 -> 6 steps/epoch/rank
@@ -170,9 +170,9 @@ def test_batch_info_reaches_training_step(reference: dict[str, Any]) -> None:
         assert info["worker_step"] == s["batch_idx"] // 2  # round robin over 2 workers
         assert info["worker"] == s["batch_idx"] % 2
         assert info["shard"] == info["worker"]
-    # 45 samples per shard: the last batch of each shard has 3 padded rows
-    assert {s["padded"] for s in steps if s["batch_idx"] >= STEPS - 2} == {3}
-    assert {s["padded"] for s in steps if s["batch_idx"] < STEPS - 2} == {0}
+    # 93 samples in 24 batches of 4: only the epoch's last batch has padded rows, 3 of them
+    assert {s["padded"] for s in steps if s["batch_idx"] == STEPS - 1} == {3}
+    assert {s["padded"] for s in steps if s["batch_idx"] < STEPS - 1} == {0}
 
 
 def test_ddp_killed_job_resumes_on_two_devices(
