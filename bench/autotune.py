@@ -99,7 +99,7 @@ def workers_memory(loader: Loader) -> int:
     total = 0
     for worker, pid in zip(loader.stats().workers, loader.worker_pids(), strict=False):
         uss = int(psutil.Process(pid).memory_full_info().uss)
-        slots = loader.num_slots * (worker.bytes // worker.steps) if worker.steps else 0
+        slots = loader.config.num_slots * (worker.bytes // worker.steps) if worker.steps else 0
         total += uss + slots
     return total
 

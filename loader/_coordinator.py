@@ -241,6 +241,23 @@ class Coordinator:
         epochs = {s.next_epoch for s in self.sessions}
         return next(iter(epochs)) if len(epochs) == 1 else None
 
+    def agreement_fields(self) -> dict[str, Any] | None:
+        """What every rank's workers must agree on, from the signature they all sent (None
+        before one arrived)."""
+        reference = self.reference
+        return None if reference is None else dict(reference.agreement_fields())
+
+    def batches_held(self) -> bool:
+        """Whether the trainer still holds a batch of any worker (slots not given back)."""
+        return any(s.reader.held for s in self.sessions)
+
+    def worker_names(self) -> list[str]:
+        """Each worker as a trace names it: its index, shard and process."""
+        return [
+            f"worker {s.index} (shard {s.shard.index}/{s.shard.count}, pid {s.handle.pid})"
+            for s in self.sessions
+        ]
+
     def delivered(self) -> list[int]:
         """Per worker, the batches of the epoch in progress handed to the user."""
         return [s.delivered for s in self.sessions]

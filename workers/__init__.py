@@ -21,6 +21,7 @@ from ._positions import (
     shard_batches,
     shard_indices,
     shard_steps,
+    steps_left,
     steps_per_epoch,
 )
 from ._sampling import BatchedSamples, sharded_source
@@ -70,6 +71,7 @@ __all__ = [
     "sharded_mix",
     "sharded_source",
     "sharded_tars",
+    "steps_left",
     "steps_per_epoch",
     "write_tars",
 ]

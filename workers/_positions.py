@@ -281,6 +281,22 @@ def _final_layout(
     return layout, (0,) * count
 
 
+def steps_left(
+    sampling: Sampling,
+    epoch: int,
+    indices: Sequence[int],
+    count: int,
+    position: Position | None,
+    *,
+    ranks: int = 1,
+) -> list[int]:
+    """Per shard in ``indices`` (of ``count`` on ``ranks`` ranks), the batches of ``epoch`` it
+    still yields from ``position``: what :func:`shard_batches` would give, counted without
+    computing a sample (O(shards of the position's segments))."""
+    layout, delivered = _final_layout(sampling, epoch, count, ranks, position)
+    return [max(0, layout.steps(index) - delivered[index]) for index in indices]
+
+
 def _order(sampling: Sampling, epoch: int, orders: Orders | None) -> Order:
     if orders is None:
         return EpochOrder(sampling.total, epoch, sampling.seed, sampling.shuffle)

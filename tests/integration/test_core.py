@@ -111,7 +111,7 @@ def test_views_return_slots_when_collected(image_root: Path) -> None:
             count += 1
             del batch
         assert count == 12
-        assert loader.stats().slots_in_use <= loader.num_slots
+        assert loader.stats().slots_in_use <= loader.config.num_slots
 
 
 def test_holding_every_slot_is_an_error_not_a_hang(image_root: Path) -> None:
@@ -120,7 +120,7 @@ def test_holding_every_slot_is_an_error_not_a_hang(image_root: Path) -> None:
     with pytest.raises(SlotsExhaustedError, match="copy=True"):
         for batch in loader:
             held.append(batch)
-    assert len(held) == loader.num_slots
+    assert len(held) == loader.config.num_slots
     del held, batch
     loader.close()
 
