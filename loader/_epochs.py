@@ -5,7 +5,9 @@ the trainer.
 References go one way, so that dropping a Loader closes it at once (its finalizer runs when the
 last reference goes, not when the cyclic garbage collector gets to it)::
 
-    Loader ──owns──► Epoch ◄──shares── EpochIterator ──keeps alive──► Loader
+    Loader ──owns──► Run ──owns──► Epoch ◄──shares── EpochIterator ──keeps alive──► Loader
+                      ▲                                   │
+                      └────────── asks for batches ───────┘
     Loader ──owns──► EpochSampler ┈┈weak┈┈► Loader
     accelerate's GradientState ┈┈weak┈┈► Epoch
 
@@ -25,6 +27,7 @@ from ._errors import LoaderClosedError
 if TYPE_CHECKING:
     from ._checkpoint import Resume
     from ._loader import Loader
+    from ._run import Run
 
 
 class Epoch:
@@ -91,28 +94,30 @@ class Epoch:
 class EpochIterator:
     """One epoch of a Loader. Obtained from ``iter(loader)``; started by its first ``next()``.
 
-    ``len(iterator)`` is the number of batches it still yields. It keeps its loader alive; it
-    also shows accelerate's ``end_of_dataloader`` and ``remainder`` of its epoch.
+    ``len(iterator)`` is the number of batches it still yields. It keeps its loader alive (so
+    ``iter(Loader(...))`` alone is enough) and asks the loader's run for each batch; it also
+    shows accelerate's ``end_of_dataloader`` and ``remainder`` of its epoch.
     """
 
-    def __init__(self, loader: Loader, epoch: Epoch) -> None:
-        self._loader = loader
+    def __init__(self, loader: Loader, run: Run, epoch: Epoch) -> None:
+        self._loader = loader  # (only to keep it alive: dropping it would close the run)
+        self._run = run
         self._epoch = epoch
 
     def __iter__(self) -> EpochIterator:
         return self
 
     def __next__(self) -> Any:
-        return self._loader._next(self._epoch)
+        return self._run.next_batch(self._epoch)
 
     def __len__(self) -> int:
-        run = self._epoch
-        if run.finished or run.replaced:
+        epoch = self._epoch
+        if epoch.finished or epoch.replaced:
             return 0
-        if run.started:
-            if run.expected is None:
+        if epoch.started:
+            if epoch.expected is None:
                 raise TypeError("the length of this epoch is unknown for this source")
-            return run.expected - run.delivered
+            return epoch.expected - epoch.delivered
         return self._loader.remaining()
 
     @property

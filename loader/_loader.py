@@ -177,7 +177,7 @@ class Loader:
         iterator thrown away (Lightning makes one to check the loader) changes nothing.
         Starting another while an epoch is half-delivered ends that epoch early everywhere."""
         run = self._require()
-        return EpochIterator(self, run.open_epoch())
+        return EpochIterator(self, run, run.open_epoch())
 
     def __len__(self) -> int:
         """Batches this rank gets per epoch, the same on every rank (known for
@@ -207,9 +207,9 @@ class Loader:
         random generator states of each shard's first batch not received, so that a resume on
         the same layout gives the same bytes; once an epoch's last batch was handed out, it
         describes the next epoch with nothing received (whether or not ``next()`` was called
-        again). With a ``torch.distributed`` group up it is a collective: every rank calls it
-        and gets the same global dict; without one it describes this rank's shards. Costs no
-        message to the workers. Needs :func:`sharded_source` or :func:`sharded_files`.
+        again). With a ``torch.distributed`` group up it is a collective (every rank gets the
+        same global dict); without one it describes this rank's shards. A query: no message to
+        the workers. Needs :func:`sharded_source` or :func:`sharded_files` (or their kin).
         """
         return self._require().state()
 
@@ -254,8 +254,7 @@ class Loader:
 
     @property
     def closed(self) -> bool:
-        run = self._run
-        return self._closed or run is None or run.coordinator is None or run.coordinator.pool.closed
+        return self._closed or self._run is None or self._run.closed
 
     def worker_pids(self) -> list[int]:
         return self._require().require().pids()
@@ -330,13 +329,6 @@ class Loader:
             raise LoaderClosedError("the loader is closed")
         run.require()
         return run
-
-    def _next(self, epoch: Any) -> Any:
-        """The iterator's ``next()`` (see :class:`loader._epochs.EpochIterator`)."""
-        return self._require().next_batch(epoch)
-
-    def _remaining(self) -> int:
-        return self.remaining()
 
 
 def _make_autotuner(config: LoaderConfig) -> Autotuner | None:

@@ -86,7 +86,7 @@ class Run:
         self.timeline = timeline
         self.counters = counters
         self.coordinator: Coordinator | None = None
-        self.closed = True  # until a pool is up: close() works on a half-built run
+        self._closed = True  # until a pool is up: close() works on a half-built run
         self.epoch = 0  # the epoch the next iter() runs
         self.current: Epoch | None = None  # the newest epoch (shared with its iterator)
         self.pending: Resume | None = None  # a loaded state, applied at its epoch's start
@@ -109,7 +109,7 @@ class Run:
             stream_of=current_stream(config.output) if config.device == "gpu" else None,
             timeline=self.timeline,
         )
-        self.coordinator, self.closed = coordinator, False
+        self.coordinator, self._closed = coordinator, False
         try:
             coordinator.start(config.startup_timeout)
         except BaseException:
@@ -150,9 +150,15 @@ class Run:
             tuner.memory_limit / 2**20,
         )
 
+    @property
+    def closed(self) -> bool:
+        """Closed, or shut down after a failure (its pool is closed)."""
+        coordinator = self.coordinator
+        return self._closed or coordinator is None or coordinator.pool.closed
+
     def close(self) -> None:
         """Stop the pool's workers and release its shared memory (idempotent, bounded)."""
-        self.closed = True
+        self._closed = True
         if self.coordinator is not None:
             self.coordinator.close()
 
@@ -163,7 +169,7 @@ class Run:
             raise LoaderClosedError(
                 f"the loader was shut down after a failure: {coordinator.failure}"
             ) from coordinator.failure
-        if self.closed or coordinator is None or coordinator.pool.closed:
+        if self.closed or coordinator is None:
             raise LoaderClosedError("the loader is closed")
         return coordinator
 
