@@ -160,9 +160,39 @@ def parse_state(
     """Check ``state`` against this loader; raise ``ValueError`` naming the field that does not
     apply. A change of layout (world size, workers) is never an error. A dataset whose
     fingerprint differs is one; with ``strict=False`` it is logged as a warning instead."""
+    version = _check_format(state)
+    _check_sampling(state, sampling)
+    _check_dataset(state, sampling, strict)
+    epoch = _field(state, "epoch", int)
+    if epoch < 0:
+        raise ValueError(f"epoch: {epoch} is negative")
+    saved_world, saved_workers = _layout(state)
+    count = saved_world * saved_workers
+    received = _received(state, count)
+    history = _history(state, sampling) if version > 2 else []
+    continues = (saved_world, saved_workers) == (world_size, num_workers)
+    mine = range(rank * num_workers, (rank + 1) * num_workers)
+    needed = mine if continues else range(count)
+    missing = [index for index in needed if received[index] is None]
+    if missing:
+        raise ValueError(
+            f"received: the counts of shards {missing} are missing: the state was taken without "
+            "a torch.distributed group, so it describes one rank only. Resume it with the same "
+            "world size and workers, or take states with the process group up"
+        )
+    filled = tuple(0 if r is None else int(r) for r in received)
+    _check_within("received", filled, saved_world, sampling, sampling.drop_last)
+    steps = _steps(state, saved_world)
+    before = _received_before(steps, filled, saved_world, saved_workers, rank, continues)
+    random = _random(state, count, mine if continues else range(0))
+    return Resume(Position(epoch, (*history, (saved_world, filled)), continues), before, random)
+
+
+def _check_format(state: Any) -> int:
+    """The state's format, when this loader can read it."""
     if not isinstance(state, Mapping):
         raise TypeError(f"load_state_dict() takes the dict state_dict() made, got {type(state)}")
-    version = _field(state, "format", int)
+    version: int = _field(state, "format", int)
     if version > FORMAT:
         raise ValueError(
             f"format: this state has format {version}, newer than this loader's {FORMAT}; "
@@ -184,39 +214,22 @@ def parse_state(
             "here; finish that epoch with the version that saved it, or start the epoch again "
             "(drop the loader's state)"
         )
-    _check_sampling(state, sampling)
-    _check_dataset(state, sampling, strict)
-    epoch = _field(state, "epoch", int)
-    if epoch < 0:
-        raise ValueError(f"epoch: {epoch} is negative")
-    saved_world, saved_workers = _layout(state)
-    count = saved_world * saved_workers
-    received = _field(state, "received", list)
+    return version
+
+
+def _received(state: Mapping[str, Any], count: int) -> list[int | None]:
+    """The saved counts of batches received per shard (None: a rank the state does not
+    describe)."""
+    received: list[int | None] = _field(state, "received", list)
     if len(received) != count:
         raise ValueError(f"received: {len(received)} counts for a layout of {count} shards")
-    history = _history(state, sampling) if version > 2 else []
     for index, value in enumerate(received):
         if value is not None and not _is_count(value):
             raise ValueError(
                 f"received[{index}]: {value!r} is not a count of batches (a whole number >= 0, "
                 "or null for a rank the state does not describe)"
             )
-    continues = (saved_world, saved_workers) == (world_size, num_workers)
-    mine = range(rank * num_workers, (rank + 1) * num_workers)
-    needed = mine if continues else range(count)
-    missing = [index for index in needed if received[index] is None]
-    if missing:
-        raise ValueError(
-            f"received: the counts of shards {missing} are missing: the state was taken without "
-            "a torch.distributed group, so it describes one rank only. Resume it with the same "
-            "world size and workers, or take states with the process group up"
-        )
-    filled = tuple(0 if r is None else int(r) for r in received)
-    _check_within("received", filled, saved_world, sampling, sampling.drop_last)
-    steps = _steps(state, saved_world)
-    before = _received_before(steps, filled, saved_world, saved_workers, rank, continues)
-    random = _random(state, count, mine if continues else range(0))
-    return Resume(Position(epoch, (*history, (saved_world, filled)), continues), before, random)
+    return received
 
 
 def _at_epoch_start(state: Mapping[str, Any]) -> bool:
