@@ -65,71 +65,95 @@ def trace_events(
     name: str,
 ) -> dict[str, Any]:
     """The trace of the last ``seconds`` of ``timeline`` (up to its latest record)."""
-    origin = timeline.origin_ns
-    end = _latest(timeline)
-    start = end - int(seconds * 1e9)
-    events: list[dict[str, Any]] = [
-        _meta("process_name", pid, _TRAINER_TID, name),
-        _meta("thread_name", pid, _TRAINER_TID, "trainer"),
-        {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": 0}},
-    ]
-    for index, worker_name in enumerate(worker_names):
-        tid = index + 1
-        events.append(_meta("thread_name", pid, tid, worker_name))
-        events.append(
+    start = _latest(timeline) - int(seconds * 1e9)
+    spans = _Spans(pid, timeline.origin_ns)
+    spans.names(name, worker_names)
+    previous_left: int | None = None
+    for entered, left, waited, epoch, step, worker in timeline.next_records(start):
+        if previous_left is not None:
+            spans.span(
+                _TRAINER_TID, "train", previous_left, entered - previous_left, {"epoch": epoch}
+            )
+        args = {"epoch": epoch, "step": step, "worker": worker, "waited_ms": waited / 1e6}
+        spans.span(_TRAINER_TID, "next", entered, left - entered, args)
+        previous_left = left
+    for index in range(min(len(worker_names), len(timeline.workers))):
+        for epoch, step, blocked, times in timeline.worker_records(index, start):
+            spans.batch(index + 1, {"epoch": epoch, "step": step}, blocked, times)
+    return {
+        "traceEvents": spans.events,
+        "displayTimeUnit": "ms",
+        "otherData": {"source": "dali-capture-loader", "seconds": seconds},
+    }
+
+
+class _Spans:
+    """The trace's events as they are made: one process, the trainer's track and one per
+    worker."""
+
+    def __init__(self, pid: int, origin_ns: int) -> None:
+        self.pid, self.origin_ns = pid, origin_ns
+        self.events: list[dict[str, Any]] = []
+
+    def names(self, name: str, worker_names: Sequence[str]) -> None:
+        """The process's and every track's name, the trainer's first."""
+        pid = self.pid
+        self.events += [
+            _meta("process_name", pid, _TRAINER_TID, name),
+            _meta("thread_name", pid, _TRAINER_TID, "trainer"),
             {
                 "ph": "M",
                 "name": "thread_sort_index",
                 "pid": pid,
-                "tid": tid,
-                "args": {"sort_index": tid},
-            }
-        )
+                "tid": 0,
+                "args": {"sort_index": 0},
+            },
+        ]
+        for index, worker_name in enumerate(worker_names):
+            tid = index + 1
+            self.events.append(_meta("thread_name", pid, tid, worker_name))
+            self.events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_sort_index",
+                    "pid": pid,
+                    "tid": tid,
+                    "args": {"sort_index": tid},
+                }
+            )
 
-    def span(tid: int, label: str, begin_ns: int, length_ns: int, args: dict[str, Any]) -> None:
-        events.append(
+    def span(
+        self, tid: int, label: str, begin_ns: int, length_ns: int, args: dict[str, Any]
+    ) -> None:
+        self.events.append(
             {
                 "ph": "X",
                 "name": label,
                 "cat": "trainer" if tid == _TRAINER_TID else "worker",
-                "pid": pid,
+                "pid": self.pid,
                 "tid": tid,
-                "ts": (begin_ns - origin) / 1e3,
+                "ts": (begin_ns - self.origin_ns) / 1e3,
                 "dur": length_ns / 1e3,
                 "args": args,
             }
         )
 
-    previous_left: int | None = None
-    for entered, left, waited, epoch, step, worker in timeline.next_records(start):
-        if previous_left is not None:
-            span(_TRAINER_TID, "train", previous_left, entered - previous_left, {"epoch": epoch})
-        args = {"epoch": epoch, "step": step, "worker": worker, "waited_ms": waited / 1e6}
-        span(_TRAINER_TID, "next", entered, left - entered, args)
-        previous_left = left
-    for index in range(min(len(worker_names), len(timeline.workers))):
-        tid = index + 1
-        for epoch, step, blocked, times in timeline.worker_records(index, start):
-            args = {"epoch": epoch, "step": step}
-            at = times.started_ns
-            if times.idle_ns:
-                span(tid, "idle", at - times.idle_ns, times.idle_ns, args)
-            if times.load_ns:
-                load_args = {**args, "read_ms": times.read_ns / 1e6}
-                load_args["read_cpu_ms"] = times.read_cpu_ns / 1e6
-                span(tid, "load", at, times.load_ns, load_args)
-            at += times.load_ns
-            span(tid, "dali", at, times.dali_ns, {**args, "cpu_ms": times.cpu_ns / 1e6})
-            at += times.dali_ns
-            if blocked:
-                span(tid, "blocked", at, blocked, args)
-            at += blocked
-            span(tid, "publish", at, times.publish_ns, args)
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"source": "dali-capture-loader", "seconds": seconds},
-    }
+    def batch(self, tid: int, args: dict[str, Any], blocked: int, times: Any) -> None:
+        """One worker's batch: idle, load, DALI, blocked on a slot, publish, in turn."""
+        at = times.started_ns
+        if times.idle_ns:
+            self.span(tid, "idle", at - times.idle_ns, times.idle_ns, args)
+        if times.load_ns:
+            load_args = {**args, "read_ms": times.read_ns / 1e6}
+            load_args["read_cpu_ms"] = times.read_cpu_ns / 1e6
+            self.span(tid, "load", at, times.load_ns, load_args)
+        at += times.load_ns
+        self.span(tid, "dali", at, times.dali_ns, {**args, "cpu_ms": times.cpu_ns / 1e6})
+        at += times.dali_ns
+        if blocked:
+            self.span(tid, "blocked", at, blocked, args)
+        at += blocked
+        self.span(tid, "publish", at, times.publish_ns, args)
 
 
 def write_trace(path: str | os.PathLike[str], trace: dict[str, Any]) -> Path:
