@@ -31,6 +31,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ipc import ChannelClosed, ControlChannel, wire
@@ -58,6 +59,20 @@ class ShutdownRequested(Exception):
 
 class Stop(Exception):
     """A failure was reported; the worker must exit."""
+
+
+@dataclass
+class _Signature:
+    """What an epoch's signature needs, gathered at its first step: whether one is due, when
+    the epoch started, the outputs' schema and the batch size."""
+
+    due: bool
+    started: float
+    schema: tuple[tuple[wire.OutputSchema, ...], str] | None = None
+    batch_size: int = 0
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
 
 
 class Worker:
@@ -202,70 +217,19 @@ class Worker:
 
     # ----------------------------------------------------------------------- epochs
     def run_epoch(self, epoch: int) -> None:
-        spec, sources, publisher, clock = self.spec, self.sources, self.publisher, self.clock
-        assert sources is not None and publisher is not None
+        spec, sources = self.spec, self.sources
+        assert sources is not None and self.publisher is not None
         self.epoch, self.step = epoch, 0
         self.phase = Phase.DALI
         tracing = _dali.will_trace(sources.source, spec.capture)
-        signature_due = tracing or self.last_epoch_done is None
-        started = time.perf_counter()
-        schema: tuple[tuple[wire.OutputSchema, ...], str] | None = None
-        batch_size = 0
+        signature = _Signature(tracing or self.last_epoch_done is None, time.perf_counter())
         iterator: Iterator[Any] | None = None
         try:
             steps = self.epoch_steps(epoch, tracing)  # None: ends when the source does
             iterator = self.epoch_iterator(epoch, steps is not None)
-            step_started = clock.begin()
-            while steps is None or self.step < steps:
-                try:
-                    self.phase = Phase.DALI
-                    try:
-                        inputs = next(iterator)
-                    except StopIteration:
-                        if steps is not None:  # a continuous source never ends
-                            raise wire.ProtocolError(
-                                f"the source ended after {self.step} of {steps} batches"
-                            ) from None
-                        break
-                    if tracing and self.step == 0:  # an epoch without batches traces nothing
-                        self.traces += 1
-                    if signature_due and self.step == 1:  # after the traced step
-                        assert schema is not None
-                        self.send_signature(schema, batch_size, time.perf_counter() - started)
-                        signature_due = False
-                    self.phase = Phase.STEP
-                    outputs = self.call_step(inputs, sources.feeders)
-                    random = self.random.after_step()  # (DALI draws when an operator is called)
-                    self.phase = Phase.TRANSPORT
-                    named, kind = normalize_outputs(outputs)
-                    if schema is None:
-                        schema = (describe_outputs(named), kind)
-                        batch_size = next(iter(named.values())).batch_size
-                    padded, replaced, skipped, names = delivery_info(sources, self.step, batch_size)
-                    publisher.publish(
-                        epoch,
-                        self.step,
-                        named,
-                        step_started,
-                        padded,
-                        replaced,
-                        skipped,
-                        names,
-                        random,
-                        clock,
-                    )
-                except (AbortRequested, ShutdownRequested, ChannelClosed, Stop, wire.ProtocolError):
-                    raise
-                except Exception as error:
-                    if not self.can_isolate(error):
-                        raise
-                    self.close_epoch_iterator(iterator)
-                    self.skip_failing_samples(error, epoch, self.step)  # raises
-                self.step += 1
-                self.drain()
-                step_started = clock.begin()
-            if signature_due and schema is not None:
-                self.send_signature(schema, batch_size, time.perf_counter() - started)
+            self.run_steps(epoch, steps, iterator, tracing, signature)
+            if signature.due and signature.schema is not None:
+                self.send_signature(signature.schema, signature.batch_size, signature.seconds())
         except AbortRequested:
             self.close_epoch_iterator(iterator)
             self.abort_idle(epoch)
@@ -283,6 +247,88 @@ class Worker:
         self.channel.send(wire.EpochEnd(epoch, self.step, self.traces, self.rebuilds))
         self.epoch = self.step = None
         self.phase = Phase.IDLE
+
+    def run_steps(
+        self,
+        epoch: int,
+        steps: int | None,
+        iterator: Iterator[Any],
+        tracing: bool,
+        signature: _Signature,
+    ) -> None:
+        """The epoch's steps, until ``steps`` or the source's end; a failing sample is isolated
+        (and skipped or named) where the settings allow."""
+        clock, step = self.clock, 0
+        step_started = clock.begin()
+        while steps is None or step < steps:
+            try:
+                if not self.run_step(
+                    epoch, step, steps, iterator, tracing, signature, step_started
+                ):
+                    break
+            except (AbortRequested, ShutdownRequested, ChannelClosed, Stop, wire.ProtocolError):
+                raise
+            except Exception as error:
+                if not self.can_isolate(error):
+                    raise
+                self.close_epoch_iterator(iterator)
+                self.skip_failing_samples(error, epoch, step)  # raises
+            step += 1
+            self.step = step
+            self.drain()
+            step_started = clock.begin()
+
+    def run_step(
+        self,
+        epoch: int,
+        step: int,
+        steps: int | None,
+        iterator: Iterator[Any],
+        tracing: bool,
+        signature: _Signature,
+        step_started: int,
+    ) -> bool:
+        """One step: the source's next inputs, ``step``, the batch published. False when the
+        source ended (an epoch that ends with its source)."""
+        sources, publisher = self.sources, self.publisher
+        assert sources is not None and publisher is not None
+        self.phase = Phase.DALI
+        try:
+            inputs = next(iterator)
+        except StopIteration:
+            if steps is not None:  # a continuous source never ends
+                raise wire.ProtocolError(
+                    f"the source ended after {step} of {steps} batches"
+                ) from None
+            return False
+        if tracing and step == 0:  # an epoch without batches traces nothing
+            self.traces += 1
+        if signature.due and step == 1:  # after the traced step
+            assert signature.schema is not None
+            self.send_signature(signature.schema, signature.batch_size, signature.seconds())
+            signature.due = False
+        self.phase = Phase.STEP
+        outputs = self.call_step(inputs, sources.feeders)
+        random = self.random.after_step()  # (DALI draws when an operator is called)
+        self.phase = Phase.TRANSPORT
+        named, kind = normalize_outputs(outputs)
+        if signature.schema is None:
+            signature.schema = (describe_outputs(named), kind)
+            signature.batch_size = next(iter(named.values())).batch_size
+        padded, replaced, skipped, names = delivery_info(sources, step, signature.batch_size)
+        publisher.publish(
+            epoch,
+            step,
+            named,
+            step_started,
+            padded,
+            replaced,
+            skipped,
+            names,
+            random,
+            self.clock,
+        )
+        return True
 
     def epoch_steps(self, epoch: int, tracing: bool) -> int | None:
         """Batches of ``epoch`` when one capture loop runs on from it into the next epochs (see

@@ -331,6 +331,19 @@ def _check_outputs(names: list[str], sources: list[OpenedSource]) -> None:
                 )
 
 
+def _check_sources(sources: Mapping[str, Dataset]) -> list[str]:
+    """The names of ``sources``, each a dataset's definition (else a clear error)."""
+    if not isinstance(sources, Mapping) or not sources:
+        raise ValueError("sources must be a non-empty dict of name -> dataset")
+    for name, dataset in sources.items():
+        if not isinstance(dataset, (FilesDataset, TarsDataset, SamplesDataset)):
+            raise TypeError(
+                f"source {name!r} must be a FilesDataset, TarsDataset or SamplesDataset "
+                f"(a dataset's definition, not a per-shard source), got {type(dataset).__name__}"
+            )
+    return list(sources)
+
+
 def sharded_mix(
     shard: Shard,
     sources: Mapping[str, Dataset],
@@ -352,15 +365,7 @@ def sharded_mix(
     """
     from ._dali import ShardedExternalSource
 
-    if not isinstance(sources, Mapping) or not sources:
-        raise ValueError("sources must be a non-empty dict of name -> dataset")
-    names = list(sources)
-    for name, dataset in sources.items():
-        if not isinstance(dataset, (FilesDataset, TarsDataset, SamplesDataset)):
-            raise TypeError(
-                f"source {name!r} must be a FilesDataset, TarsDataset or SamplesDataset "
-                f"(a dataset's definition, not a per-shard source), got {type(dataset).__name__}"
-            )
+    names = _check_sources(sources)
     _check_weights(names, weights)
     seed = shard.seed - shard.index
     opened = [sources[name].open(shard, source_seed(seed, name)) for name in names]

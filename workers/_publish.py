@@ -84,30 +84,12 @@ class Publisher:
         """Copy one batch into a free slot, one packed copy per output, then send its
         descriptor (with ``random``, the random generators' states after its step, and the
         stage times ``clock`` took of it)."""
-        storages = []
-        described = []
-        for name, batch in named.items():
-            storage = _dali.storage_of(_dali.to_device(batch, self.device, self.device_id))
-            dtype = _dali.numpy_dtype(storage, name)
-            storages.append(storage)
-            shapes = _dali.sample_shapes(storage)
-            described.append((name, dtype.str, dtype.itemsize, shapes, _dali.layout_of(storage)))
+        storages, described = self._describe(named)
         if clock is not None:
             clock.evaluated()
         placements, nbytes = place_outputs(described)
         blocked_before = self.blocked_ns
-        slot = self.acquire_slot()
-        try:
-            region = self.writer.reserve(nbytes)
-            base = region.address(slot)
-            stream = region.copy_stream()
-            for storage, placement in zip(storages, placements, strict=True):
-                if placement.nbytes:
-                    _dali.copy_packed(storage, base + placement.offset, stream)
-            arena_id, generation = self.writer.publish(slot)
-        except BaseException:
-            self.writer.abandon(slot)
-            raise
+        slot, arena_id, generation = self._copy(storages, placements, nbytes)
         blocked = self.blocked_ns - blocked_before
         timing = wire.NO_STAGE_TIMES if clock is None else clock.stages(blocked)
         self.channel.send(
@@ -129,6 +111,35 @@ class Publisher:
                 timing=timing,
             )
         )
+
+    def _describe(self, named: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+        """Each output's storage (on this publisher's device) and what the layout needs of it:
+        name, dtype, item size, sample shapes, DALI layout."""
+        storages, described = [], []
+        for name, batch in named.items():
+            storage = _dali.storage_of(_dali.to_device(batch, self.device, self.device_id))
+            dtype = _dali.numpy_dtype(storage, name)
+            storages.append(storage)
+            shapes = _dali.sample_shapes(storage)
+            described.append((name, dtype.str, dtype.itemsize, shapes, _dali.layout_of(storage)))
+        return storages, described
+
+    def _copy(self, storages: list[Any], placements: Any, nbytes: int) -> tuple[int, int, int]:
+        """A free slot (blocking until one is), the outputs copied into it packed; the slot, its
+        arena and generation."""
+        slot = self.acquire_slot()
+        try:
+            region = self.writer.reserve(nbytes)
+            base = region.address(slot)
+            stream = region.copy_stream()
+            for storage, placement in zip(storages, placements, strict=True):
+                if placement.nbytes:
+                    _dali.copy_packed(storage, base + placement.offset, stream)
+            arena_id, generation = self.writer.publish(slot)
+        except BaseException:
+            self.writer.abandon(slot)
+            raise
+        return slot, arena_id, generation
 
     def close(self) -> None:
         self.writer.close()
