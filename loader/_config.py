@@ -126,46 +126,38 @@ class LoaderConfig:
     ) -> LoaderConfig:
         """Validate the constructor's arguments (``TypeError``/``ValueError`` that say what to
         change) and discover rank, GPU and thread budget."""
-        batch_size = check_positive_int(batch_size, "batch_size")
-        workers_auto, threads_auto = _is_auto(num_workers), _is_auto(num_threads)
-        threads_given = num_threads is not None and not threads_auto
-        if not workers_auto:
-            num_workers = _check_count(num_workers, "num_workers")
-        prefetch = check_positive_int(prefetch, "prefetch")
-        output = check_choice(output, "output", OUTPUTS)
-        device = check_choice(device, "device", DEVICES)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        timeout = check_seconds(timeout, "timeout", optional=True)
-        startup_timeout = check_seconds(startup_timeout, "startup_timeout", optional=False)
-        if num_threads is not None and not threads_auto:
-            _check_count(num_threads, "num_threads")
-        if shm_limit is not None:
-            check_positive_int(shm_limit, "shm_limit")
-        max_restarts = check_positive_int(max_restarts, "max_restarts", minimum=0)
-        on_error = check_choice(on_error, "on_error", ("raise", "skip"))
-        if max_skipped is not None:
-            max_skipped = check_positive_int(max_skipped, "max_skipped", minimum=0)
-        trace = check_trace_path(trace)
+        checked = _checked(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            num_threads=num_threads,
+            prefetch=prefetch,
+            output=output,
+            device=device,
+            seed=seed,
+            timeout=timeout,
+            startup_timeout=startup_timeout,
+            shm_limit=shm_limit,
+            max_restarts=max_restarts,
+            on_error=on_error,
+            max_skipped=max_skipped,
+            trace=trace,
+            copy=copy,
+            capture=capture,
+            in_order=in_order,
+        )
         _check_functions(source, step, feeders)
-        if device == "gpu" and output == "numpy":
-            raise ValueError(
-                "device='gpu' delivers batches in GPU memory: pass output='torch' or "
-                "output='cupy' (or use device='cpu' for numpy arrays)"
-            )
-        if device == "cpu" and output == "cupy":
-            raise ValueError("output='cupy' needs device='gpu'")
         placement = _env.discover_placement(rank, world_size)
-        device_id = _check_device(device, output, device_id, placement)
+        device_id = _check_device(checked["device"], checked["output"], device_id, placement)
         cpus = _env.cpu_budget(placement.local_world_size)
+        workers_auto, threads_auto = _is_auto(num_workers), _is_auto(num_threads)
         if workers_auto or threads_auto:
             memory_limit = _env.memory_budget(memory_limit, placement.local_world_size)
             guess = first_layout(
                 cpus,
-                None if workers_auto else num_workers,
+                None if workers_auto else checked["num_workers"],
                 None if threads_auto else num_threads,
             )
-            num_workers, num_threads = guess.workers, guess.threads
+            checked["num_workers"], num_threads = guess.workers, guess.threads
         elif memory_limit is not None:
             raise ValueError(
                 "memory_limit= is the memory budget of num_workers='auto' or "
@@ -175,35 +167,20 @@ class LoaderConfig:
             source=source,
             step=step,
             feeders=feeders,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            device=device,
             device_id=device_id,
             num_threads=num_threads
-            or _env.default_num_threads(num_workers, placement.local_world_size),
-            prefetch=prefetch,
-            output=output,
-            copy=bool(copy),
-            capture=bool(capture),
-            seed=seed,
-            timeout=timeout,
+            or _env.default_num_threads(checked["num_workers"], placement.local_world_size),
             start_method=_check_start_method(start_method),
             rank=placement.rank,
             world_size=placement.world_size,
             local_world_size=placement.local_world_size,
-            startup_timeout=float(startup_timeout),
-            shm_limit=shm_limit,
-            max_restarts=max_restarts,
-            on_error=on_error,
-            max_skipped=max_skipped,
-            in_order=bool(in_order),
             placement_source=placement.source,
-            num_threads_given=threads_given,
-            trace=trace,
+            num_threads_given=num_threads is not None and not threads_auto,
             workers_auto=workers_auto,
             threads_auto=threads_auto,
             memory_limit=memory_limit,
             cpus=cpus,
+            **checked,
         )
 
     @property
@@ -341,6 +318,49 @@ def _require_module(name: str, message: str) -> None:
         importlib.import_module(name)
     except ImportError as error:
         raise ImportError(message) from error
+
+
+def _checked(**arguments: Any) -> dict[str, Any]:
+    """The constructor's plain settings, validated and normalised (``TypeError`` for a value
+    of the wrong type, ``ValueError`` for one out of range: each says what to change)."""
+    a = arguments
+    out: dict[str, Any] = {"batch_size": check_positive_int(a["batch_size"], "batch_size")}
+    out["num_workers"] = a["num_workers"]
+    if not _is_auto(a["num_workers"]):
+        out["num_workers"] = _check_count(a["num_workers"], "num_workers")
+    if a["num_threads"] is not None and not _is_auto(a["num_threads"]):
+        _check_count(a["num_threads"], "num_threads")
+    out["prefetch"] = check_positive_int(a["prefetch"], "prefetch")
+    out["output"] = check_choice(a["output"], "output", OUTPUTS)
+    out["device"] = check_choice(a["device"], "device", DEVICES)
+    if isinstance(a["seed"], bool) or not isinstance(a["seed"], int):
+        raise TypeError(f"seed must be an int, got {type(a['seed']).__name__}")
+    out["seed"] = a["seed"]
+    out["timeout"] = check_seconds(a["timeout"], "timeout", optional=True)
+    startup = check_seconds(a["startup_timeout"], "startup_timeout", optional=False)
+    assert startup is not None
+    out["startup_timeout"] = float(startup)
+    if a["shm_limit"] is not None:
+        check_positive_int(a["shm_limit"], "shm_limit")
+    out["shm_limit"] = a["shm_limit"]
+    out["max_restarts"] = check_positive_int(a["max_restarts"], "max_restarts", minimum=0)
+    out["on_error"] = check_choice(a["on_error"], "on_error", ("raise", "skip"))
+    out["max_skipped"] = a["max_skipped"]
+    if a["max_skipped"] is not None:
+        out["max_skipped"] = check_positive_int(a["max_skipped"], "max_skipped", minimum=0)
+    out["trace"] = check_trace_path(a["trace"])
+    for flag in ("copy", "capture", "in_order"):
+        if not isinstance(a[flag], bool):
+            raise TypeError(f"{flag} must be True or False, got {a[flag]!r}")
+        out[flag] = a[flag]
+    if out["device"] == "gpu" and out["output"] == "numpy":
+        raise ValueError(
+            "device='gpu' delivers batches in GPU memory: pass output='torch' or "
+            "output='cupy' (or use device='cpu' for numpy arrays)"
+        )
+    if out["device"] == "cpu" and out["output"] == "cupy":
+        raise ValueError("output='cupy' needs device='gpu'")
+    return out
 
 
 def _check_start_method(start_method: Any) -> str:

@@ -331,6 +331,9 @@ def test_bad_arguments_fail_before_workers_start() -> None:
         Loader(P.id_source, lambda ids: ids, batch_size=4)
     with pytest.raises(ValueError, match="output"):
         Loader(P.id_source, P.cast_step, batch_size=4, output="jax")
+    for flag in ("copy", "capture", "in_order"):  # a string is not a flag: "no" is not False
+        with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'no'"):
+            Loader(P.id_source, P.cast_step, batch_size=4, **{flag: "no"})
 
 
 def test_breaking_out_in_eager_mode_starts_a_complete_next_epoch() -> None:
