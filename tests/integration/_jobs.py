@@ -174,3 +174,17 @@ def exactly_once(taken: list[int], total: int, what: str) -> None:
         f"{what}: {len(taken)} samples for {total}, {len(set(taken))} distinct; "
         f"missing {missing}, repeated {repeated}"
     )
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that are still running (not gone, not zombies)."""
+    import psutil
+
+    found = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                found.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return found

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from loader import Loader
 from loader.testing import Snapshot, loader_leaks, open_loaders, snapshot
 from tests import pipelines as P
+from tests.integration._jobs import alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,16 +36,6 @@ def no_collector() -> Iterator[None]:
     finally:
         gc.enable()
 
-
-def alive(pids: list[int]) -> list[int]:
-    found = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                found.append(pid)
-        except psutil.NoSuchProcess:
-            continue
-    return found
 
 
 def released(before: Snapshot, pids: list[int], seconds: float = 5.0) -> list[str]:

@@ -13,11 +13,11 @@ import weakref
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 
 from loader import Loader
 from tests import pipelines as P
+from tests.integration._jobs import alive
 
 torch = pytest.importorskip("torch")
 pl = pytest.importorskip("pytorch_lightning")
@@ -26,17 +26,6 @@ pytestmark = pytest.mark.timeout(240)
 TRAIN = 30  # ids, batches of 4 over 2 workers
 VALIDATION = 12  # ids, batches of 4 over 1 worker: 3 batches
 EPOCHS = 3
-
-
-def alive(pids: list[int]) -> list[int]:
-    found = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                found.append(pid)
-        except psutil.NoSuchProcess:
-            continue
-    return found
 
 
 def ids(batch: Any) -> list[int]:
