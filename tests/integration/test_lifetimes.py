@@ -37,7 +37,6 @@ def no_collector() -> Iterator[None]:
         gc.enable()
 
 
-
 def released(before: Snapshot, pids: list[int], seconds: float = 5.0) -> list[str]:
     """What of a dropped loader is still there after up to ``seconds`` (without collecting
     garbage): its workers, new descriptors, new /dev/shm entries."""
