@@ -1,4 +1,5 @@
-"""``sharded_tars`` next to ``sharded_files``: ``python -m bench.tars [--rounds N]``.
+"""``sharded_tars`` next to ``sharded_files``: ``python -m bench.tars [--rounds N]``; what a start
+costs over an object store: ``python -m bench.tars --remote-scale [--shards 64,1024]``.
 
 The images workload (decode, random resized crop 224, flip, normalize; batches of 64; the 512
 sample images) through the loader, W=2, capture, over the same images kept four ways:
@@ -13,6 +14,13 @@ sample images) through the loader, W=2, capture, over the same images kept four 
 The contenders run in turn, ``--rounds`` times (the order rotating), and the table shows each
 one's median batches/s, workers' CPU per batch (every worker process, all threads) and first
 batch of an epoch, and its ratio to ``sharded_files`` in the same round.
+
+``--remote-scale``: N small shards (4 samples of 2 kB each) in moto's S3 server (a process of
+its own) behind a proxy that counts requests and bytes (:mod:`bench._s3`); for each N, what the
+loader (2 workers, a cache that has never seen the bucket) serves and waits for before its first
+batch: without any index (the workers scan every shard), the ``python -m loader.tars index``
+run itself, and after it; and ``webdataset.WebDataset`` streaming the same shards over HTTP
+(one process, its first batch of 4), for reference.
 """
 
 from __future__ import annotations
@@ -99,7 +107,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of every contender")
     parser.add_argument("--epochs", type=int, default=4, help="timed epochs per run")
     parser.add_argument("--threads", type=int, default=None, help="total DALI threads (CPUs)")
+    parser.add_argument(
+        "--remote-scale", action="store_true", help="requests and bytes before the first batch"
+    )
+    parser.add_argument(
+        "--shards", default="64,1024", help="--remote-scale: the dataset sizes, in shards"
+    )
+    parser.add_argument(
+        "--no-scan-above",
+        type=int,
+        default=1024,
+        help="--remote-scale: skip the run without an index above this many shards",
+    )
     args = parser.parse_args(argv)
+    if args.remote_scale:
+        from bench import tars_remote
+
+        sizes = [int(n) for n in args.shards.split(",")]
+        tars_remote.main(sizes, args.no_scan_above)
+        return
     threads = args.threads or len(os.sched_getaffinity(0))
     root = str(ensure_sample_dataset())
     with tempfile.TemporaryDirectory() as directory:

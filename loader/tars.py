@@ -1,41 +1,95 @@
-"""``python -m loader.tars``: turn an ImageFolder into WebDataset tar shards.
+"""``python -m loader.tars``: write WebDataset tar shards, and index a dataset of them once.
 
-``python -m loader.tars --from DIR --to OUT --samples-per-shard N`` writes ``OUT/train-000000.tar``
-and on, each sample ``<key>.jpg`` (the file's bytes; another image extension is kept) and
-``<key>.cls`` (its label), in a seeded random order; read them with ``sharded_tars``.
+``python -m loader.tars write --from DIR --to OUT --samples-per-shard N`` writes an ImageFolder as
+``OUT/train-000000.tar`` and on (each sample ``<key>.jpg`` and ``<key>.cls``, in a seeded random
+order), each shard's index beside it (``train-000000.idx``, DALI's ``wds2idx`` format) and the
+shards' summary (``OUT/loader-summary.json``). ``python -m loader.tars --from ...`` (no command)
+is the same.
+
+``python -m loader.tars index URLS... [--storage-options JSON] [--workers N] [--force]`` indexes
+every shard of a dataset (local paths or fsspec URLs, brace patterns allowed) with N processes:
+a shard whose ``.idx`` exists and fits it is read, any other is scanned once and its ``.idx``
+written beside it; then the summary is written beside the shards. Run it again to finish an
+interrupted run: what is done is not done again. After it, a worker's start costs a few requests
+whatever the number of shards, on every node.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 
-from workers import write_tars
+from workers import IndexProgress, index_dataset, write_tars
+
+_COMMANDS = ("write", "index")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in (*_COMMANDS, "-h", "--help"):
+        args.insert(0, "write")  # (the form without a command writes, as it always did)
     parser = argparse.ArgumentParser(
         prog="python -m loader.tars",
-        description="Write an ImageFolder (root/<class>/<image>) as WebDataset tar shards.",
+        description="Write WebDataset tar shards, or index a dataset of them once.",
     )
-    parser.add_argument("--from", dest="source", required=True, help="the ImageFolder's root")
-    parser.add_argument("--to", dest="target", required=True, help="where to write the shards")
-    parser.add_argument(
+    commands = parser.add_subparsers(dest="command", required=True)
+    write = commands.add_parser(
+        "write",
+        help="write an ImageFolder as shards, with their indexes and summary",
+        description="Write an ImageFolder (root/<class>/<image>) as WebDataset tar shards, "
+        "each with its .idx, and the shards' summary.",
+    )
+    write.add_argument("--from", dest="source", required=True, help="the ImageFolder's root")
+    write.add_argument("--to", dest="target", required=True, help="where to write the shards")
+    write.add_argument(
         "--samples-per-shard",
         type=int,
         required=True,
         help="samples in each shard (the last may hold fewer)",
     )
-    parser.add_argument("--prefix", default="train", help="shard names: PREFIX-000000.tar ...")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the samples' order")
-    parser.add_argument(
+    write.add_argument("--prefix", default="train", help="shard names: PREFIX-000000.tar ...")
+    write.add_argument("--seed", type=int, default=0, help="seed of the samples' order")
+    write.add_argument(
         "--no-shuffle",
         action="store_true",
         help="keep the folder's order (classes one after another) instead of a seeded random one",
     )
-    args = parser.parse_args(argv)
+    index = commands.add_parser(
+        "index",
+        help="index every shard of a dataset once: .idx beside each, and the summary",
+        description="Index every shard (DALI's wds2idx .idx beside each) and write the "
+        "shards' summary beside them, so that workers start with a few requests on any node.",
+    )
+    index.add_argument(
+        "urls",
+        nargs="+",
+        help="shard paths or URLs; brace patterns like 's3://b/train-{000000..001023}.tar'",
+    )
+    index.add_argument(
+        "--storage-options",
+        default=None,
+        help='JSON for the filesystem (s3fs: {"endpoint_url": "...", "key": "..."})',
+    )
+    index.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes indexing at once (default: the CPUs this process may use)",
+    )
+    index.add_argument(
+        "--force", action="store_true", help="scan every shard again, whatever exists"
+    )
+    parsed = parser.parse_args(args)
+    if parsed.command == "index":
+        return _index(parsed)
+    return _write(parsed)
+
+
+def _write(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         written = write_tars(
@@ -53,9 +107,92 @@ def main(argv: Sequence[str] | None = None) -> int:
     last = written[-1].name
     print(
         f"wrote {len(written)} shards ({size / 1e6:.1f} MB) in {time.monotonic() - started:.1f} s: "
-        f"{written[0].parent}/{args.prefix}-{{{'0' * 6}..{last[len(args.prefix) + 1 : -4]}}}.tar"
+        f"{written[0].parent}/{args.prefix}-{{{'0' * 6}..{last[len(args.prefix) + 1 : -4]}}}.tar, "
+        "each with its .idx, and loader-summary.json"
     )
     return 0
+
+
+class _Shown:
+    """Prints an index run's progress: one line every few seconds (rewritten on a terminal)."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self.last = 0.0
+        self.ended = False
+
+    def __call__(self, state: IndexProgress) -> None:
+        now = time.monotonic()
+        final = state.finished == state.total
+        if self.ended or (not final and now - self.last < (0.5 if self.tty else 5.0)):
+            return
+        self.ended = final
+        self.last = now
+        elapsed = now - state.started
+        rate = state.scanned_bytes / elapsed / 1e6 if elapsed > 0 else 0.0
+        left = state.total - state.finished
+        eta = elapsed / state.done * left if state.done else 0.0
+        line = (
+            f"[{state.finished:>{len(str(state.total))}}/{state.total}] "
+            f"{100 * state.finished / max(1, state.total):5.1f}%  scanned {state.scanned} "
+            f"({state.scanned_bytes / 1e6:,.0f} MB, {rate:,.0f} MB/s), read {state.read_idx} .idx, "
+            + (f"{state.from_cache} from this node's cache, " if state.from_cache else "")
+            + f"{state.up_to_date} up to date"
+            + (f", {len(state.failed)} failed" if state.failed else "")
+            + (f"  eta {eta:,.0f} s" if left and state.done else "")
+        )
+        print(("\r" + line + ("\n" if final else "")) if self.tty else line, end="", flush=True)
+        if not self.tty:
+            print(flush=True)
+
+
+def _index(args: argparse.Namespace) -> int:
+    options = None
+    if args.storage_options:
+        try:
+            options = json.loads(args.storage_options)
+        except json.JSONDecodeError as error:
+            print(f"error: --storage-options is not JSON: {error}", file=sys.stderr)
+            return 2
+        if not isinstance(options, dict):
+            print("error: --storage-options must be a JSON object", file=sys.stderr)
+            return 2
+    if args.workers is not None and args.workers < 1:
+        print("error: --workers must be >= 1", file=sys.stderr)
+        return 2
+    urls = args.urls[0] if len(args.urls) == 1 else args.urls
+    processes = args.workers or len(os.sched_getaffinity(0))
+    print(f"indexing {' '.join(args.urls)} with {processes} processes", flush=True)
+    try:
+        state = index_dataset(
+            urls, options, processes=processes, force=args.force, progress=_Shown()
+        )
+    except KeyboardInterrupt:
+        print("\ninterrupted: run the same command again to finish", file=sys.stderr)
+        return 130
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for failure in state.failed:
+        print(f"failed: {failure}", file=sys.stderr)
+    print(
+        f"{state.total - len(state.failed)} of {state.total} shards indexed "
+        f"({state.samples:,} samples) in {time.monotonic() - state.started:.1f} s; "
+        f"summary: {', '.join(state.summaries) or ('up to date' if state.up_to_date else 'none')}"
+    )
+    if state.not_beside:
+        print(
+            f"error: {state.not_beside} index(es) could not be written beside their shards "
+            "(see the log): each node would index them again; index with write access",
+            file=sys.stderr,
+        )
+    if state.failed:
+        print(
+            f"error: {len(state.failed)} shard(s) could not be indexed: rewrite or drop them, "
+            "then run this again",
+            file=sys.stderr,
+        )
+    return 1 if state.failed or state.not_beside else 0
 
 
 if __name__ == "__main__":

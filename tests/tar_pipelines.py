@@ -41,6 +41,32 @@ def write_id_tars(
     return paths
 
 
+def write_payload_tars(
+    directory: Path, shards: int, per_shard: int, payload: int, *, prefix: str = "train"
+) -> list[Path]:
+    """``shards`` tar shards of ``per_shard`` samples each, sample ``i`` being ``<key>.bin``
+    (``payload`` bytes), ``<key>.cls`` (``i % 3``) and ``<key>.id`` (``i``): read with
+    ``id_tars``, a shard's byte range is nearly all of it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    filler = bytes(range(256)) * (payload // 256 + 1)
+    for number in range(shards):
+        path = directory / f"{prefix}-{number:04d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for sample in range(number * per_shard, (number + 1) * per_shard):
+                key = f"s{sample:07d}"
+                for ext, data in (
+                    ("bin", filler[sample % 256 : sample % 256 + payload]),
+                    ("cls", str(sample % 3).encode()),
+                    ("id", str(sample).encode()),
+                ):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(path)
+    return paths
+
+
 def id_tars(
     shard: Shard,
     urls: Any,

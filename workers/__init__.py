@@ -27,6 +27,8 @@ from ._positions import (
 from ._sampling import BatchedSamples, sharded_source
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
+from ._tar_tool import Progress as IndexProgress
+from ._tar_tool import index_dataset
 from ._tars import sharded_tars, write_tars
 from ._timing import BatchClock
 
@@ -49,6 +51,7 @@ __all__ = [
     "BatchedSamples",
     "FeederFactory",
     "FilesDataset",
+    "IndexProgress",
     "Phase",
     "Position",
     "SamplesDataset",
@@ -60,6 +63,7 @@ __all__ = [
     "WorkerSpec",
     "continue_from",
     "every_shard_steps",
+    "index_dataset",
     "list_files",
     "plan_epoch",
     "prepare_worker_server",

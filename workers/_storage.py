@@ -5,10 +5,11 @@ One small layer the tar source (and whatever reads more than whole local files) 
 * :func:`storage_for` picks :class:`LocalStorage` for a path (or ``file://``) and
   :class:`RemoteStorage` for any other URL, through ``fsspec`` (``s3://`` needs ``s3fs``;
   ``storage_options`` go to the filesystem as they are).
-* Both read a byte range (:meth:`read`), stream an object from its start (:meth:`open`), and tell
-  an object's *identity* (size and mtime locally; size and ETag, or mtime, remotely), which says
-  when a cached index is stale. Remote identities come from one listing per directory, not one
-  request per object.
+* Both read a byte range (:meth:`read`) or a whole small object (:meth:`read_all`), stream an
+  object from its start (:meth:`open`), write a small object (:meth:`write`: an index or a summary
+  beside the shards), and tell an object's *identity* (size and mtime locally; size and ETag, or
+  mtime, remotely), which says when an index or a summary is stale. Identities come from one
+  listing per directory (:meth:`listing`), not one request per object.
 * A remote read that fails for a transient reason (connection reset, timeout, throttling) is tried
   again with backoff, :data:`RETRIES` times, each retry logged; a missing object, a denied access or
   a bad endpoint is not transient and is raised at once, naming the URL.
@@ -16,11 +17,14 @@ One small layer the tar source (and whatever reads more than whole local files) 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import os
 import posixpath
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import IO, Any, TypeVar
@@ -35,6 +39,9 @@ RETRIES = 4
 BACKOFF = 0.25
 
 _T = TypeVar("_T")
+
+#: What says an object changed: (size, version), the version its ETag or its mtime.
+Identity = tuple[int, str]
 
 #: Error class names (of botocore, aiohttp, urllib3...) that mean "try again".
 _TRANSIENT_NAMES = (
@@ -52,6 +59,8 @@ _TRANSIENT_NAMES = (
     "ServiceUnavailable",
     "InternalError",
 )
+#: Error class names (of botocore, aiohttp) that mean "no connection could be made".
+_UNREACHABLE_NAMES = ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError")
 _TRANSIENT_ERRNOS = {
     errno.ECONNRESET,
     errno.ECONNABORTED,
@@ -61,6 +70,13 @@ _TRANSIENT_ERRNOS = {
 }
 
 
+class StorageFailure(OSError):
+    """A shard could not be read (missing, denied, unreachable after retries, changed while the
+    job runs): not a bad sample, so ``on_error="skip"`` does not skip it; it stops the worker."""
+
+    _loader_fatal = True
+
+
 def is_url(path: str) -> bool:
     """Whether ``path`` is a URL (``proto://...``) rather than a local path."""
     return "://" in path and not path.startswith("file://")
@@ -68,6 +84,21 @@ def is_url(path: str) -> bool:
 
 def local_path(path: str) -> str:
     return path[len("file://") :] if path.startswith("file://") else path
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether ``error`` says the store could not be connected to at all (refused, no route,
+    no such host, a connect timeout): the client has retried it already."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        if any(name in type(current).__name__ for name in _UNREACHABLE_NAMES):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def transient(error: BaseException) -> bool:
@@ -101,9 +132,45 @@ class Storage:
     def open(self, path: str) -> IO[bytes]:
         raise NotImplementedError
 
-    def identities(self, paths: Sequence[str]) -> list[tuple[int, str]]:
-        """(size, version) of each object; ``FileNotFoundError`` naming the first missing one."""
+    def read_all(self, path: str) -> bytes:
+        """The whole (small) object; ``FileNotFoundError`` when there is none."""
         raise NotImplementedError
+
+    def write(self, path: str, data: bytes) -> None:
+        """Put ``data`` at ``path`` whole (a reader never sees a part of it);
+        ``PermissionError`` (or another ``OSError``) where it cannot be written."""
+        raise NotImplementedError
+
+    def listing(self, directory: str) -> dict[str, Identity] | None:
+        """The identity of each object in ``directory`` by its name (fresh, not cached); None
+        where the directory cannot be listed (then :meth:`identities` asks each object)."""
+        raise NotImplementedError
+
+    def identities(self, paths: Sequence[str]) -> list[Identity]:
+        """(size, version) of each object; ``FileNotFoundError`` naming the first missing one."""
+        listings = {d: self.listing(d) for d in dict.fromkeys(self.dirname(p) for p in paths)}
+        found = []
+        for path in paths:
+            listed = listings[self.dirname(path)]
+            identity = None if listed is None else listed.get(self.basename(path))
+            found.append(identity if identity is not None else self.identity(path))
+        return found
+
+    def identity(self, path: str) -> Identity:
+        """(size, version) of one object; ``FileNotFoundError`` naming it when it is missing."""
+        raise NotImplementedError
+
+    @staticmethod
+    def dirname(path: str) -> str:
+        return posixpath.dirname(local_path(path)) if is_url(path) else os.path.dirname(path)
+
+    @staticmethod
+    def basename(path: str) -> str:
+        return posixpath.basename(path)
+
+    @staticmethod
+    def join(directory: str, name: str) -> str:
+        return f"{directory.rstrip('/')}/{name}" if directory else name
 
 
 class LocalStorage(Storage):
@@ -132,12 +199,36 @@ class LocalStorage(Storage):
     def open(self, path: str) -> IO[bytes]:
         return open(path, "rb")  # (the caller closes it)
 
-    def identities(self, paths: Sequence[str]) -> list[tuple[int, str]]:
-        found = []
-        for path in paths:
-            stat = os.stat(path)
-            found.append((stat.st_size, f"{stat.st_ino}:{stat.st_mtime_ns}"))
+    def read_all(self, path: str) -> bytes:
+        with open(path, "rb") as file:
+            return file.read()
+
+    def write(self, path: str, data: bytes) -> None:
+        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(temporary, "wb") as out:
+                out.write(data)
+            os.replace(temporary, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+
+    def listing(self, directory: str) -> dict[str, Identity] | None:
+        found: dict[str, Identity] = {}
+        try:
+            with os.scandir(directory or ".") as entries:
+                for entry in entries:
+                    with contextlib.suppress(OSError):  # (gone since the listing)
+                        if entry.is_file():
+                            found[entry.name] = _local_identity(entry.stat())
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except OSError:
+            return None
         return found
+
+    def identity(self, path: str) -> Identity:
+        return _local_identity(os.stat(path))
 
 
 class RemoteStorage(Storage):
@@ -161,20 +252,34 @@ class RemoteStorage(Storage):
                 f"({error}); for s3:// install s3fs: pip install 'dali-capture-loader[s3]'"
             ) from error
         self.protocol, self.retries = protocol, retries
+        client = options.get("client_kwargs") or {}
+        self.endpoint = str(
+            options.get("endpoint_url")
+            or (client.get("endpoint_url") if isinstance(client, dict) else None)
+            or f"the default {protocol}:// endpoint"
+        )
 
     def retried(self, what: str, url: str, call: Callable[[], _T]) -> _T:
-        """``call()``, tried again on transient errors (see the module docstring)."""
+        """``call()``, tried again on transient errors (see the module docstring). ``what``
+        says what it does (``reading bytes 0-512``) in messages. A store that cannot be reached
+        at all is not tried again here: the client (botocore) has already retried."""
         delay = BACKOFF
         for attempt in range(self.retries + 1):
             try:
                 return call()
             except Exception as error:
+                if unreachable(error):
+                    raise ConnectionError(
+                        f"cannot connect to the store at {self.endpoint} ({what} {url}): "
+                        f"{type(error).__name__}: {error}. Check endpoint_url in "
+                        "storage_options, and that this host reaches it"
+                    ) from error
                 if not transient(error) or attempt == self.retries:
                     raise _named(error, what, url) from error
                 logger.warning(
-                    "%s %s failed (%s: %s); trying again in %.2f s (%d of %d)",
-                    what,
+                    "%s: %s failed (%s: %s); trying again in %.2f s (%d of %d)",
                     url,
+                    what,
                     type(error).__name__,
                     error,
                     delay,
@@ -187,7 +292,7 @@ class RemoteStorage(Storage):
 
     def read(self, path: str, start: int, end: int) -> np.ndarray[Any, Any]:
         data = self.retried(
-            f"reading bytes {start}-{end} of",
+            f"reading bytes {start}-{end}",
             path,
             lambda: self.fs.cat_file(path, start=start, end=end),
         )
@@ -204,27 +309,36 @@ class RemoteStorage(Storage):
         )
         return opened
 
-    def identities(self, paths: Sequence[str]) -> list[tuple[int, str]]:
-        """One listing per directory (falling back to one request per object where a listing
-        is refused or does not show it)."""
-        by_dir: dict[str, dict[str, dict[str, Any]]] = {}
-        for directory in dict.fromkeys(posixpath.dirname(self._strip(p)) for p in paths):
-            try:
-                named = f"{self.protocol}://{directory}/"
-                entries = self.retried("listing", named, functools.partial(self._ls, directory))
-            except (FileNotFoundError, PermissionError):  # no listing here: ask each object
-                entries = []
-            by_dir[directory] = {self._strip(entry["name"]): entry for entry in entries}
-        found = []
-        for path in paths:
-            stripped = self._strip(path)
-            entry = by_dir.get(posixpath.dirname(stripped), {}).get(stripped)
-            if entry is None:
-                entry = self.retried("finding", path, functools.partial(self._info, path))
-            found.append((int(entry.get("size") or 0), _version(entry)))
+    def read_all(self, path: str) -> bytes:
+        data: bytes = self.retried("reading", path, functools.partial(self.fs.cat_file, path))
+        return data
+
+    def write(self, path: str, data: bytes) -> None:
+        self.retried("writing", path, functools.partial(self.fs.pipe_file, path, data))
+
+    def listing(self, directory: str) -> dict[str, Identity] | None:
+        """One listing of ``directory`` (paged by the store: 1,000 objects a request on S3)."""
+        stripped = self._strip(directory)
+        named = f"{self.protocol}://{stripped}/"
+        try:
+            entries = self.retried("listing", named, functools.partial(self._ls, stripped))
+        except FileNotFoundError:
+            return {}
+        except PermissionError:  # no listing here: ask each object
+            return None
+        found: dict[str, Identity] = {}
+        for entry in entries:
+            if entry.get("type", "file") == "file":
+                name = posixpath.basename(self._strip(entry["name"]))
+                found[name] = (int(entry.get("size") or 0), _version(entry))
         return found
 
+    def identity(self, path: str) -> Identity:
+        entry = self.retried("finding", path, functools.partial(self._info, path))
+        return (int(entry.get("size") or 0), _version(entry))
+
     def _ls(self, directory: str) -> list[dict[str, Any]]:
+        self.fs.invalidate_cache(directory)  # (a listing made earlier in this process is old)
         entries: list[dict[str, Any]] = self.fs.ls(directory, detail=True)
         return entries
 
@@ -235,6 +349,12 @@ class RemoteStorage(Storage):
     def _strip(self, path: str) -> str:
         stripped: str = self.fs._strip_protocol(path)
         return stripped.rstrip("/")
+
+
+def _local_identity(stat: os.stat_result) -> Identity:
+    """A local file's (size, version): its mtime, not its inode, so a copy that keeps mtimes
+    (``cp -a``, ``rsync -a``) keeps its indexes and summary."""
+    return (stat.st_size, f"mtime:{stat.st_mtime_ns}")
 
 
 def _version(entry: dict[str, Any]) -> str:
@@ -248,16 +368,19 @@ def _version(entry: dict[str, Any]) -> str:
 
 def _named(error: Exception, what: str, url: str) -> Exception:
     """``error`` as raised to the user: the same type where it can carry the URL, with it."""
-    message = f"{what} {url} failed: {type(error).__name__}: {error}"
     if isinstance(error, FileNotFoundError):
-        return FileNotFoundError(errno.ENOENT, f"{url} does not exist ({what})", url)
+        return FileNotFoundError(errno.ENOENT, f"{url} does not exist ({what})")
     if isinstance(error, PermissionError):
         return PermissionError(
-            errno.EACCES, f"access to {url} was denied ({error}); check the credentials", url
+            errno.EACCES, f"access to {url} was denied ({what}: {error}); check the credentials"
         )
-    if isinstance(error, OSError):
-        return OSError(error.errno, message)
-    return OSError(message)
+    return OSError(f"{url}: {what} failed: {type(error).__name__}: {error}")
+
+
+def storage_failure(url: str, error: BaseException) -> StorageFailure:
+    """A :class:`StorageFailure` for ``url`` that says what ``error`` says once, readably."""
+    text = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    return StorageFailure(text if url in text else f"cannot read {url}: {text}")
 
 
 _cache: dict[tuple[str, str, int], Storage] = {}

@@ -2,25 +2,22 @@
 
 A WebDataset tar holds samples as consecutive members named ``<key>.<ext>`` (``n01440764/x.jpg``,
 ``n01440764/x.cls``): the key is the member's path up to the first dot of its file name, the
-extension everything after it. An index lists, in tar order, each sample's key and, for every
-member, its sample, extension, data offset and size -- what DALI's ``wds2idx`` keeps, in a form
-workers map. It is made with one sequential pass over the tar (``tarfile`` in stream mode, so an
-object store is read once, front to back) and kept:
+extension everything after it. A :class:`TarIndex` lists, in tar order, each sample's key and, for
+every member, its sample, extension, data offset and size: what DALI's ``wds2idx`` keeps
+(:mod:`workers._wds_idx` reads and writes that format, the one kept beside the shards).
 
-* next to a local tar, as ``<tar>.loader-index``, when its directory is writable; else, and for
-  remote objects always, in the cache directory's ``tar-index/`` (``DALI_LOADER_CACHE_DIR``),
-  named by a hash of the URL (or real path);
-* with the object's identity (size, and ETag or inode and mtime): an index whose object changed is
-  made again.
+An index comes from one of three places (:mod:`workers._tar_shards` decides which):
 
-Many workers open the same shards at once. :func:`open_indexes` goes through them starting at a
-different shard in each worker; a shard whose index is missing is indexed by the first worker to
-take its lock, and a worker that finds the lock held goes on to the next shard and comes back
-later, so the shards are indexed by all workers together, each once.
+* :func:`scan`: one sequential pass over the tar (``tarfile`` in stream mode, so an object store
+  is read once, front to back), which also checks that the shard is whole and well formed;
+* a ``.idx`` file beside the shard (:func:`workers._wds_idx.parse_idx`);
+* this node's cache (``$DALI_LOADER_CACHE_DIR/tar-index/``, :func:`load_cached`): a copy of an
+  index in a form workers map, named by a hash of the shard's URL (or real path) and valid for one
+  identity of the shard (its size, and ETag or mtime): a changed shard misses it.
 
-Bad shards raise before any batch: a missing shard (``FileNotFoundError`` naming it), a file that
-is not a tar or ends inside a member (``ValueError`` with the URL and the offset), a member whose
-name has no extension, a key that appears twice apart, or a member that is not a regular file.
+Bad shards raise before any batch: a file that is not a tar or ends inside a member (``ValueError``
+with the URL and the offset), a member whose name has no extension, a key that appears twice
+apart, two members of a sample with one extension, or a member that is not a regular file.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ import hashlib
 import logging
 import os
 import tarfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -38,14 +34,13 @@ from typing import IO, Any
 import numpy as np
 
 from . import _index_file
-from ._folder_index import CACHE_DIR_ENV, cache_dir
-from ._storage import Storage, is_url, local_path
+from ._folder_index import cache_dir
+from ._storage import Identity, is_url, local_path
 
 logger = logging.getLogger("workers")
 
-MAGIC = b"DLTARIX1"
-FORMAT = 1
-SUFFIX = ".loader-index"
+MAGIC = b"DLTARIX2"
+FORMAT = 2
 
 _Int64s = np.ndarray[Any, np.dtype[np.int64]]
 
@@ -53,7 +48,7 @@ _Int64s = np.ndarray[Any, np.dtype[np.int64]]
 @dataclass
 class TarIndex:
     """The samples of one tar: keys in tar order, and every member's sample, extension, data
-    offset and size (arrays, mapped from the index file or made by a scan)."""
+    offset and size (arrays, mapped from a cached index or made by a scan or a parse)."""
 
     url: str
     exts: list[str]  # the extensions found, in order of first appearance
@@ -71,6 +66,13 @@ class TarIndex:
     @property
     def samples(self) -> int:
         return len(self.key_offsets) - 1
+
+    @property
+    def data_end(self) -> int:
+        """Where the last member's data ends (the tar's end-of-archive blocks come after it)."""
+        if not len(self.member_offset):
+            return 0
+        return int((self.member_offset + self.member_size).max())
 
     def key(self, sample: int) -> str:
         start, end = self.key_offsets[sample : sample + 2].tolist()
@@ -101,16 +103,89 @@ def split_name(name: str) -> tuple[str, str] | None:
     return (f"{directory}/{stem}" if directory else stem), ext
 
 
+class IndexBuilder:
+    """Collects a tar's members in tar order (from a scan, a ``.idx`` file or a writer) and
+    checks them as WebDataset needs: a sample's members consecutive, one per extension.
+    ``where`` names the source in errors (``<url>`` or ``<idx url> line 7``)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._keys: list[bytes] = []
+        self._seen: dict[str, int] = {}
+        self._exts: dict[str, int] = {}
+        self._current: set[str] = set()
+        self.member_sample: list[int] = []
+        self.member_ext: list[int] = []
+        self.member_offset: list[int] = []
+        self.member_size: list[int] = []
+
+    def add(self, name: str, offset: int, size: int, where: str, at: str) -> None:
+        """Member ``name`` whose data lies at ``[offset, offset + size)``; ``at`` says where it
+        was found (``at byte 1536``) for errors."""
+        split = split_name(name)
+        if split is None:
+            raise ValueError(
+                f"{where}: member {name!r} {at} has no extension; WebDataset members are named "
+                "<key>.<ext> (e.g. n0144/img7.jpg)"
+            )
+        key, ext = split
+        sample = self._seen.get(key)
+        if sample is None:
+            sample = self._seen[key] = len(self._keys)
+            self._keys.append(key.encode("utf-8", "surrogateescape"))
+            self._current = set()
+        elif sample != len(self._keys) - 1:
+            raise ValueError(
+                f"{where}: key {key!r} appears again {at} after other keys; a sample's members "
+                "must be consecutive in the tar"
+            )
+        if ext in self._current:
+            raise ValueError(
+                f"{where}: sample {key!r} has two members with extension {ext!r} ({at})"
+            )
+        self._current.add(ext)
+        self.member_sample.append(sample)
+        self.member_ext.append(self._exts.setdefault(ext, len(self._exts)))
+        self.member_offset.append(offset)
+        self.member_size.append(size)
+
+    @property
+    def samples(self) -> int:
+        return len(self._keys)
+
+    def build(self) -> TarIndex:
+        if not self._keys:
+            raise ValueError(f"{self.url} holds no samples")
+        keys = self._keys
+        key_offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum([len(key) for key in keys], out=key_offsets[1:])
+        blob = np.frombuffer(b"".join(keys), dtype=np.uint8)
+        ext_list = list(self._exts)
+        ext_ids = np.asarray(self.member_ext, dtype=np.int64)
+        counts = np.bincount(ext_ids, minlength=len(ext_list))
+        return TarIndex(
+            self.url,
+            ext_list,
+            key_offsets,
+            blob,
+            np.asarray(self.member_sample, dtype=np.int64),
+            ext_ids,
+            np.asarray(self.member_offset, dtype=np.int64),
+            np.asarray(self.member_size, dtype=np.int64),
+            {ext: int(count) for ext, count in zip(ext_list, counts.tolist(), strict=True)},
+            keys_hash(key_offsets, blob),
+        )
+
+
+def keys_hash(key_offsets: _Int64s, keys: np.ndarray[Any, Any]) -> str:
+    """A shard's keys, in order, as 16 hex digits (part of the dataset's fingerprint)."""
+    offsets = np.ascontiguousarray(key_offsets, dtype="<i8")
+    return hashlib.sha256(offsets.tobytes() + bytes(keys)).hexdigest()[:16]
+
+
 def scan(url: str, stream: IO[bytes], *, seekable: bool) -> TarIndex:
     """Index the tar read from ``stream`` (named ``url`` in errors)."""
-    keys: list[bytes] = []
-    seen: dict[str, int] = {}
-    exts: dict[str, int] = {}
-    member_sample: list[int] = []
-    member_ext: list[int] = []
-    member_offset: list[int] = []
-    member_size: list[int] = []
-    current: set[str] = set()
+    builder = IndexBuilder(url)
     offset = tar_end = 0
     try:
         with tarfile.open(fileobj=stream, mode="r:" if seekable else "r|") as tar:
@@ -123,34 +198,9 @@ def scan(url: str, stream: IO[bytes], *, seekable: bool) -> TarIndex:
                         f"{url}: member {member.name!r} at byte {member.offset} is not a "
                         "regular file (a link or device); a WebDataset shard holds files only"
                     )
-                split = split_name(member.name)
-                if split is None:
-                    raise ValueError(
-                        f"{url}: member {member.name!r} at byte {member.offset} has no "
-                        "extension; WebDataset members are named <key>.<ext> "
-                        "(e.g. n0144/img7.jpg)"
-                    )
-                key, ext = split
-                sample = seen.get(key)
-                if sample is None:
-                    sample = seen[key] = len(keys)
-                    keys.append(key.encode("utf-8", "surrogateescape"))
-                    current = set()
-                elif sample != len(keys) - 1:
-                    raise ValueError(
-                        f"{url}: key {key!r} appears again at byte {member.offset} after other "
-                        "keys; a sample's members must be consecutive in the tar"
-                    )
-                if ext in current:
-                    raise ValueError(
-                        f"{url}: sample {key!r} has two members with extension {ext!r} "
-                        f"(the second at byte {member.offset})"
-                    )
-                current.add(ext)
-                member_sample.append(sample)
-                member_ext.append(exts.setdefault(ext, len(exts)))
-                member_offset.append(member.offset_data)
-                member_size.append(member.size)
+                builder.add(
+                    member.name, member.offset_data, member.size, url, f"at byte {member.offset}"
+                )
             tar_end = tar.offset  # where the next header (or the end-of-archive blocks) starts
     except tarfile.ReadError as error:
         raise ValueError(
@@ -161,80 +211,48 @@ def scan(url: str, stream: IO[bytes], *, seekable: bool) -> TarIndex:
         raise ValueError(f"{url} ends inside a member after byte {offset}: truncated") from error
     if seekable:  # every member whole, and the end-of-archive blocks after the last one
         end = stream.seek(0, os.SEEK_END)
-        last = max((o + s for o, s in zip(member_offset, member_size, strict=True)), default=0)
+        last = max(
+            (o + s for o, s in zip(builder.member_offset, builder.member_size, strict=True)),
+            default=0,
+        )
         stream.seek(tar_end)
         if last > end or stream.read(1024) != bytes(1024):
             raise ValueError(
                 f"{url} is not a whole tar file: it ends at byte {end}, inside a member or "
                 "without the end-of-archive blocks (truncated); rewrite the shard"
             )
-    if not keys:
-        raise ValueError(f"{url} holds no samples")
-    key_offsets = np.zeros(len(keys) + 1, dtype=np.int64)
-    np.cumsum([len(key) for key in keys], out=key_offsets[1:])
-    blob = np.frombuffer(b"".join(keys), dtype=np.uint8)
-    ext_list = list(exts)
-    ext_ids = np.asarray(member_ext, dtype=np.int64)
-    counts = np.bincount(ext_ids, minlength=len(ext_list))
-    return TarIndex(
-        url,
-        ext_list,
-        key_offsets,
-        blob,
-        np.asarray(member_sample, dtype=np.int64),
-        ext_ids,
-        np.asarray(member_offset, dtype=np.int64),
-        np.asarray(member_size, dtype=np.int64),
-        {ext: int(count) for ext, count in zip(ext_list, counts.tolist(), strict=True)},
-        hashlib.sha256(key_offsets.tobytes() + blob.tobytes()).hexdigest()[:16],
-    )
+    return builder.build()
 
 
-def index_path(url: str, *, beside: bool) -> Path:
-    """Where the index of ``url`` is kept: beside a local tar, or in the cache directory."""
-    if beside:
-        return Path(local_path(url) + SUFFIX)
+def cache_path(url: str) -> Path:
+    """Where this node keeps its copy of the index of ``url``."""
     name = url if is_url(url) else os.path.realpath(local_path(url))
     digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:32]
     return cache_dir().parent / "tar-index" / f"{digest}.index"
 
 
-def _lock_path(path: Path) -> Path:
-    """The lock of the index at ``path``: in the cache directory (no litter beside the data),
-    beside the index when the cache cannot be written."""
-    locks = cache_dir().parent / "tar-index"
-    try:
-        locks.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return path.with_name(path.name + ".lock")
-    digest = hashlib.sha256(os.fsencode(os.path.abspath(path))).hexdigest()[:32]
-    return locks / f"{digest}.lock"
+def lock_path(url: str) -> Path:
+    """The lock that makes one process of this node index ``url`` while the others wait or
+    do other work (created with its directory)."""
+    path = cache_path(url).with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
-def _header(index: TarIndex, identity: tuple[int, str]) -> dict[str, Any]:
-    return {
-        "format": FORMAT,
-        "url": index.url,
-        "identity": list(identity),
-        "exts": index.exts,
-        "ext_counts": index.ext_counts,
-        "keys_hash": index.keys_hash,
-    }
-
-
-def _load(path: Path, url: str, identity: tuple[int, str]) -> TarIndex | None:
-    """The index at ``path`` if it is whole and its tar unchanged; else None."""
+def load_cached(url: str, identity: Identity) -> TarIndex | None:
+    """This node's copy of the index of ``url`` when it was made for this ``identity``."""
+    path = cache_path(url)
     try:
         found = _index_file.read(path, MAGIC)
     except (ValueError, KeyError, TypeError) as error:
-        logger.warning("ignored the tar index %s (%s): indexing %s again", path, error, url)
+        logger.warning("ignored the cached tar index %s of %s (%s)", path, url, error)
         return None
     if found is None:
         return None
     header, arrays, mapped = found
     try:
         if header["format"] != FORMAT or header["identity"] != list(identity):
-            logger.debug("the index %s is stale: %s changed since it was made", path, url)
+            logger.debug("the cached index %s is stale: %s changed since it was made", path, url)
             return None
         key_offsets, keys, sample, ext, offset, size = arrays
         return TarIndex(
@@ -251,12 +269,22 @@ def _load(path: Path, url: str, identity: tuple[int, str]) -> TarIndex | None:
             keep=mapped,
         )
     except (KeyError, TypeError, ValueError) as error:
-        logger.warning("ignored the tar index %s (%s): indexing %s again", path, error, url)
+        logger.warning("ignored the cached tar index %s of %s (%s)", path, url, error)
         return None
 
 
-def _arrays(index: TarIndex) -> list[np.ndarray[Any, Any]]:
-    return [
+def keep_cached(index: TarIndex, identity: Identity) -> bool:
+    """Keep a copy of ``index`` in this node's cache; False when the cache is not writable."""
+    path = cache_path(index.url)
+    header = {
+        "format": FORMAT,
+        "url": index.url,
+        "identity": list(identity),
+        "exts": index.exts,
+        "ext_counts": index.ext_counts,
+        "keys_hash": index.keys_hash,
+    }
+    arrays: list[np.ndarray[Any, Any]] = [
         index.key_offsets,
         index.keys,
         index.member_sample,
@@ -264,93 +292,10 @@ def _arrays(index: TarIndex) -> list[np.ndarray[Any, Any]]:
         index.member_offset,
         index.member_size,
     ]
-
-
-class Indexer:
-    """Opens the indexes of a set of shards, making the missing ones (see the module docstring)."""
-
-    def __init__(self, storage: Storage) -> None:
-        self.storage = storage
-        self._unwritable: set[str] = set()
-
-    def paths(self, url: str) -> list[Path]:
-        """Where the index of ``url`` may be: beside it (local tars), then the cache."""
-        if self.storage.local:
-            return [index_path(url, beside=True), index_path(url, beside=False)]
-        return [index_path(url, beside=False)]
-
-    def find(self, url: str, identity: tuple[int, str]) -> TarIndex | None:
-        for path in self.paths(url):
-            index = _load(path, url, identity)
-            if index is not None:
-                return index
-        return None
-
-    def make(self, url: str, identity: tuple[int, str], *, wait: bool) -> TarIndex | None:
-        """Index ``url`` under its lock and keep the index where it can be written. With
-        ``wait=False``, None when another process holds the lock (it is indexing the shard)."""
-        for path in self.paths(url):
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with _index_file.locked(_lock_path(path), wait=wait) as held:
-                    if not held:
-                        return None
-                    index = _load(path, url, identity)  # (made while this process waited)
-                    if index is None:
-                        index = self._scan(url)
-                        self._keep(path, index, identity)
-                    return index
-            except OSError as error:
-                if path.parent.as_posix() not in self._unwritable:
-                    self._unwritable.add(path.parent.as_posix())
-                    logger.info("cannot keep a tar index in %s (%s)", path.parent, error)
-        logger.warning(
-            "no writable place for the index of %s: it is made again by every worker at every "
-            "start; set %s to a writable directory",
-            url,
-            CACHE_DIR_ENV,
-        )
-        return self._scan(url)
-
-    def _scan(self, url: str) -> TarIndex:
-        started = time.monotonic()
-        with self.storage.open(local_path(url)) as stream:
-            index = scan(url, stream, seekable=self.storage.local)
-        logger.info(
-            "indexed %s: %d samples in %.2f s", url, index.samples, time.monotonic() - started
-        )
-        return index
-
-    def _keep(self, path: Path, index: TarIndex, identity: tuple[int, str]) -> None:
-        _index_file.write(path, MAGIC, _header(index, identity), _arrays(index))
-
-
-def open_indexes(
-    urls: Sequence[str],
-    storage: Storage,
-    start: int,
-    opened: Callable[[int, TarIndex], None],
-) -> None:
-    """Open (or make) the index of every shard, calling ``opened(k, index)`` for each; the walk
-    starts at shard ``start`` (each worker at its own) and defers shards another process is
-    indexing until the others are done."""
-    identities = storage.identities([local_path(url) for url in urls])
-    indexer = Indexer(storage)
-    count = len(urls)
-    pending = [(start + k) % count for k in range(count)] if count else []
-    while pending:
-        deferred = []
-        for k in pending:
-            index = indexer.find(urls[k], identities[k])
-            if index is None:
-                index = indexer.make(urls[k], identities[k], wait=False)
-            if index is None:
-                deferred.append(k)
-            else:
-                opened(k, index)
-        if len(deferred) == len(pending):  # nothing else to do: wait for the first one's lock
-            k = deferred.pop(0)
-            made = indexer.make(urls[k], identities[k], wait=True)
-            assert made is not None
-            opened(k, made)
-        pending = deferred
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _index_file.write(path, MAGIC, header, arrays)
+    except OSError as error:
+        logger.debug("cannot keep the index of %s in %s (%s)", index.url, path.parent, error)
+        return False
+    return True

@@ -1,10 +1,11 @@
 """``sharded_tars``: a sharded source over WebDataset tar shards. Runs in the worker.
 
 The shards are local paths or fsspec URLs (``s3://bucket/train-{000000..000127}.tar``). Each has an
-index (:mod:`workers._tar_index`: keys, member offsets and sizes, made once and kept), so the
-dataset's sample count is known before the first batch and a sample is read by its byte range:
-every guarantee of ``sharded_source`` holds (exactly once per epoch, equal steps per rank, resume
-and reshard, healing, skipping). A worker holds the index of the shards it reads, not of all.
+index (:mod:`workers._tar_index`: keys, member offsets and sizes; DALI's ``.idx`` beside the shard)
+and the directory a summary of them all (:mod:`workers._tar_shards` opens them), so the dataset's
+sample count is known before the first batch and a sample is read by its byte range: every
+guarantee of ``sharded_source`` holds (exactly once per epoch, equal steps per rank, resume and
+reshard, healing, skipping). A worker fetches the index of a shard when it is about to read it.
 
 Sample ids number the samples shard after shard, in tar order. An epoch's order
 (:class:`TarOrder`) is a permutation of all of them, determined by the seed and the epoch:
@@ -14,10 +15,11 @@ Sample ids number the samples shard after shard, in tar order. An epoch's order
 * ``shuffle_window=k`` (remote shards: 4 by default): the shards are permuted, then taken ``k`` at a
   time, and the samples of each group of ``k`` are permuted among themselves. A worker's part of an
   epoch is a run of such groups, so it reads a few shards at a time, each with one request for the
-  byte range it needs (fetched ``ahead`` shards in advance, while earlier ones are decoded), never
-  one request per sample. A sample can land anywhere in its group of ``k`` shards' samples, and the
-  groups come in a random order; a sample never meets, in one batch, samples of shards outside its
-  group. Memory per worker: the shards of the groups in use plus ``ahead`` more.
+  byte range it needs (the next shards fetched while the current ones are halfway read, at most
+  ``ahead`` in advance), never one request per sample. A sample can land anywhere in its group of
+  ``k`` shards' samples, and the groups come in a random order; a sample never meets, in one
+  batch, samples of shards outside its group. Memory per worker: the shards of the groups in use
+  plus ``ahead`` more.
 
 Outputs: one per requested extension, in order: the member's raw bytes (a uint8 array, for DALI's
 decoders), or for ``cls``-like members (:data:`INTEGER_EXTS`) their text parsed as an integer.
@@ -27,27 +29,37 @@ decoders), or for ``cls``-like members (:data:`INTEGER_EXTS`) their text parsed 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import logging
-import os
-import posixpath
-import tarfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ._epoch_order import EpochOrder
-from ._files import list_files, read_file
 from ._sampling import BatchedSamples, OpenedSource
 from ._shard import Shard
-from ._storage import RETRIES, Storage, expand_urls, local_path, storage_for
-from ._tar_index import Indexer, TarIndex, open_indexes
+from ._storage import RETRIES, StorageFailure, storage_failure
+from ._tar_index import TarIndex
+from ._tar_indexer import Indexer
+from ._tar_shards import TarShards, open_shards
+from ._tar_write import write_tars
+
+__all__ = [
+    "INTEGER_EXTS",
+    "REMOTE_WINDOW",
+    "StorageFailure",
+    "TarLoader",
+    "TarOrder",
+    "TarOrders",
+    "open_shards",
+    "open_tar_source",
+    "parse_ext",
+    "sharded_tars",
+    "write_tars",
+]
 
 logger = logging.getLogger("workers")
 
@@ -69,74 +81,6 @@ REMOTE_WINDOW = 4
 _OPEN_INDEXES = 32
 
 _Int64s = np.ndarray[Any, np.dtype[np.int64]]
-
-
-class StorageFailure(OSError):
-    """A shard could not be read (missing, denied, unreachable after retries): not a bad sample,
-    so ``on_error="skip"`` does not skip it; it stops the worker."""
-
-    _loader_fatal = True
-
-
-@dataclass
-class TarShards:
-    """A set of tar shards, opened: their sample counts (and where each one's ids start)."""
-
-    urls: list[str]
-    storage: Storage
-    counts: _Int64s
-    starts: _Int64s  # the first sample id of each shard, and the total
-    keys_hashes: list[str]
-    ext_counts: list[dict[str, int]]
-
-    @property
-    def total(self) -> int:
-        return int(self.starts[-1])
-
-    def shard_of(self, ids: np.ndarray[Any, Any]) -> _Int64s:
-        found: _Int64s = np.searchsorted(self.starts, ids, side="right") - 1
-        return found
-
-    def fingerprint(self) -> str:
-        """``tars:`` and a hash of the shards' names (not where they are kept), sample counts and
-        keys: the same dataset copied to an object store keeps its fingerprint."""
-        digest = hashlib.sha256()
-        for url, count, keys in zip(self.urls, self.counts.tolist(), self.keys_hashes, strict=True):
-            digest.update(f"{posixpath.basename(url)}\0{count}\0{keys}\n".encode())
-        return f"tars:{digest.hexdigest()[:16]}"
-
-
-def open_shards(
-    urls: str | Iterable[str],
-    storage_options: dict[str, Any] | None,
-    start_fraction: float,
-    retries: int = RETRIES,
-) -> TarShards:
-    """Expand, check and index the shards (starting the walk at ``start_fraction`` of them)."""
-    expanded = expand_urls(urls)
-    kinds = {"://" in url and not url.startswith("file://") for url in expanded}
-    if len(kinds) > 1:
-        raise ValueError("the shards mix local paths and URLs; keep them in one place")
-    protocols = {url.split("://", 1)[0] for url in expanded if "://" in url}
-    if len(protocols) > 1:
-        raise ValueError(f"the shards use several protocols ({sorted(protocols)}); use one")
-    if len(set(expanded)) != len(expanded):
-        raise ValueError("a shard is listed twice: every shard must appear once")
-    storage = storage_for(expanded[0], storage_options, retries)
-    count = len(expanded)
-    counts = np.zeros(count, dtype=np.int64)
-    hashes = [""] * count
-    ext_counts: list[dict[str, int]] = [{}] * count
-
-    def opened(k: int, index: TarIndex) -> None:
-        counts[k] = index.samples
-        hashes[k] = index.keys_hash
-        ext_counts[k] = index.ext_counts
-
-    open_indexes(expanded, storage, int(start_fraction * count) % count, opened)
-    starts = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum(counts, out=starts[1:])
-    return TarShards(expanded, storage, counts, starts, hashes, ext_counts)
 
 
 class TarOrder:
@@ -203,46 +147,77 @@ def _decode_int(
 
 
 class _Fetcher:
-    """Reads whole byte ranges of remote shards ahead of the samples that need them."""
+    """Reads the byte ranges a worker's epoch needs of remote shards, on background threads,
+    shortly before the samples that need them; a fetch first gets its shard's index.
 
-    def __init__(self, storage: Storage, ahead: int) -> None:
-        self.storage, self.ahead = storage, ahead
+    A shard is fetched when the batch being loaded needs it, or when it is at most ``lead`` steps
+    away and fewer than ``ahead`` fetched shards wait to be needed: a worker's first batch waits
+    only for the shards it reads, and the next group's shards come while the current group is
+    halfway read. A shard's bytes are dropped once its last batch is loaded.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[int, _Int64s], tuple[int, np.ndarray[Any, Any]]],
+        ahead: int,
+    ) -> None:
+        self.fetch, self.ahead = fetch, ahead
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._buffers: dict[int, tuple[int, Future[np.ndarray[Any, Any]]]] = {}
-        self._needs: list[tuple[int, int, int, int, int]] = []  # shard, first, last, start, end
+        self._buffers: dict[int, tuple[int, Future[tuple[int, np.ndarray[Any, Any]]]]] = {}
+        self._needs: list[tuple[int, int, int, _Int64s]] = []  # shard, first, last step, rows
         self._next = 0
         self._step = -1
+        self._lead = 1
+        self._kept: dict[int, Future[tuple[int, np.ndarray[Any, Any]]]] = {}
 
-    def plan(self, needs: list[tuple[int, int, int, int, int]], url: Any) -> None:
-        """A new epoch: ``needs`` (shard, first step, last step, start byte, end byte) in the
-        order the shards are first needed."""
+    def plan(self, needs: list[tuple[int, int, int, _Int64s]]) -> None:
+        """A new epoch: ``needs`` (shard, first step, last step, its rows read) in the order the
+        shards are first needed. A fetch made for the same rows of a shard is kept (an epoch
+        planned again, as it is once the first batch has been traced)."""
         with self._lock:
-            self._stop()
-            self._needs, self._next, self._step, self._url = needs, 0, -1, url
-            self._pool = ThreadPoolExecutor(min(4, self.ahead + 1), "tar-fetch")
+            earlier = {shard: rows for shard, _first, _last, rows in self._needs}
+            kept = {}
+            for shard, _first, _last, rows in needs:
+                held, before = self._buffers.get(shard), earlier.get(shard)
+                if held is not None and before is not None and np.array_equal(before, rows):
+                    kept[shard] = held[1]
+            for shard, (_first, future) in self._buffers.items():
+                if shard not in kept:
+                    future.cancel()
+            self._buffers.clear()
+            self._kept = kept
+            self._needs, self._next, self._step = needs, 0, -1
+            spans = sorted(last - first + 1 for _shard, first, last, _rows in needs)
+            self._lead = max(1, spans[len(spans) // 2] // 2) if spans else 1
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(4, "tar-fetch")
             self._schedule()
 
     def passed(self, step: int) -> None:
         with self._lock:
             self._step = step
-            for shard, _first, last, _start, _end in self._needs[: self._next]:
+            for shard, _first, last, _rows in self._needs[: self._next]:
                 if last <= step:
                     self._buffers.pop(shard, None)
-            self._schedule()
+            if self._pool is not None:
+                self._schedule()
 
     def _schedule(self) -> None:
         assert self._pool is not None
         loading = self._step + 1
         while self._next < len(self._needs):
-            shard, first, _last, start, end = self._needs[self._next]
-            waiting = sum(
-                1 for s, f, *_ in self._needs[: self._next] if f > loading and s in self._buffers
-            )
-            if first > loading and waiting >= self.ahead:
-                return
-            future = self._pool.submit(self.storage.read, self._url(shard), start, end)
-            self._buffers[shard] = (start, future)
+            shard, first, _last, rows = self._needs[self._next]
+            if first > loading:
+                waiting = sum(
+                    1
+                    for s, f, *_ in self._needs[: self._next]
+                    if f > loading and s in self._buffers
+                )
+                if first > loading + self._lead or waiting >= self.ahead:
+                    return
+            future = self._kept.pop(shard, None) or self._pool.submit(self.fetch, shard, rows)
+            self._buffers[shard] = (first, future)
             self._next += 1
 
     def get(self, shard: int, start: int, end: int) -> np.ndarray[Any, Any] | None:
@@ -252,25 +227,24 @@ class _Fetcher:
             held = self._buffers.get(shard)
         if held is None:
             return None
-        first, future = held
-        data = future.result()
+        first, data = held[1].result()
         if start < first or end > first + len(data):
             return None
         return data[start - first : end - first]
 
-    def _stop(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-        self._buffers.clear()
-
     def close(self) -> None:
         with self._lock:
-            self._stop()
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+            self._buffers.clear()
+            self._kept.clear()
 
 
 class TarLoader:
-    """``load(index)`` of :func:`sharded_tars`: the sample's members, one output per extension."""
+    """``load(index)`` of :func:`sharded_tars`: the sample's members, one output per extension.
+    A shard's index is fetched when the shard is about to be read (and the last
+    :data:`_OPEN_INDEXES` are kept)."""
 
     def __init__(
         self, shards: TarShards, ext: Sequence[Sequence[str]], ahead: int, names: Sequence[str]
@@ -278,8 +252,9 @@ class TarLoader:
         self.shards, self.ext, self.names = shards, [list(e) for e in ext], list(names)
         self._indexer = Indexer(shards.storage)
         self._tables: OrderedDict[int, tuple[TarIndex, _Int64s, _Int64s]] = OrderedDict()
+        self._making: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
-        self._fetcher = None if shards.storage.local else _Fetcher(shards.storage, ahead)
+        self._fetcher = None if shards.storage.local else _Fetcher(self._fetch, ahead)
         self._starts: list[int] = shards.starts.tolist()
         self._integers = [INTEGER_EXTS.get(name) for name in self.names]
 
@@ -289,19 +264,24 @@ class TarLoader:
             if found is not None:
                 self._tables.move_to_end(shard)
                 return found
-        url = self.shards.urls[shard]
-        identity = self.shards.storage.identities([local_path(url)])[0]
-        index = self._indexer.find(url, identity) or self._indexer.make(url, identity, wait=True)
-        if index is None or index.samples != self.shards.counts[shard]:
-            raise StorageFailure(
-                f"{url} changed while the loader runs (its index no longer matches): "
-                "restart the job, whose state refuses the changed dataset"
-            )
-        offsets, sizes = index.table(self.ext)
-        with self._lock:
-            self._tables[shard] = (index, offsets, sizes)
-            while len(self._tables) > _OPEN_INDEXES:
-                self._tables.popitem(last=False)
+            making = self._making.setdefault(shard, threading.Lock())
+        with making:  # one fetch of an index, whichever thread asks first
+            with self._lock:
+                found = self._tables.get(shard)
+            if found is not None:
+                return found
+            try:
+                index = self.shards.index(shard, self._indexer)
+            except StorageFailure:
+                raise
+            except (OSError, EOFError) as error:
+                raise storage_failure(self.shards.urls[shard], error) from error
+            offsets, sizes = index.table(self.ext)
+            with self._lock:
+                self._tables[shard] = (index, offsets, sizes)
+                self._making.pop(shard, None)
+                while len(self._tables) > _OPEN_INDEXES:
+                    self._tables.popitem(last=False)
         return index, offsets, sizes
 
     def describe(self, index: int) -> str:
@@ -314,12 +294,7 @@ class TarLoader:
         shard = bisect.bisect_right(self._starts, index) - 1
         sample = index - self._starts[shard]
         url = self.shards.urls[shard]
-        try:
-            table, offsets, sizes = self._table(shard)
-        except StorageFailure:
-            raise
-        except (OSError, EOFError) as error:
-            raise StorageFailure(f"cannot read {url}: {error}") from error
+        table, offsets, sizes = self._table(shard)
         # (Python lists from here: numpy's per-call cost is most of a sample's on small rows)
         row_offsets, row_sizes = offsets[sample].tolist(), sizes[sample].tolist()
         if min(row_sizes) < 0:
@@ -351,9 +326,21 @@ class TarLoader:
                 fetched = self._fetcher.get(shard, start, end)
                 if fetched is not None:
                     return fetched
-            return self.shards.storage.read(local_path(url), start, end)
+            return self.shards.storage.read(url, start, end)
+        except StorageFailure:
+            raise
         except (OSError, EOFError) as error:
-            raise StorageFailure(f"cannot read {url}: {error}") from error
+            raise storage_failure(url, error) from error
+
+    def _fetch(self, shard: int, rows: _Int64s) -> tuple[int, np.ndarray[Any, Any]]:
+        """(start, bytes) of the range of ``shard`` that holds ``rows`` (on a fetch thread)."""
+        _table, offsets, sizes = self._table(shard)
+        ends = np.where(sizes[rows] < 0, 0, offsets[rows] + sizes[rows])
+        begins = np.where(offsets[rows] < 0, np.iinfo(np.int64).max, offsets[rows])
+        start, end = int(begins.min()), int(ends.max())
+        if end <= start:  # (no row has any wanted member: the loads raise, naming them)
+            return 0, np.empty(0, dtype=np.uint8)
+        return start, self.shards.storage.read(self.shards.urls[shard], start, end)
 
     def expect(self, epoch: int, ids: Sequence[np.ndarray[Any, Any]]) -> None:
         """The epoch's batches (sample ids per step): plan the fetches (remote shards only)."""
@@ -366,20 +353,10 @@ class TarLoader:
         order = np.unique(shards, return_index=True)
         for shard in order[0][np.argsort(order[1])].tolist():
             chosen = shards == shard
-            _table, offsets, sizes = self._table(shard)
             rows = flat[chosen] - int(self.shards.starts[shard])
-            ends = np.where(sizes[rows] < 0, 0, offsets[rows] + sizes[rows])
-            begins = np.where(offsets[rows] < 0, np.iinfo(np.int64).max, offsets[rows])
-            needs.append(
-                (
-                    shard,
-                    int(steps[chosen].min()),
-                    int(steps[chosen].max()),
-                    int(begins.min()),
-                    int(ends.max()),
-                )
-            )
-        self._fetcher.plan(needs, lambda k: local_path(self.shards.urls[k]))
+            first, last = int(steps[chosen].min()), int(steps[chosen].max())
+            needs.append((shard, first, last, rows))
+        self._fetcher.plan(needs)
 
     def passed(self, epoch: int, step: int) -> None:
         if self._fetcher is not None:
@@ -480,7 +457,9 @@ def open_tar_source(
         or shuffle_window < 1
     ):
         raise ValueError(f"shuffle_window must be None or an integer >= 1, got {shuffle_window!r}")
-    shards = open_shards(urls, storage_options, shard.index / max(1, shard.count), retries)
+    shards = open_shards(
+        urls, storage_options, shard.index / max(1, shard.count), retries, lead=shard.index == 0
+    )
     window = shuffle_window
     if window is None:
         window = len(shards.urls) if shards.storage.local else REMOTE_WINDOW
@@ -495,52 +474,3 @@ def open_tar_source(
     return OpenedSource(
         shards.total, load, len(wanted), fingerprint, tuple(names), orders, load.describe
     )
-
-
-def write_tars(
-    root: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    *,
-    samples_per_shard: int,
-    shuffle: bool = True,
-    seed: int = 0,
-    prefix: str = "train",
-) -> list[Path]:
-    """Write ImageFolder ``root`` as WebDataset shards ``<out>/<prefix>-000000.tar``...: each
-    sample ``<key>.<image ext>`` (the file's bytes) and ``<key>.cls`` (its label), keys numbered
-    in the written order. ``shuffle``: samples in a seeded random order (so each shard holds a
-    mix of classes, which shuffling by groups of shards needs), else in the folder's order.
-    The same folder and seed always give the same bytes."""
-    if isinstance(samples_per_shard, bool) or not isinstance(samples_per_shard, int):
-        raise ValueError(f"samples_per_shard must be an integer, got {samples_per_shard!r}")
-    if samples_per_shard < 1:
-        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
-    files, labels = list_files(root)
-    order = np.arange(len(files))
-    if shuffle:
-        order = np.random.default_rng(seed).permutation(len(files))
-    target = Path(out)
-    target.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    for number, first in enumerate(range(0, len(files), samples_per_shard)):
-        path = target / f"{prefix}-{number:06d}.tar"
-        temporary = path.with_name(path.name + ".tmp")
-        with tarfile.open(temporary, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for key_number in order[first : first + samples_per_shard].tolist():
-                source = files[key_number]
-                ext = os.path.splitext(source)[1].lower().lstrip(".")
-                ext = "jpg" if ext == "jpeg" else ext
-                key = f"{key_number:09d}"
-                _add(tar, f"{key}.{ext}", read_file(source).tobytes())
-                _add(tar, f"{key}.cls", str(labels[key_number]).encode())
-        os.replace(temporary, path)
-        written.append(path)
-    return written
-
-
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    import io
-
-    info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = len(data), 0o444, 0
-    tar.addfile(info, io.BytesIO(data))

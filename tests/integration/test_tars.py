@@ -54,9 +54,9 @@ def test_write_tars_gives_webdataset_shards_every_image_read_once_per_epoch(
             batches = list(loader)
             assert Counter(label for b in batches for label in real(b, "label")) == labels
             assert {b["image"].shape for b in batches} == {(4, 8, 8, 3)}
-    # the index of each shard is kept beside it, and names its tar's keys
-    kept = sorted(p.name for p in (tmp_path / "a").iterdir() if p.suffix == ".loader-index")
-    assert kept == [f"train-{k:06d}.tar.loader-index" for k in range(5)]
+    # each shard's index is written beside it (DALI's format), and the shards' summary
+    kept = sorted(p.name for p in (tmp_path / "a").iterdir() if p.suffix != ".tar")
+    assert kept == ["loader-summary.json"] + [f"train-{k:06d}.idx" for k in range(5)]
 
 
 @pytest.mark.parametrize("window", [None, 2])

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +23,7 @@ import pytest
 
 from loader import Loader
 from tests import tar_pipelines as T
+from workers._storage import StorageFailure
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
@@ -151,9 +161,13 @@ def test_a_shard_deleted_mid_run_is_a_clear_error_naming_it(store: Store) -> Non
         shard = first[0] // 4  # the shard being read; delete every other one
         gone = [f"train-{k:03d}.tar" for k in range(16) if k != shard]
         store.delete(gone)
-        with pytest.raises(OSError, match=rf"s3://{BUCKET}/train-0\d\d\.tar"):
+        with pytest.raises(StorageFailure) as raised:
             for _ in iterator:
                 pass
+    assert re.match(
+        rf"s3://{BUCKET}/train-0\d\d\.tar does not exist \(reading bytes \d+-\d+\) \[worker 0",
+        str(raised.value),
+    ), str(raised.value)
 
 
 def test_a_missing_shard_wrong_credentials_or_an_unreachable_endpoint_fail_at_start(
@@ -166,12 +180,191 @@ def test_a_missing_shard_wrong_credentials_or_an_unreachable_endpoint_fail_at_st
     with pytest.raises(PermissionError, match=rf"s3://{BUCKET}/.* denied .*check the credentials"):
         make(store, 1, 0, 1)
     store.require_credentials(False)
-    # nothing listens on port 9: s3fs tries once, the source twice (logged), then names it
-    unreachable = dict(
-        store.options,
-        endpoint_url="http://127.0.0.1:9",
-        config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2},
-    )
-    source = functools.partial(T.id_tars, urls=PATTERN, storage_options=unreachable, retries=1)
-    with pytest.raises(OSError, match=rf"s3://{BUCKET}/\S* failed: EndpointConnectionError"):
+    # nothing listens on port 9: botocore tries (5 times, by default); the source does not add
+    # its own retries to those, and names the endpoint
+    unreachable = dict(store.options, endpoint_url="http://127.0.0.1:9")
+    source = functools.partial(T.id_tars, urls=PATTERN, storage_options=unreachable)
+    started = time.monotonic()
+    with pytest.raises(
+        ConnectionError,
+        match=rf"cannot connect to the store at http://127\.0\.0\.1:9 \(listing s3://{BUCKET}/\)",
+    ):
         Loader(source, T.cls_id_step, batch_size=4, num_workers=1)
+    assert time.monotonic() - started < 30  # (botocore's own backoff: ~10 s; ours added 55)
+
+
+# -- what a start costs: counted by a proxy in front of the server ------------------------------
+
+
+class Counted:
+    """A server with a bucket of its own (so that no test finds another's indexes in the
+    session's cache), and a proxy in front of it that counts requests and bytes."""
+
+    def __init__(self) -> None:
+        from bench._s3 import CountingProxy, S3Server
+
+        self.server = S3Server(threaded=True)
+        self.proxy = CountingProxy(self.server.endpoint)
+        self.bucket = f"shards-{uuid.uuid4().hex[:12]}"
+        self.server.bucket(self.bucket)
+
+    def upload(self, paths: list[Path]) -> None:
+        client = self.server.client()
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(lambda p: client.upload_file(str(p), self.bucket, p.name), paths))
+        finally:
+            client.close()
+
+    def url(self, pattern: str) -> str:
+        return f"s3://{self.bucket}/{pattern}"
+
+    def index(self, pattern: str) -> str:
+        """``python -m loader.tars index`` straight to the server (not counted)."""
+        options = json.dumps(self.server.options())
+        command = ["index", self.url(pattern), "--storage-options", options, "--workers", "2"]
+        done = subprocess.run(
+            [sys.executable, "-m", "loader.tars", *command], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    def loader(self, pattern: str, workers: int = 2, **kw: Any) -> Loader:
+        """A loader reading through the proxy."""
+        options = self.server.options(self.proxy.endpoint)
+        source = functools.partial(T.id_tars, urls=self.url(pattern), storage_options=options, **kw)
+        return Loader(source, T.cls_id_step, batch_size=4, num_workers=workers, copy=True)
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.server.close()
+
+
+@pytest.fixture
+def counted() -> Iterator[Counted]:
+    made = Counted()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _size(paths: list[Path]) -> int:
+    return sum(path.stat().st_size for path in paths)
+
+
+def test_webdataset_shards_indexed_by_dalis_wds2idx_are_read_once_per_epoch(
+    counted: Counted, tmp_path: Path
+) -> None:
+    """Shards written by ``webdataset.TarWriter``, indexed by DALI's ``wds2idx``, no summary:
+    nothing is scanned, and an epoch reads each shard's bytes once."""
+    wds = pytest.importorskip("webdataset")
+    tool = shutil.which("wds2idx") or str(Path(sys.executable).with_name("wds2idx"))
+    if not Path(tool).exists():
+        pytest.skip("DALI's wds2idx is not installed")
+    paths, indexes = [], []
+    for number in range(16):
+        path = tmp_path / f"wds-{number:03d}.tar"
+        with wds.TarWriter(str(path)) as writer:
+            for sample in range(number * 8, number * 8 + 8):
+                payload = bytes([sample % 256]) * 3000
+                writer.write(
+                    {
+                        "__key__": f"s{sample:05d}",
+                        "bin": payload,
+                        "cls": str(sample % 3),
+                        "id": str(sample),
+                    }
+                )
+        subprocess.run(
+            [tool, str(path), str(path.with_suffix(".idx"))], check=True, capture_output=True
+        )
+        paths.append(path)
+        indexes.append(path.with_suffix(".idx"))
+    counted.upload(paths + indexes)
+    with counted.loader("wds-{000..015}.tar") as loader:
+        assert len(loader) == 32  # 128 samples in batches of 4
+        seen = [i for batch in loader for i in ids(batch)]
+    assert sorted(seen) == list(range(128))
+    served = counted.proxy.records()
+    tars = [s for s in served if s.name.endswith(".tar")]
+    assert not [s for s in tars if s.method == "HEAD"]  # no shard was opened to be scanned
+    # (512 bytes: a check of a shard's last header.) The epoch's reads come first, one per
+    # shard; after them, the workers fetch the first shards of the next epoch ahead of it.
+    reads = [s for s in tars if s.bytes > 512]
+    assert sorted(s.name for s in reads[:16]) == [path.name for path in paths]
+    assert sum(s.bytes for s in reads[:16]) <= _size(paths)
+    # the first worker wrote the summary: the next start reads no index before reading a shard
+    assert [s.name for s in served if s.method == "PUT"] == ["loader-summary.json"]
+
+
+@pytest.mark.parametrize("indexed_by", ["loader.tars index", "wds2idx only"])
+def test_a_fresh_cache_reads_a_fraction_of_the_dataset_before_the_first_batch(
+    counted: Counted, tmp_path: Path, indexed_by: str
+) -> None:
+    """48 shards, 2 workers, a cache that has never seen them: the first batch waits for the
+    shards of each worker's first group (4 of 48 each), not for the dataset."""
+    from workers._tar_index import scan
+    from workers._wds_idx import format_idx
+
+    paths = T.write_payload_tars(tmp_path, 48, 40, 8000)
+    counted.upload(paths)
+    if indexed_by == "wds2idx only":  # (the same bytes as DALI's tool: see the unit tests)
+        made = []
+        for path in paths:
+            with open(path, "rb") as stream:
+                text = format_idx(scan(str(path), stream, seekable=True))
+            assert text is not None
+            path.with_suffix(".idx").write_bytes(text)
+            made.append(path.with_suffix(".idx"))
+        counted.upload(made)
+    else:
+        assert "48 of 48 shards indexed" in counted.index("train-{0000..0047}.tar")
+    counted.proxy.reset()
+    with counted.loader("train-{0000..0047}.tar") as loader:
+        first = next(iter(loader))
+        requests, served = counted.proxy.count()
+    assert len(ids(first)) == 4
+    assert served <= 0.25 * _size(paths), (requests, served, _size(paths))
+    if indexed_by == "loader.tars index":
+        assert requests <= 40, counted.proxy.records()
+
+
+def test_1024_shards_start_with_few_requests_after_the_index_command(
+    counted: Counted, tmp_path: Path
+) -> None:
+    paths = T.write_payload_tars(tmp_path, 1024, 4, 200)
+    counted.upload(paths)
+    assert "1024 of 1024 shards indexed" in counted.index("train-{0000..1023}.tar")
+    counted.proxy.reset()
+    with counted.loader("train-{0000..1023}.tar") as loader:
+        assert len(loader) == 1024  # 4,096 samples in batches of 4
+        next(iter(loader))
+        requests, _served = counted.proxy.count()
+    assert requests <= 64, Counter(
+        (s.method, s.name.rsplit(".", 1)[-1]) for s in counted.proxy.records()
+    )
+
+
+def test_a_shard_changed_after_indexing_is_named_and_read_as_it_is_now(
+    counted: Counted, tmp_path: Path
+) -> None:
+    paths = T.write_payload_tars(tmp_path, 8, 4, 100)
+    counted.upload(paths)
+    counted.index("train-{0000..0007}.tar")
+    # train-0003 rewritten with 6 samples (its .idx and the summary now tell the old ones)
+    other = T.write_payload_tars(tmp_path / "other", 4, 6, 100)
+    counted.upload([other[3]])
+    with warnings.catch_warnings(record=True) as caught:
+        # (only UserWarnings: recording every warning would keep alive whatever a
+        # ResourceWarning names, until the interpreter exits)
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("always", UserWarning)
+        loader = counted.loader("train-{0000..0007}.tar", shuffle_window=2)
+    stale = (
+        rf"summary s3://{counted.bucket}/loader-summary\.json is stale: 1 shard.*train-0003\.tar"
+    )
+    assert [w for w in caught if re.search(stale, str(w.message))], [str(w.message) for w in caught]
+    with loader:
+        seen = [i for batch in loader for i in ids(batch)]
+    assert sorted(seen) == sorted(list(range(12)) + list(range(16, 32)) + list(range(18, 24)))

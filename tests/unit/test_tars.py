@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -93,14 +94,14 @@ def test_an_index_is_kept_reused_and_made_again_when_its_tar_changes(
     T.write_id_tars(tmp_path, 14, 7)
     caplog.set_level(logging.INFO, logger="workers")
     first = open_shards(str(tmp_path / "train-{000..001}.tar"), None, 0.0)
-    assert sum("indexed" in r.message for r in caplog.records) == 2
+    assert sum(r.message.startswith("indexed ") for r in caplog.records) == 2
     caplog.clear()
     open_shards(str(tmp_path / "train-{000..001}.tar"), None, 0.5)
-    assert not [r for r in caplog.records if "indexed" in r.message]
+    assert not [r for r in caplog.records if r.message.startswith("indexed ")]
     T.write_id_tars(tmp_path, 10, 5)  # rewritten: 5 samples each now
     again = open_shards(str(tmp_path / "train-{000..001}.tar"), None, 0.0)
     assert again.counts.tolist() == [5, 5] and first.counts.tolist() == [7, 7]
-    assert sum("indexed" in r.message for r in caplog.records) == 2
+    assert sum(r.message.startswith("indexed ") for r in caplog.records) == 2
 
 
 def test_the_fingerprint_follows_the_shards_not_where_they_are(tmp_path: Path) -> None:
@@ -178,30 +179,38 @@ def test_transient_errors_are_tried_again_and_logged(caplog: pytest.LogCaptureFi
         assert storage.retried("reading", "s3://b/x.tar", flaky) == "data"
         calls.clear()
         storage.retries = 1
-        with pytest.raises(OSError, match=r"reading s3://b/x\.tar failed"):
+        with pytest.raises(OSError, match=r"^s3://b/x\.tar: reading failed: ConnectionResetError"):
             storage.retried("reading", "s3://b/x.tar", flaky)
     finally:
         _storage.BACKOFF = previous
     assert sum("trying again" in r.message for r in caplog.records) == 3
 
 
-def _write_shards(source: Path, target: Path) -> subprocess.CompletedProcess[str]:
-    """``python -m loader.tars --from source --to target --samples-per-shard 20``."""
-    command = ["--from", str(source), "--to", str(target), "--samples-per-shard", "20"]
+def _write_shards(source: Path, target: Path, *command: str) -> subprocess.CompletedProcess[str]:
+    """``python -m loader.tars [command] --from source --to target --samples-per-shard 20``."""
+    arguments = [*command, "--from", str(source), "--to", str(target), "--samples-per-shard", "20"]
     return subprocess.run(
-        [sys.executable, "-m", "loader.tars", *command], capture_output=True, text=True
+        [sys.executable, "-m", "loader.tars", *arguments], capture_output=True, text=True
     )
 
 
-def test_the_command_line_writes_shards_and_refuses_a_missing_folder(
-    image_root: Path, tmp_path: Path
+@pytest.mark.parametrize("command", [(), ("write",)], ids=["no-command", "write"])
+def test_the_command_line_writes_shards_with_indexes_and_refuses_a_missing_folder(
+    image_root: Path, tmp_path: Path, command: tuple[str, ...]
 ) -> None:
-    done = _write_shards(image_root, tmp_path)
+    from workers._tar_summary import SUMMARY, decode
+
+    done = _write_shards(image_root, tmp_path, *command)
     assert done.returncode == 0, done.stderr
     assert "wrote 3 shards" in done.stdout and "train-{000000..000002}.tar" in done.stdout
+    for k in range(3):  # each shard's index beside it, as DALI's tool writes it
+        tar = tmp_path / f"train-{k:06d}.tar"
+        assert tar.with_suffix(".idx").read_bytes() == _wds2idx(tar, tmp_path / "theirs.idx")
+    summary = decode((tmp_path / SUMMARY).read_bytes(), SUMMARY)
+    assert [e.samples for _name, e in sorted(summary.items())] == [20, 20, 8]
     shards = open_shards(str(tmp_path / "train-{000000..000002}.tar"), None, 0.0)
     assert shards.counts.tolist() == [20, 20, 8]
-    failed = _write_shards(tmp_path / "none", tmp_path)
+    failed = _write_shards(tmp_path / "none", tmp_path, *command)
     assert failed.returncode == 2 and "does not exist" in failed.stderr
 
 
@@ -242,3 +251,264 @@ def test_remote_shards_are_read_one_range_per_shard_not_one_request_per_sample(
         )
     finally:
         memory.rm(f"/shards-{os.getpid()}", recursive=True)
+
+
+# -- indexes beside the shards (DALI's wds2idx format) and the summary ---------------------------
+
+
+def _wds2idx(tar: Path, out: Path) -> bytes:
+    """DALI's own tool on ``tar`` (installed with DALI as ``wds2idx``)."""
+    tool = shutil.which("wds2idx") or str(Path(sys.executable).with_name("wds2idx"))
+    if not Path(tool).exists():
+        pytest.skip("DALI's wds2idx is not installed")
+    subprocess.run([tool, str(tar), str(out)], check=True, capture_output=True)
+    return out.read_bytes()
+
+
+def _webdataset_tars(directory: Path, shards: int, per_shard: int) -> list[Path]:
+    """Shards written by the ``webdataset`` package's own ``TarWriter`` (pax headers, mtimes)."""
+    wds = pytest.importorskip("webdataset")
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for number in range(shards):
+        path = directory / f"wds-{number:03d}.tar"
+        with wds.TarWriter(str(path)) as writer:
+            for sample in range(number * per_shard, (number + 1) * per_shard):
+                writer.write(
+                    {
+                        "__key__": f"dir{sample % 2}/s{sample:05d}",
+                        "cls": str(sample % 3),
+                        "id": str(sample),
+                        "seg.png": b"\x89PNG" * (sample + 1),
+                    }
+                )
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.parametrize("writer", ["tarfile", "webdataset"])
+def test_an_index_written_by_the_loader_is_byte_for_byte_what_wds2idx_writes(
+    tmp_path: Path, writer: str
+) -> None:
+    from workers._tar_index import scan
+    from workers._wds_idx import format_idx, parse_idx
+
+    if writer == "tarfile":
+        paths = T.write_id_tars(tmp_path, 14, 7)
+    else:
+        paths = _webdataset_tars(tmp_path, 2, 7)
+    for path in paths:
+        theirs = _wds2idx(path, tmp_path / "theirs.idx")
+        with open(path, "rb") as stream:
+            ours = scan(str(path), stream, seekable=True)
+        assert format_idx(ours) == theirs
+        read = parse_idx(str(path), "theirs.idx", theirs)
+        assert read.keys_hash == ours.keys_hash and read.exts == ours.exts
+        for name in ("member_sample", "member_ext", "member_offset", "member_size"):
+            assert getattr(read, name).tolist() == getattr(ours, name).tolist()
+
+
+def test_dali_reads_the_indexes_the_loader_writes(tmp_path: Path) -> None:
+    """``fn.readers.webdataset`` with ``index_paths`` = the ``.idx`` files the loader wrote."""
+    from nvidia.dali import fn, pipeline_def
+
+    paths = T.write_id_tars(tmp_path, 30, 7)
+    shards = open_shards([str(p) for p in paths], None, 0.0)  # (no index yet: scanned, written)
+    indexes = [str(p.with_suffix(".idx")) for p in paths]
+    assert all(Path(i).exists() for i in indexes)
+
+    @pipeline_def(batch_size=6, num_threads=1, device_id=None)  # type: ignore[misc]
+    def read() -> tuple[object, object]:
+        cls, ids = fn.readers.webdataset(
+            paths=[str(p) for p in paths],
+            index_paths=indexes,
+            ext=["cls", "id"],
+            missing_component_behavior="error",
+            name="reader",
+        )
+        return cls, ids
+
+    pipe = read()
+    pipe.build()
+    assert pipe.epoch_size("reader") == shards.total == 30
+    seen = []
+    for _ in range(5):
+        cls, ids = pipe.run()
+        for k in range(len(ids)):
+            seen.append(int(bytes(np.asarray(ids.at(k))).decode()))
+            assert int(bytes(np.asarray(cls.at(k))).decode()) == seen[-1] % 3
+    assert seen == list(range(30))
+
+
+def _two_samples_on_one_line(text: str) -> str:
+    lines = text.split("\n")
+    lines[0] = "v1.2 6"
+    lines[1:3] = [lines[1] + " " + lines[2]]
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (lambda t: t.replace("v1.2", "v1.1", 1), r"is a v1\.1 index"),
+        (lambda t: t.replace("v1.2 7", "v1.2 8", 1), "announces 8 samples but holds 7"),
+        (lambda t: t.replace(" 1536 ", " 1537 ", 1), "line 2: offset 1537 is not a multiple"),
+        (lambda t: t.replace("cls 1536", "jpg 1536", 1), "listed with extension 'jpg'"),
+        (_two_samples_on_one_line, "line 2: member .* belongs to the sample of another"),
+    ],
+    ids=["v1.1", "count", "offset", "extension", "two-samples-on-a-line"],
+)
+def test_a_bad_idx_is_refused_naming_its_line_and_the_shard_is_scanned(
+    tmp_path: Path, spoil: object, message: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from workers._wds_idx import parse_idx
+
+    (path,) = T.write_id_tars(tmp_path, 7, 7)
+    text = _wds2idx(path, tmp_path / "train-000.idx").decode()
+    assert "cls 1536 1 group0/s00000.cls" in text.split("\n")[1]
+    bad = spoil(text)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=message):
+        parse_idx(str(path), "x.idx", bad.encode())
+    (tmp_path / "train-000.idx").write_text(bad)
+    caplog.set_level(logging.INFO, logger="workers")
+    shards = open_shards(str(path), None, 0.0)
+    assert shards.counts.tolist() == [7]
+    assert [r for r in caplog.records if "ignored" in r.message and "train-000.idx" in r.message]
+    assert [r for r in caplog.records if r.message.startswith("indexed ")]
+    assert (tmp_path / "train-000.idx").read_bytes() == _wds2idx(path, tmp_path / "again.idx")
+
+
+def _memory_shards(tmp_path: Path, total: int, per_shard: int) -> tuple[str, object, list[Path]]:
+    """Shards in fsspec's in-memory filesystem (a remote store to the loader)."""
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    root = f"/tars-{os.getpid()}-{tmp_path.name}"
+    paths = T.write_id_tars(tmp_path / "local", total, per_shard)
+    for path in paths:
+        memory.pipe(f"{root}/{path.name}", path.read_bytes())
+    return f"memory:/{root}", memory, paths
+
+
+class _Counted:
+    """Counts a storage's reads of whole objects (indexes, summaries) and of byte ranges."""
+
+    def __init__(self, storage: object) -> None:
+        self.whole: list[str] = []
+        self.ranges: list[str] = []
+        read_all, read = storage.read_all, storage.read  # type: ignore[attr-defined]
+
+        def counted_all(path: str) -> bytes:
+            self.whole.append(path)
+            return read_all(path)  # type: ignore[no-any-return]
+
+        def counted(path: str, start: int, end: int) -> np.ndarray:
+            self.ranges.append(path)
+            return read(path, start, end)  # type: ignore[no-any-return]
+
+        storage.read_all, storage.read = counted_all, counted  # type: ignore[attr-defined]
+        self.undo = lambda: setattr(storage, "read_all", read_all) or setattr(storage, "read", read)
+
+
+def test_with_a_summary_a_worker_reads_no_index_until_it_reads_a_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers._folder_index import CACHE_DIR_ENV
+    from workers._storage import storage_for
+    from workers._tar_summary import SUMMARY
+
+    root, memory, _paths = _memory_shards(tmp_path, 30, 7)
+    pattern = f"{root}/train-{{000..004}}.tar"
+    try:
+        first = open_shards(pattern, None, 0.0, lead=True)  # scans, writes .idx and the summary
+        names = sorted(p.rsplit("/", 1)[1] for p in memory.ls(root.split(":/", 1)[1], detail=False))
+        assert names == [SUMMARY] + [f"train-{k:03d}.{e}" for k in range(5) for e in ("idx", "tar")]
+        monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "fresh-cache"))  # (another node)
+        counted = _Counted(storage_for(pattern))
+        try:
+            again = open_shards(pattern, None, 0.5)
+            assert counted.whole == [f"{root}/{SUMMARY}"] and not counted.ranges
+            assert again.fingerprint() == first.fingerprint()
+            assert again.counts.tolist() == [7, 7, 7, 7, 2]
+            # the index of one shard comes when that shard is read, not before
+            from workers._tars import TarLoader
+
+            loader = TarLoader(again, parse_ext(("cls", "id")), 1, ["cls", "id"])
+            cls, got = loader(int(again.starts[3]) + 1)
+            assert int(got[0]) == 22 and int(cls[0]) == 22 % 3
+            assert counted.whole[1:] == [f"{root}/train-003.idx"]
+        finally:
+            counted.undo()
+    finally:
+        memory.rm(root.split(":/", 1)[1], recursive=True)
+
+
+def test_a_stale_summary_is_named_and_the_changed_shards_are_read_again(tmp_path: Path) -> None:
+    from workers._tar_summary import SUMMARY, decode
+
+    paths = T.write_id_tars(tmp_path, 28, 7)
+    pattern = str(tmp_path / "train-{000..003}.tar")
+    open_shards(pattern, None, 0.0, lead=True)
+    T.write_id_tars(tmp_path / "other", 10, 5)  # train-001 rewritten with 5 samples
+    shutil.copy(tmp_path / "other" / "train-001.tar", paths[1])
+    with pytest.warns(
+        UserWarning,
+        match=rf"summary {tmp_path}/{SUMMARY} is stale: 1 shard.*"
+        r"train-001\.tar \(size 10240 -> 10240\)|train-001\.tar \(mtime",
+    ):
+        changed = open_shards(pattern, None, 0.0, lead=True)
+    assert changed.counts.tolist() == [7, 5, 7, 7]
+    entries = decode((tmp_path / SUMMARY).read_bytes(), SUMMARY)
+    assert entries["train-001.tar"].samples == 5  # rewritten by the lead worker
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert open_shards(pattern, None, 0.0, lead=True).counts.tolist() == [7, 5, 7, 7]
+    # a shard the summary does not cover is opened from its own index; a missing one is named
+    T.write_id_tars(tmp_path / "more", 35, 7)
+    shutil.copy(tmp_path / "more" / "train-004.tar", tmp_path / "train-004.tar")
+    five = open_shards(str(tmp_path / "train-{000..004}.tar"), None, 0.0, lead=True)
+    assert five.counts.tolist() == [7, 5, 7, 7, 7]
+    (tmp_path / "train-002.tar").unlink()
+    with pytest.raises(FileNotFoundError, match=r"train-002\.tar"):
+        open_shards(str(tmp_path / "train-{000..004}.tar"), None, 0.0)
+
+
+def test_the_index_command_indexes_once_and_finishes_an_interrupted_run(tmp_path: Path) -> None:
+    from workers._folder_index import CACHE_DIR_ENV
+    from workers._tar_summary import SUMMARY, decode
+
+    T.write_id_tars(tmp_path, 40, 5)
+    pattern = str(tmp_path / "train-{000..007}.tar")
+
+    def index(cache: str | None = None) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "loader.tars", "index", pattern, "--workers", "2"]
+        env = dict(os.environ, **({CACHE_DIR_ENV: cache} if cache else {}))
+        return subprocess.run(command, capture_output=True, text=True, env=env)
+
+    done = index()
+    assert done.returncode == 0, done.stderr
+    assert "[8/8] 100.0%  scanned 8" in done.stdout and "8 of 8 shards indexed" in done.stdout
+    assert sorted(p.name for p in tmp_path.glob("*.idx")) == [
+        f"train-{k:03d}.idx" for k in range(8)
+    ]
+    assert sum(e.samples for e in decode((tmp_path / SUMMARY).read_bytes(), "s").values()) == 40
+    again = index()
+    assert "scanned 0" in again.stdout and "8 up to date" in again.stdout
+    # an interrupted run: 3 indexes missing, the summary gone: 3 scans, 5 indexes read
+    for k in (1, 4, 6):
+        (tmp_path / f"train-{k:03d}.idx").unlink()
+    (tmp_path / SUMMARY).unlink()
+    finished = index(cache=str(tmp_path / "another-node"))
+    assert "scanned 3" in finished.stdout and "read 5 .idx" in finished.stdout, finished.stdout
+    assert len(decode((tmp_path / SUMMARY).read_bytes(), "s")) == 8
+    # on the node that made them, missing indexes come from its cache, not from a scan
+    (tmp_path / "train-002.idx").unlink()
+    cached = index()
+    assert "scanned 0" in cached.stdout and "1 from this node's cache" in cached.stdout
+    assert (tmp_path / "train-002.idx").exists()
+    bad = subprocess.run(
+        [sys.executable, "-m", "loader.tars", "index", pattern, "--storage-options", "{x"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "--storage-options is not JSON" in bad.stderr

@@ -1,0 +1,193 @@
+"""``python -m bench.tars --remote-scale``: what a start costs over an object store, counted.
+
+For each dataset size, N shards of 4 samples (2 kB each, plus ``.cls`` and ``.id``) go to a bucket
+of their own in moto's S3 server (a process of its own); clients reach it through
+:class:`bench._s3.CountingProxy`. Each row is one run, from a cold start (a bucket that no cache
+has seen; the worker server already up, as after a job's first loader) to the first batch:
+requests served, bytes served (and their share of the dataset) and seconds.
+
+* ``no index``: the shards alone; the loader's workers scan them all (each shard once,
+  shared out), write each ``.idx`` beside its shard and the summary;
+* ``index command``: ``python -m loader.tars index`` (2 processes) over the same shards (whole);
+* ``after index``: the loader again, once the index command has run (another bucket, the same
+  shards);
+* ``webdataset``: ``webdataset.WebDataset`` streaming the shards over HTTP (``curl``, one
+  process), up to its first 4 samples: no index, no epoch plan, no exactly-once guarantee.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import nvidia.dali.experimental.dynamic as ndd
+
+from bench._s3 import CountingProxy, S3Server
+from loader import Loader, Shard, sharded_tars
+
+SAMPLES, PAYLOAD = 4, 2000
+
+
+def source(shard: Shard, urls: str, options: dict[str, Any]) -> Any:
+    return sharded_tars(shard, urls, batch_size=4, ext=("cls", "id"), storage_options=options)
+
+
+def step(cls: Any, ids: Any) -> dict[str, Any]:
+    return {"cls": ndd.cast(cls, dtype=ndd.int64), "id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def write_shards(directory: Path, count: int) -> list[Path]:
+    paths = []
+    for number in range(count):
+        path = directory / f"train-{number:06d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for sample in range(number * SAMPLES, (number + 1) * SAMPLES):
+                for ext, data in (
+                    ("bin", bytes([sample % 256]) * PAYLOAD),
+                    ("cls", str(sample % 3).encode()),
+                    ("id", str(sample).encode()),
+                ):
+                    info = tarfile.TarInfo(f"s{sample:08d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(path)
+    return paths
+
+
+def upload(server: S3Server, bucket: str, paths: list[Path]) -> None:
+    server.bucket(bucket)
+    client = server.client()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda p: client.upload_file(str(p), bucket, p.name), paths))
+    finally:
+        client.close()
+
+
+def first_batch(proxy: CountingProxy, urls: str, options: dict[str, Any]) -> tuple[int, int, float]:
+    proxy.reset()
+    started = time.monotonic()
+    run = functools.partial(source, urls=urls, options=options)
+    with Loader(run, step, batch_size=4, num_workers=2, copy=True) as loader:
+        next(iter(loader))
+        seconds = time.monotonic() - started
+        requests, served = proxy.count()
+    return requests, served, seconds
+
+
+def index_command(
+    proxy: CountingProxy, urls: str, options: dict[str, Any]
+) -> tuple[int, int, float]:
+    proxy.reset()
+    started = time.monotonic()
+    command = [sys.executable, "-m", "loader.tars", "index", urls, "--workers", "2"]
+    subprocess.run(
+        [*command, "--storage-options", json.dumps(options)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    seconds = time.monotonic() - started
+    requests, served = proxy.count()
+    return requests, served, seconds
+
+
+def webdataset_first(
+    proxy: CountingProxy, server: S3Server, bucket: str, count: int
+) -> tuple[int, int, float] | None:
+    try:
+        import webdataset as wds
+    except ImportError:
+        return None
+    client = server.client(proxy.endpoint)
+    try:  # (signed URLs: the objects are private)
+        urls = [
+            "pipe:curl -s '"
+            + client.generate_presigned_url(
+                "get_object", Params={"Bucket": bucket, "Key": f"train-{number:06d}.tar"}
+            )
+            + "'"
+            for number in range(count)
+        ]
+    finally:
+        client.close()
+    proxy.reset()
+    started = time.monotonic()
+    dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False).to_tuple("cls", "id")
+    batch = []
+    for sample in dataset:
+        batch.append(sample)
+        if len(batch) == 4:
+            break
+    seconds = time.monotonic() - started
+    del dataset
+    requests, served = proxy.count()
+    return requests, served, seconds
+
+
+def main(sizes: list[int], no_scan_above: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-tars-cache-") as cache:
+        os.environ["DALI_LOADER_CACHE_DIR"] = cache  # (not the user's: removed after)
+        _measure(sizes, no_scan_above)
+
+
+def _measure(sizes: list[int], no_scan_above: int) -> None:
+    server = S3Server(threaded=False)
+    proxy = CountingProxy(server.endpoint)
+    options = server.options(proxy.endpoint)
+    rows: list[tuple[int, str, tuple[int, int, float], int]] = []
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            # (a first loader starts the worker server: not what a start over N shards costs)
+            (Path(directory) / "warm-up").mkdir()
+            upload(server, "warm-up", write_shards(Path(directory) / "warm-up", 2))
+            first_batch(proxy, "s3://warm-up/train-{000000..000001}.tar", options)
+            for count in sizes:
+                (Path(directory) / str(count)).mkdir()
+                paths = write_shards(Path(directory) / str(count), count)
+                size = sum(p.stat().st_size for p in paths)
+                pattern = f"train-{{000000..{count - 1:06d}}}.tar"
+                if count <= no_scan_above:
+                    bucket = f"noindex-{count}"
+                    upload(server, bucket, paths)
+                    measured = first_batch(proxy, f"s3://{bucket}/{pattern}", options)
+                    rows.append((count, "no index", measured, size))
+                    print(_row(*rows[-1]), flush=True)
+                bucket = f"indexed-{count}"
+                upload(server, bucket, paths)
+                measured = index_command(proxy, f"s3://{bucket}/{pattern}", options)
+                rows.append((count, "index command", measured, size))
+                print(_row(*rows[-1]), flush=True)
+                measured = first_batch(proxy, f"s3://{bucket}/{pattern}", options)
+                rows.append((count, "after index", measured, size))
+                print(_row(*rows[-1]), flush=True)
+                streamed = webdataset_first(proxy, server, bucket, count)
+                if streamed is not None:
+                    rows.append((count, "webdataset", streamed, size))
+                    print(_row(*rows[-1]), flush=True)
+    finally:
+        proxy.close()
+        server.close()
+    print(f"\n{_HEADER}")
+    for row in rows:
+        print(_row(*row))
+
+
+_HEADER = f"{'shards':>6} {'run':<14} {'requests':>8} {'MB':>8} {'of data':>7} {'seconds':>7}"
+
+
+def _row(count: int, name: str, measured: tuple[int, int, float], size: int) -> str:
+    requests, served, seconds = measured
+    return (
+        f"{count:>6} {name:<14} {requests:>8} {served / 1e6:>8.2f} "
+        f"{served / size:>7.1%} {seconds:>7.1f}"
+    )

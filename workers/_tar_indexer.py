@@ -1,0 +1,185 @@
+"""Finding or making the index of one tar shard: this node's cache, the ``.idx`` beside the shard,
+a scan. Runs in the worker (and in ``python -m loader.tars index``).
+
+:class:`Indexer` looks in the cheapest place first: this node's cached copy
+(:func:`workers._tar_index.load_cached`, valid for one identity of the shard), then the ``.idx``
+beside the shard (checked against it: :func:`workers._wds_idx.fits` and the last member's
+header), then a scan under this node's lock for the shard, whose index is written beside the
+shard where the store allows it (once refused, not tried again by this indexer) and kept in the
+cache. :mod:`workers._tar_shards` decides which shards need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Literal
+
+from . import _index_file
+from ._folder_index import CACHE_DIR_ENV
+from ._storage import Identity, Storage, local_path
+from ._tar_index import TarIndex, keep_cached, load_cached, lock_path, scan
+from ._wds_idx import fits, format_idx, header_mismatch, idx_url, last_member, parse_idx
+
+logger = logging.getLogger("workers")
+
+Source = Literal["cache", "idx", "scan"]
+
+
+def index_command(urls: str | Iterable[str]) -> str:
+    """The command that indexes these shards once, for every node and job."""
+    shown = urls if isinstance(urls, str) else " ".join(list(urls)[:3]) + " ..."
+    return f"python -m loader.tars index '{shown}'"
+
+
+class Indexer:
+    """Finds or makes the index of a shard: this node's cache, the ``.idx`` beside the shard, a
+    scan (whose index is then written beside the shard, where the store allows it)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.writable = True  # until a write beside the shards is refused
+        self._refused: set[str] = set()  # ``.idx`` files found not to fit their shard
+        self.scanned = 0
+        self.scanned_bytes = 0
+
+    def get(
+        self,
+        url: str,
+        identity: Identity,
+        *,
+        listed: bool | None = None,
+        wait: bool = True,
+        force: bool = False,
+        probe: bool = True,
+        publish_cached: bool = False,
+        recheck: bool = True,
+    ) -> tuple[TarIndex, Source] | None:
+        """The index of ``url`` (whose identity is ``identity``) and where it came from.
+        ``listed``: whether the listing showed an ``.idx`` beside it (False: no request for it
+        before the lock is held). With ``wait=False``, None when another process of this node
+        is indexing the shard. ``force``: scan it whatever exists. ``probe``: check an ``.idx``
+        against its shard's last member header (not needed where a summary vouches for it).
+        ``publish_cached``: write an index found in this node's cache beside its shard when the
+        listing showed none there. ``recheck``: once the lock is held, look beside the shard
+        again (another node may have indexed it since the listing)."""
+        found = None if force else self._found(url, identity, listed, probe)
+        if found is None:
+            with self._lock(url, wait) as held:
+                if not held:
+                    return None
+                again = None if recheck else listed
+                found = None if force else self._found(url, identity, again, probe)
+                if found is None:
+                    index = self._scan(url, identity)
+                    self.publish(url, index, identity)
+                    return index, "scan"
+        if publish_cached and found[1] == "cache" and listed is False:
+            self.publish(url, found[0], identity)
+        return found
+
+    def _found(
+        self, url: str, identity: Identity, listed: bool | None, probe: bool
+    ) -> tuple[TarIndex, Source] | None:
+        index = load_cached(url, identity)
+        if index is not None:
+            return index, "cache"
+        if listed is False or url in self._refused:
+            return None
+        index = self.beside(url, identity, probe=probe)
+        if index is None:
+            return None
+        keep_cached(index, identity)
+        return index, "idx"
+
+    def beside(self, url: str, identity: Identity, *, probe: bool = True) -> TarIndex | None:
+        """The index in the ``.idx`` beside ``url`` when there is one that fits the shard (its
+        size and, with ``probe``, the header of its last member: one read of 512 bytes)."""
+        where = idx_url(url)
+        try:
+            data = self.storage.read_all(local_path(where))
+        except FileNotFoundError:
+            return None
+        try:
+            index = parse_idx(url, where, data)
+        except ValueError as error:
+            return self._refuse(url, f"ignored {where} ({error}): indexing {url} instead")
+        if not fits(index, identity[0]):
+            return self._refuse(
+                url,
+                f"ignored {where}: it does not fit {url} ({identity[0]} bytes; its last member "
+                f"ends at byte {index.data_end}), which changed since: indexing it again",
+            )
+        if probe:
+            _name, offset, _size = last_member(index)
+            try:
+                header = self.storage.read(url, offset - 512, offset).tobytes()
+            except EOFError:
+                header = b""
+            why = header_mismatch(index, header)
+            if why is not None:
+                return self._refuse(
+                    url,
+                    f"ignored {where}: {url} changed since it was indexed ({why}): indexing "
+                    "it again",
+                )
+        return index
+
+    def _refuse(self, url: str, message: str) -> TarIndex | None:
+        """Log why the ``.idx`` of ``url`` is not used (once: it is not read again)."""
+        self._refused.add(url)
+        logger.warning("%s", message)
+        return None
+
+    def publish(self, url: str, index: TarIndex, identity: Identity) -> None:
+        """Write ``index`` beside its shard as ``.idx`` (where the store allows it) and keep a
+        copy in this node's cache."""
+        text = format_idx(index)
+        wrote = False
+        if text is None:
+            logger.info("%s has a member name with white space: its index stays in the cache", url)
+        elif self.writable:
+            where = idx_url(url)
+            try:
+                self.storage.write(local_path(where), text)
+                wrote = True
+            except OSError as error:
+                self.writable = False
+                logger.info(
+                    "cannot write %s (%s): indexes stay in this node's cache (%s); "
+                    "indexing with write access (%s) makes them once for every node",
+                    where,
+                    error,
+                    CACHE_DIR_ENV,
+                    index_command(url),
+                )
+        if not keep_cached(index, identity) and not wrote:
+            logger.warning(
+                "no writable place for the index of %s: it is made again by every worker at "
+                "every start; set %s to a writable directory",
+                url,
+                CACHE_DIR_ENV,
+            )
+
+    @contextlib.contextmanager
+    def _lock(self, url: str, wait: bool) -> Iterator[bool]:
+        try:
+            path = lock_path(url)
+        except OSError:  # no cache directory: no lock (a shard may be scanned twice)
+            yield True
+            return
+        with _index_file.locked(path, wait=wait) as held:
+            yield held
+
+    def _scan(self, url: str, identity: Identity) -> TarIndex:
+        started = time.monotonic()
+        with self.storage.open(local_path(url)) as stream:
+            index = scan(url, stream, seekable=self.storage.local)
+        self.scanned += 1
+        self.scanned_bytes += identity[0]
+        logger.info(
+            "indexed %s: %d samples in %.2f s", url, index.samples, time.monotonic() - started
+        )
+        return index

@@ -1,0 +1,355 @@
+"""A set of tar shards opened for a job: their sample counts, from as few requests as the store
+allows. Runs in the worker (and in ``python -m loader.tars index``).
+
+Where a shard's facts come from, cheapest first:
+
+1. the directory's summary (:mod:`workers._tar_summary`): one request for every shard it covers,
+   each entry checked against the directory's listing (one request per 1,000 objects on S3);
+2. the shard's ``.idx`` beside it (DALI's ``wds2idx`` format, :mod:`workers._wds_idx`), or this
+   node's cached copy of its index: one small request, or none;
+3. a scan of the shard (:func:`workers._tar_index.scan`): the whole shard, read once.
+
+Opening a job's shards (:func:`open_shards`) reads the summary and the listing, and only for the
+shards the summary does not cover (or covers stale) goes to 2 and 3; a worker fetches a shard's
+index only when it is about to read that shard (:meth:`Indexer.get`, from the tar loader). An
+index made by a scan is written beside its shard as ``.idx`` when the store can be written (else
+kept in this node's cache only), so a dataset is scanned once in its lifetime; the job's lead
+worker (shard 0) then writes the summary, so the next start costs one request.
+
+Many workers open the same shards at once. Each walks them from its own place (its shard's share
+of the list), so the shards without an index are scanned by all workers together: on one node a
+shard is taken by the first worker to hold its lock (the others go on and come back); across
+nodes, a worker checks for an ``.idx`` written meanwhile before it scans.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import posixpath
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._storage import (
+    RETRIES,
+    Identity,
+    Storage,
+    StorageFailure,
+    expand_urls,
+    local_path,
+    storage_for,
+)
+from ._tar_index import TarIndex
+from ._tar_indexer import Indexer, Source, index_command
+from ._tar_summary import (
+    ShardEntry,
+    describe_stale,
+    read_summary,
+    stale_reason,
+    updated,
+    write_summary,
+)
+from ._wds_idx import idx_url
+
+logger = logging.getLogger("workers")
+
+_Int64s = np.ndarray[Any, np.dtype[np.int64]]
+#: Seconds between two progress lines of the lead worker while shards are indexed.
+PROGRESS_EVERY = 10.0
+#: Remote shards whose indexes a worker finds (or makes) at once when it opens a dataset.
+WALK_THREADS = 16
+
+
+@dataclass
+class TarShards:
+    """A set of tar shards, opened: their sample counts (and where each one's ids start), keys'
+    hashes and identities as listed at the start."""
+
+    urls: list[str]
+    storage: Storage
+    counts: _Int64s
+    starts: _Int64s  # the first sample id of each shard, and the total
+    keys_hashes: list[str]
+    identities: list[Identity]
+    #: whether the listing showed an ``.idx`` beside each shard (None: not known)
+    listed_idx: list[bool | None]
+
+    @property
+    def total(self) -> int:
+        return int(self.starts[-1])
+
+    def shard_of(self, ids: np.ndarray[Any, Any]) -> _Int64s:
+        found: _Int64s = np.searchsorted(self.starts, ids, side="right") - 1
+        return found
+
+    def fingerprint(self) -> str:
+        """``tars:`` and a hash of the shards' names (not where they are kept), sample counts and
+        keys: the same dataset copied to an object store keeps its fingerprint."""
+        digest = hashlib.sha256()
+        for url, count, keys in zip(self.urls, self.counts.tolist(), self.keys_hashes, strict=True):
+            digest.update(f"{posixpath.basename(url)}\0{count}\0{keys}\n".encode())
+        return f"tars:{digest.hexdigest()[:16]}"
+
+    def index(self, shard: int, indexer: Indexer) -> TarIndex:
+        """The index of ``shard``, fetched now (a worker about to read it); ``StorageFailure``
+        when it no longer matches what the epoch was planned with."""
+        url = self.urls[shard]
+        found = indexer.get(url, self.identities[shard], listed=self.listed_idx[shard], probe=False)
+        assert found is not None  # (wait=True)
+        index, source = found
+        if not self._matches(shard, index) and source != "scan":
+            logger.warning(
+                "the index of %s (from %s) disagrees with the dataset's summary: scanning it",
+                url,
+                "this node's cache" if source == "cache" else idx_url(url),
+            )
+            found = indexer.get(url, self.identities[shard], force=True)
+            assert found is not None
+            index = found[0]
+        if not self._matches(shard, index):
+            raise StorageFailure(
+                f"{url} holds {index.samples} samples (keys {index.keys_hash}), not the "
+                f"{int(self.counts[shard])} (keys {self.keys_hashes[shard]}) this job planned "
+                "with: the shard changed while the job runs. Restart the job (a saved state "
+                f"refuses a changed dataset) after {index_command(url)}"
+            )
+        return index
+
+    def _matches(self, shard: int, index: TarIndex) -> bool:
+        return index.samples == self.counts[shard] and index.keys_hash == self.keys_hashes[shard]
+
+
+def check_urls(urls: str | Iterable[str]) -> list[str]:
+    """Expand ``urls`` and refuse a set that mixes places or lists a shard twice."""
+    expanded = expand_urls(urls)
+    kinds = {"://" in url and not url.startswith("file://") for url in expanded}
+    if len(kinds) > 1:
+        raise ValueError("the shards mix local paths and URLs; keep them in one place")
+    protocols = {url.split("://", 1)[0] for url in expanded if "://" in url}
+    if len(protocols) > 1:
+        raise ValueError(f"the shards use several protocols ({sorted(protocols)}); use one")
+    if len(set(expanded)) != len(expanded):
+        raise ValueError("a shard is listed twice: every shard must appear once")
+    return [local_path(url) for url in expanded]
+
+
+@dataclass
+class Listed:
+    """What one listing per directory tells of a set of shards."""
+
+    listings: dict[str, dict[str, Identity] | None]
+    identities: list[Identity]
+    listed_idx: list[bool | None]
+
+
+def list_shards(storage: Storage, urls: Sequence[str]) -> Listed:
+    """List each directory of ``urls`` once; ``FileNotFoundError`` naming a missing shard."""
+    listings = {d: storage.listing(d) for d in dict.fromkeys(storage.dirname(u) for u in urls)}
+    identities: list[Identity] = []
+    listed_idx: list[bool | None] = []
+    for url in urls:
+        listing = listings[storage.dirname(url)]
+        found = None if listing is None else listing.get(storage.basename(url))
+        identities.append(found if found is not None else storage.identity(url))
+        listed_idx.append(None if listing is None else storage.basename(idx_url(url)) in listing)
+    return Listed(listings, identities, listed_idx)
+
+
+def open_shards(
+    urls: str | Iterable[str],
+    storage_options: dict[str, Any] | None,
+    start_fraction: float,
+    retries: int = RETRIES,
+    *,
+    lead: bool = False,
+) -> TarShards:
+    """Expand, check and open the shards (see the module docstring). Shards the summary does not
+    cover are indexed walking from ``start_fraction`` of them. The ``lead`` worker (one per job)
+    names a stale summary, reports progress and writes the summary when it had to look past it."""
+    expanded = check_urls(urls)
+    storage = storage_for(expanded[0], storage_options, retries)
+    listed = list_shards(storage, expanded)
+    count = len(expanded)
+    counts = np.zeros(count, dtype=np.int64)
+    hashes = [""] * count
+    summaries = {d: read_summary(storage, d, listing) for d, listing in listed.listings.items()}
+    rest: list[int] = []
+    stale: dict[str, list[tuple[int, ShardEntry]]] = {}
+    for k, url in enumerate(expanded):
+        summary = summaries[storage.dirname(url)]
+        entry = None if summary is None else summary[0].get(storage.basename(url))
+        if entry is not None and entry.identity == listed.identities[k]:
+            counts[k], hashes[k] = entry.samples, entry.keys
+            continue
+        if entry is not None and summary is not None:
+            stale.setdefault(summary[1], []).append((k, entry))
+        rest.append(k)
+    if lead:
+        for where, entries in stale.items():
+            _report_stale(where, entries, expanded, listed, storage, urls)
+    if not rest:
+        return _opened(expanded, storage, counts, hashes, listed)
+    indexer = Indexer(storage)
+
+    def opened(k: int, index: TarIndex) -> None:
+        counts[k], hashes[k] = index.samples, index.keys_hash
+
+    started = time.monotonic()
+    _walk(expanded, listed, indexer, rest, int(start_fraction * len(rest)), opened, lead)
+    unindexed = sum(1 for k in rest if listed.listed_idx[k] is False)
+    if lead:
+        if unindexed:
+            logger.info(
+                "%d of %d shards had no index: the workers indexed them (%.1f s; this worker "
+                "scanned %d, %.1f MB). %s indexes a dataset once, for every node and every job",
+                unindexed,
+                count,
+                time.monotonic() - started,
+                indexer.scanned,
+                indexer.scanned_bytes / 1e6,
+                index_command(urls),
+            )
+        _write_summaries(storage, expanded, counts, hashes, listed, summaries)
+    return _opened(expanded, storage, counts, hashes, listed)
+
+
+def _report_stale(
+    where: str,
+    entries: list[tuple[int, ShardEntry]],
+    urls: list[str],
+    listed: Listed,
+    storage: Storage,
+    given: str | Iterable[str],
+) -> None:
+    """Name the shards a summary is stale for: a warning, unless only the kind of version
+    differs (mtimes where the store now gives ETags: the shards were copied, not changed)."""
+    shards = [
+        (storage.basename(urls[k]), stale_reason(entry, listed.identities[k]))
+        for k, entry in entries
+    ]
+    copied = all(
+        entry.size == listed.identities[k][0]
+        and entry.version.partition(":")[0] != listed.identities[k][1].partition(":")[0]
+        for k, entry in entries
+    )
+    if copied:
+        logger.info(
+            "the summary %s was written where the shards had other versions (%s): copied? "
+            "Their .idx files are checked once and the summary rewritten",
+            where,
+            describe_stale(shards, 1),
+        )
+        return
+    warnings.warn(
+        f"the summary {where} is stale: {len(shards)} shard(s) changed since it was written: "
+        f"{describe_stale(shards)}; their indexes are read (or made) instead and the summary "
+        f"rewritten where the store allows it ({index_command(given)} does it at once)",
+        stacklevel=3,
+    )
+
+
+def _opened(
+    urls: list[str], storage: Storage, counts: _Int64s, hashes: list[str], listed: Listed
+) -> TarShards:
+    starts = np.zeros(len(urls) + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    return TarShards(urls, storage, counts, starts, hashes, listed.identities, listed.listed_idx)
+
+
+def shard_entries(
+    storage: Storage,
+    urls: Sequence[str],
+    counts: _Int64s,
+    hashes: Sequence[str],
+    identities: Sequence[Identity],
+) -> dict[str, dict[str, ShardEntry]]:
+    """Summary entries of ``urls``, by directory."""
+    by_directory: dict[str, dict[str, ShardEntry]] = {}
+    for k, url in enumerate(urls):
+        size, version = identities[k]
+        entry = ShardEntry(size, version, int(counts[k]), hashes[k])
+        by_directory.setdefault(storage.dirname(url), {})[storage.basename(url)] = entry
+    return by_directory
+
+
+def _write_summaries(
+    storage: Storage,
+    urls: list[str],
+    counts: _Int64s,
+    hashes: list[str],
+    listed: Listed,
+    summaries: dict[str, tuple[dict[str, ShardEntry], str] | None],
+) -> None:
+    for directory, entries in shard_entries(
+        storage, urls, counts, hashes, listed.identities
+    ).items():
+        summary = summaries[directory]
+        merged = updated({} if summary is None else summary[0], entries, listed.listings[directory])
+        try:
+            where = write_summary(storage, directory, merged)
+        except OSError as error:
+            logger.info("cannot keep a summary of %s anywhere (%s)", directory, error)
+            continue
+        logger.info("wrote the summary %s (%d shards)", where, len(merged))
+
+
+def _walk(
+    urls: Sequence[str],
+    listed: Listed,
+    indexer: Indexer,
+    shards: list[int],
+    start: int,
+    opened: Callable[[int, TarIndex], None],
+    lead: bool,
+) -> None:
+    """Find or make the index of each of ``shards``, calling ``opened(k, index)`` for each; the
+    walk starts at ``shards[start]`` (each worker at its own) and defers shards another process
+    of this node is indexing until the others are done. Remote shards are taken
+    :data:`WALK_THREADS` at a time (reading an ``.idx`` is a round trip; a scan a download)."""
+    count = len(shards)
+    pending = [shards[(start + k) % count] for k in range(count)]
+    done, started, shown = 0, time.monotonic(), time.monotonic()
+
+    def get(k: int, wait: bool) -> tuple[int, tuple[TarIndex, Source] | None]:
+        return k, indexer.get(urls[k], listed.identities[k], listed=listed.listed_idx[k], wait=wait)
+
+    threads = 1 if indexer.storage.local else min(WALK_THREADS, count)
+    pool = ThreadPoolExecutor(threads, "tar-index") if threads > 1 else None
+    try:
+        while pending:
+            deferred = []
+            waits = [False] * len(pending)
+            tried: Iterator[tuple[int, tuple[TarIndex, Source] | None]] = (
+                map(get, pending, waits) if pool is None else pool.map(get, pending, waits)
+            )
+            for k, found in tried:
+                if found is None:
+                    deferred.append(k)
+                    continue
+                opened(k, found[0])
+                done += 1
+                if lead and time.monotonic() - shown > PROGRESS_EVERY:
+                    shown = time.monotonic()
+                    logger.info(
+                        "opening tar shards: %d of %d indexes ready (%d scanned by this worker), "
+                        "%.0f s",
+                        done,
+                        count,
+                        indexer.scanned,
+                        shown - started,
+                    )
+            if len(deferred) == len(pending):  # nothing else to do: wait for the first one's lock
+                k, found = get(deferred.pop(0), True)
+                assert found is not None
+                opened(k, found[0])
+                done += 1
+            pending = deferred
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
