@@ -27,6 +27,7 @@ from ._positions import (
 from ._sampling import BatchedSamples, sharded_source
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
+from ._storage import StorageFailure
 from ._tar_tool import Progress as IndexProgress
 from ._tar_tool import index_dataset
 from ._tars import sharded_tars, write_tars
@@ -59,6 +60,7 @@ __all__ = [
     "Shard",
     "SourceFactory",
     "StepFunction",
+    "StorageFailure",
     "TarsDataset",
     "WorkerSpec",
     "continue_from",
