@@ -150,6 +150,7 @@ class LoaderConfig:
         device_id = _check_device(checked["device"], checked["output"], device_id, placement)
         cpus = _env.cpu_budget(placement.local_world_size)
         workers_auto, threads_auto = _is_auto(num_workers), _is_auto(num_threads)
+        threads_given = num_threads is not None and not threads_auto
         if workers_auto or threads_auto:
             memory_limit = _env.memory_budget(memory_limit, placement.local_world_size)
             guess = first_layout(
@@ -175,7 +176,7 @@ class LoaderConfig:
             world_size=placement.world_size,
             local_world_size=placement.local_world_size,
             placement_source=placement.source,
-            num_threads_given=num_threads is not None and not threads_auto,
+            num_threads_given=threads_given,
             workers_auto=workers_auto,
             threads_auto=threads_auto,
             memory_limit=memory_limit,
