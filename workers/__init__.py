@@ -10,11 +10,14 @@ from ipc.wire import Position, Sampling
 
 from ._entry import run_worker
 from ._error_text import FAILING_SAMPLES
-from ._files import list_files, sharded_files
 from ._imports import prepare_worker_server
-from ._mix import FilesDataset, SamplesDataset, TarsDataset, sharded_mix
 from ._phase import Phase
-from ._positions import (
+from ._shard import Shard
+from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
+from ._timing import BatchClock
+from .sources._files import list_files, sharded_files
+from .sources._mix import FilesDataset, SamplesDataset, TarsDataset, sharded_mix
+from .sources._positions import (
     continue_from,
     every_shard_steps,
     plan_epoch,
@@ -24,14 +27,11 @@ from ._positions import (
     steps_left,
     steps_per_epoch,
 )
-from ._sampling import BatchedSamples, sharded_source
-from ._shard import Shard
-from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
-from ._storage import StorageFailure
-from ._tar_tool import Progress as IndexProgress
-from ._tar_tool import index_dataset
-from ._tars import sharded_tars, write_tars
-from ._timing import BatchClock
+from .sources._sampling import BatchedSamples, sharded_source
+from .sources._storage import StorageFailure
+from .sources._tar_tool import Progress as IndexProgress
+from .sources._tar_tool import index_dataset
+from .sources._tars import sharded_tars, write_tars
 
 #: DALI-facing helpers shared with in-process measurements; importing them imports DALI.
 _DALI_HELPERS = ("epoch_iterator", "make_context")

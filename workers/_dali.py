@@ -18,7 +18,7 @@ import nvidia.dali as dali
 import nvidia.dali.experimental.dynamic as ndd
 import nvidia.dali.types as dali_types
 
-from ._sampling import BatchedSamples
+from .sources._sampling import BatchedSamples
 
 DALI_VERSION: str = str(dali.__version__)
 

@@ -6,7 +6,7 @@ yields per epoch (when the source can tell) and, for a reader that pads its shar
 shard's real samples end, so padded rows are flagged like ``sharded_source``'s.
 
 Behind a ``sharded_source``/``sharded_files`` root, :func:`build_sources` hands the
-:class:`~workers._sampling.BatchedSamples` the worker's :class:`~workers._control.SampleControl`
+:class:`~sources._sampling.BatchedSamples` the worker's :class:`~workers._control.SampleControl`
 (the worker's for its whole life) and a new :class:`~workers._control.FeedState` (this build's,
 kept in :attr:`Sources.feed`); :func:`delivery_info` takes each delivered batch's record from it.
 """
@@ -22,9 +22,9 @@ from ipc import wire
 from . import _dali
 from ._control import FeedState, SampleControl
 from ._phase import Phase
-from ._sampling import BatchedSamples
 from ._shard import Shard
 from ._spec import WorkerSpec
+from .sources._sampling import BatchedSamples
 
 
 @dataclass

@@ -23,7 +23,7 @@ import pytest
 
 from loader import Loader
 from tests import tar_pipelines as T
-from workers._storage import StorageFailure
+from workers.sources._storage import StorageFailure
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
@@ -304,8 +304,8 @@ def test_a_fresh_cache_reads_a_fraction_of_the_dataset_before_the_first_batch(
 ) -> None:
     """48 shards, 2 workers, a cache that has never seen them: the first batch waits for the
     shards of each worker's first group (4 of 48 each), not for the dataset."""
-    from workers._tar_index import scan
-    from workers._wds_idx import format_idx
+    from workers.sources._tar_index import scan
+    from workers.sources._wds_idx import format_idx
 
     paths = T.write_payload_tars(tmp_path, 48, 40, 8000)
     counted.upload(paths)

@@ -13,8 +13,8 @@ import pytest
 
 from workers import Position, Shard
 from workers._control import FeedState, SampleControl
-from workers._files import read_file
-from workers._sampling import BatchedSamples, _batch_arrays
+from workers.sources._files import read_file
+from workers.sources._sampling import BatchedSamples, _batch_arrays
 
 
 def _id(index: int) -> Any:

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from tests import tar_pipelines as T
-from workers import _storage
-from workers._tar_index import split_name
-from workers._tars import TarOrder, open_shards, parse_ext
+from workers.sources import _storage
+from workers.sources._tar_index import split_name
+from workers.sources._tars import TarOrder, open_shards, parse_ext
 
 
 def test_brace_patterns_expand_like_webdataset() -> None:
@@ -198,7 +198,7 @@ def _write_shards(source: Path, target: Path, *command: str) -> subprocess.Compl
 def test_the_command_line_writes_shards_with_indexes_and_refuses_a_missing_folder(
     image_root: Path, tmp_path: Path, command: tuple[str, ...]
 ) -> None:
-    from workers._tar_summary import SUMMARY, decode
+    from workers.sources._tar_summary import SUMMARY, decode
 
     done = _write_shards(image_root, tmp_path, *command)
     assert done.returncode == 0, done.stderr
@@ -221,7 +221,7 @@ def test_remote_shards_are_read_one_range_per_shard_not_one_request_per_sample(
     with ``expect`` reads each shard once, ahead, and every sample comes out right."""
     import fsspec
 
-    from workers._tars import TarLoader, TarOrder
+    from workers.sources._tars import TarLoader, TarOrder
 
     memory = fsspec.filesystem("memory")
     for path in T.write_id_tars(tmp_path, 30, 7):
@@ -290,8 +290,8 @@ def _webdataset_tars(directory: Path, shards: int, per_shard: int) -> list[Path]
 def test_an_index_written_by_the_loader_is_byte_for_byte_what_wds2idx_writes(
     tmp_path: Path, writer: str
 ) -> None:
-    from workers._tar_index import scan
-    from workers._wds_idx import format_idx, parse_idx
+    from workers.sources._tar_index import scan
+    from workers.sources._wds_idx import format_idx, parse_idx
 
     if writer == "tarfile":
         paths = T.write_id_tars(tmp_path, 14, 7)
@@ -361,7 +361,7 @@ def _two_samples_on_one_line(text: str) -> str:
 def test_a_bad_idx_is_refused_naming_its_line_and_the_shard_is_scanned(
     tmp_path: Path, spoil: object, message: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from workers._wds_idx import parse_idx
+    from workers.sources._wds_idx import parse_idx
 
     (path,) = T.write_id_tars(tmp_path, 7, 7)
     text = _wds2idx(path, tmp_path / "train-000.idx").decode()
@@ -413,9 +413,9 @@ class _Counted:
 def test_with_a_summary_a_worker_reads_no_index_until_it_reads_a_shard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workers._folder_index import CACHE_DIR_ENV
-    from workers._storage import storage_for
-    from workers._tar_summary import SUMMARY
+    from workers.sources._folder_index import CACHE_DIR_ENV
+    from workers.sources._storage import storage_for
+    from workers.sources._tar_summary import SUMMARY
 
     root, memory, _paths = _memory_shards(tmp_path, 30, 7)
     pattern = f"{root}/train-{{000..004}}.tar"
@@ -431,7 +431,7 @@ def test_with_a_summary_a_worker_reads_no_index_until_it_reads_a_shard(
             assert again.fingerprint() == first.fingerprint()
             assert again.counts.tolist() == [7, 7, 7, 7, 2]
             # the index of one shard comes when that shard is read, not before
-            from workers._tars import TarLoader
+            from workers.sources._tars import TarLoader
 
             loader = TarLoader(again, parse_ext(("cls", "id")), 1, ["cls", "id"])
             cls, got = loader(int(again.starts[3]) + 1)
@@ -444,7 +444,7 @@ def test_with_a_summary_a_worker_reads_no_index_until_it_reads_a_shard(
 
 
 def test_a_stale_summary_is_named_and_the_changed_shards_are_read_again(tmp_path: Path) -> None:
-    from workers._tar_summary import SUMMARY, decode
+    from workers.sources._tar_summary import SUMMARY, decode
 
     paths = T.write_id_tars(tmp_path, 28, 7)
     pattern = str(tmp_path / "train-{000..003}.tar")
@@ -474,8 +474,8 @@ def test_a_stale_summary_is_named_and_the_changed_shards_are_read_again(tmp_path
 
 
 def test_the_index_command_indexes_once_and_finishes_an_interrupted_run(tmp_path: Path) -> None:
-    from workers._folder_index import CACHE_DIR_ENV
-    from workers._tar_summary import SUMMARY, decode
+    from workers.sources._folder_index import CACHE_DIR_ENV
+    from workers.sources._tar_summary import SUMMARY, decode
 
     T.write_id_tars(tmp_path, 40, 5)
     pattern = str(tmp_path / "train-{000..007}.tar")

@@ -2,7 +2,7 @@
 
 A source over an ImageFolder or an explicit list of files: each sample is a file's encoded bytes
 and its label, for DALI's decoders. An ImageFolder is not listed here: its index
-(:mod:`workers._folder_index`) is listed once per cache directory and mapped by every worker, so a
+(:mod:`sources._folder_index`) is listed once per cache directory and mapped by every worker, so a
 worker holds its shard's paths only as it reads them, whatever the folder's size.
 """
 
@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .._shard import Shard
 from ._folder_index import open_folder, scan_folder
 from ._sampling import sharded_source
-from ._shard import Shard
 
 
 def list_files(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:

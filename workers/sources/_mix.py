@@ -38,11 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from .._shard import Shard
 from ._epoch_order import EpochOrder
 from ._files import FileLoader, open_files
 from ._positions import Order
 from ._sampling import BatchedSamples, OpenedSource
-from ._shard import Shard
 from ._storage import RETRIES
 
 logger = logging.getLogger("workers")
@@ -363,7 +363,7 @@ def sharded_mix(
     ``round(weight * epoch_size)`` of each source, without replacement from that source's running
     permutation (see the module docstring). The same guarantees as :func:`sharded_source`.
     """
-    from ._dali import ShardedExternalSource
+    from .._dali import ShardedExternalSource
 
     names = _check_sources(sources)
     _check_weights(names, weights)

@@ -3,7 +3,7 @@
 DALI refuses a short batch from an ExternalSource root (``Expected batch size B, got n``), and a
 reader's own ``pad_last_batch``/``stick_to_shard`` rules decide which samples an epoch holds. The
 helpers here let the loader decide instead, deterministically from the seed and the epoch
-(:mod:`workers._positions` does the arithmetic):
+(:mod:`workers.sources._positions` does the arithmetic):
 
 * :class:`BatchedSamples` turns a shard's part of each epoch into full batches of ``batch_size``
   and records, per batch yielded, how many rows are padding; the worker attaches that count to
@@ -12,7 +12,7 @@ helpers here let the loader decide instead, deterministically from the seed and 
 * :func:`sharded_source` puts it in an ``ndd.ExternalSource`` ready to return from
   ``source(shard)``, over any ``load(index)``; the worker finds it there by the source's type
   (``_dali.ShardedExternalSource``).
-* :func:`~workers._files.sharded_files` (in :mod:`workers._files`) does the same over image
+* :func:`~sources._files.sharded_files` (in :mod:`sources._files`) does the same over image
   files.
 
 A :class:`BatchedSamples` holds the user's state only. The worker's control state (``on_error``,
@@ -36,9 +36,9 @@ import numpy as np
 
 from ipc.wire import Sampling
 
-from ._control import FedBatch, FeedState, SampleControl
+from .._control import FedBatch, FeedState, SampleControl
+from .._shard import Shard
 from ._positions import Batch, Order, Orders, shard_batches, shard_steps
-from ._shard import Shard
 
 logger = logging.getLogger("workers")
 
@@ -55,7 +55,7 @@ class BatchedSamples:
     ``load(index)`` returns one sample (an array) or a tuple of ``num_outputs`` arrays; with
     ``pass_epoch=True`` it is called as ``load(index, epoch)``, the epoch the sample is loaded
     for. ``fingerprint``: what the samples are (saved in a state, checked when it is loaded).
-    ``orders``: the source's own epoch orders (see :data:`workers._positions.Orders`), else the
+    ``orders``: the source's own epoch orders (see :data:`sources._positions.Orders`), else the
     seeded permutation of ``[0, total)``.
 
     A ``load`` that reads ahead (tar shards in an object store) is told what is coming: when it
@@ -378,7 +378,7 @@ def sharded_source(
     ``pass_epoch=True``, ``load`` is called as ``load(index, epoch)``: random draws made from
     ``(seed, epoch, index)`` there are the same on any layout.
     """
-    from ._dali import ShardedExternalSource
+    from .._dali import ShardedExternalSource
 
     if fingerprint is not None and not isinstance(fingerprint, str):
         raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")

@@ -4,13 +4,13 @@ A WebDataset tar holds samples as consecutive members named ``<key>.<ext>`` (``n
 ``n01440764/x.cls``): the key is the member's path up to the first dot of its file name, the
 extension everything after it. A :class:`TarIndex` lists, in tar order, each sample's key and, for
 every member, its sample, extension, data offset and size: what DALI's ``wds2idx`` keeps
-(:mod:`workers._wds_idx` reads and writes that format, the one kept beside the shards).
+(:mod:`workers.sources._wds_idx` reads and writes that format, the one kept beside the shards).
 
-An index comes from one of three places (:mod:`workers._tar_shards` decides which):
+An index comes from one of three places (:mod:`workers.sources._tar_shards` decides which):
 
 * :func:`scan`: one sequential pass over the tar (``tarfile`` in stream mode, so an object store
   is read once, front to back), which also checks that the shard is whole and well formed;
-* a ``.idx`` file beside the shard (:func:`workers._wds_idx.parse_idx`);
+* a ``.idx`` file beside the shard (:func:`workers.sources._wds_idx.parse_idx`);
 * this node's cache (``$DALI_LOADER_CACHE_DIR/tar-index/``, :func:`load_cached`): a copy of an
   index in a form workers map, named by a hash of the shard's URL (or real path) and valid for one
   identity of the shard (its size, and ETag or mtime): a changed shard misses it.

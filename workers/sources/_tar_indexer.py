@@ -2,11 +2,11 @@
 a scan. Runs in the worker (and in ``python -m loader.tars index``).
 
 :class:`Indexer` looks in the cheapest place first: this node's cached copy
-(:func:`workers._tar_index.load_cached`, valid for one identity of the shard), then the ``.idx``
-beside the shard (checked against it: :func:`workers._wds_idx.fits` and the last member's
+(:func:`sources._tar_index.load_cached`, valid for one identity of the shard), then the ``.idx``
+beside the shard (checked against it: :func:`workers.sources._wds_idx.fits` and the last member's
 header), then a scan under this node's lock for the shard, whose index is written beside the
 shard where the store allows it (once refused, not tried again by this indexer) and kept in the
-cache. :mod:`workers._tar_shards` decides which shards need it.
+cache. :mod:`workers.sources._tar_shards` decides which shards need it.
 """
 
 from __future__ import annotations

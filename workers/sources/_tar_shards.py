@@ -3,11 +3,11 @@ allows. Runs in the worker (and in ``python -m loader.tars index``).
 
 Where a shard's facts come from, cheapest first:
 
-1. the directory's summary (:mod:`workers._tar_summary`): one request for every shard it covers,
+1. the directory's summary (:mod:`sources._tar_summary`): one request for every shard it covers,
    each entry checked against the directory's listing (one request per 1,000 objects on S3);
-2. the shard's ``.idx`` beside it (DALI's ``wds2idx`` format, :mod:`workers._wds_idx`), or this
+2. the shard's ``.idx`` beside it (DALI's ``wds2idx`` format, :mod:`sources._wds_idx`), or this
    node's cached copy of its index: one small request, or none;
-3. a scan of the shard (:func:`workers._tar_index.scan`): the whole shard, read once.
+3. a scan of the shard (:func:`workers.sources._tar_index.scan`): the whole shard, read once.
 
 Opening a job's shards (:func:`open_shards`) reads the summary and the listing, and only for the
 shards the summary does not cover (or covers stale) goes to 2 and 3; a worker fetches a shard's

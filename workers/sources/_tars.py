@@ -1,8 +1,8 @@
 """``sharded_tars``: a sharded source over WebDataset tar shards. Runs in the worker.
 
 The shards are local paths or fsspec URLs (``s3://bucket/train-{000000..000127}.tar``). Each has an
-index (:mod:`workers._tar_index`: keys, member offsets and sizes; DALI's ``.idx`` beside the shard)
-and the directory a summary of them all (:mod:`workers._tar_shards` opens them), so the dataset's
+index (:mod:`sources._tar_index`: keys, member offsets and sizes; DALI's ``.idx`` beside the shard)
+and the directory a summary of them all (:mod:`sources._tar_shards` opens them), so the dataset's
 sample count is known before the first batch and a sample is read by its byte range: every
 guarantee of ``sharded_source`` holds (exactly once per epoch, equal steps per rank, resume and
 reshard, healing, skipping). A worker fetches the index of a shard when it is about to read it.
@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from .._shard import Shard
 from ._epoch_order import EpochOrder
 from ._sampling import BatchedSamples, OpenedSource
-from ._shard import Shard
 from ._storage import RETRIES, StorageFailure, storage_failure
 from ._tar_index import TarIndex
 from ._tar_indexer import Indexer
@@ -407,7 +407,7 @@ def sharded_tars(
     with backoff, each logged (a missing object or denied access is raised at once). The same
     guarantees as :func:`sharded_source`.
     """
-    from ._dali import ShardedExternalSource
+    from .._dali import ShardedExternalSource
 
     opened = open_tar_source(
         shard,
