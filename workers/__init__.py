@@ -15,8 +15,9 @@ from ._phase import Phase
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
 from ._timing import BatchClock
+from .sources._datasets import FilesDataset, SamplesDataset, TarsDataset
 from .sources._files import list_files, sharded_files
-from .sources._mix import FilesDataset, SamplesDataset, TarsDataset, sharded_mix
+from .sources._mix import sharded_mix
 from .sources._positions import (
     continue_from,
     every_shard_steps,

@@ -18,7 +18,6 @@ import numpy as np
 
 from .._shard import Shard
 from ._folder_index import open_folder, scan_folder
-from ._sampling import sharded_source
 
 
 def list_files(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
@@ -146,14 +145,7 @@ def sharded_files(
     of a directory's files, of the paths and labels of a list) goes into the loader's state: a
     state saved over other files is refused.
     """
-    files = open_files(root_or_files, labels)
-    return sharded_source(
-        shard,
-        len(files),
-        FileLoader(files),
-        batch_size,
-        num_outputs=2,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        fingerprint=files.fingerprint,
-    )
+    from ._datasets import FilesDataset
+
+    dataset = FilesDataset(root_or_files, labels)
+    return dataset.source(shard, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)

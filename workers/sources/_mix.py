@@ -31,19 +31,17 @@ import functools
 import hashlib
 import logging
 import math
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .._shard import Shard
+from ._datasets import Dataset, FilesDataset, SamplesDataset, TarsDataset
 from ._epoch_order import EpochOrder
-from ._files import FileLoader, open_files
 from ._positions import Order
 from ._sampling import BatchedSamples, OpenedSource
-from ._storage import RETRIES
 
 logger = logging.getLogger("workers")
 
@@ -51,77 +49,6 @@ logger = logging.getLogger("workers")
 BLOCK = 4096
 
 _Int64s = np.ndarray[Any, np.dtype[np.int64]]
-
-
-@dataclass(frozen=True)
-class FilesDataset:
-    """An ImageFolder or a list of files (with ``labels``), as :func:`sharded_files` reads it:
-    outputs ``(encoded bytes, label)``."""
-
-    root_or_files: str | os.PathLike[str] | Sequence[str]
-    labels: Sequence[int] | None = None
-
-    def open(self, shard: Shard, seed: int) -> OpenedSource:
-        files = open_files(self.root_or_files, self.labels)
-        load = FileLoader(files)
-        return OpenedSource(
-            len(files), load, 2, files.fingerprint, ("jpg", "cls"), describe=load.describe
-        )
-
-
-@dataclass(frozen=True)
-class TarsDataset:
-    """WebDataset tar shards, as :func:`sharded_tars` reads them (the same arguments)."""
-
-    urls: str | Sequence[str]
-    ext: str | Sequence[str] = ("jpg", "cls")
-    storage_options: Mapping[str, Any] | None = None
-    shuffle_window: int | None = None
-    ahead: int = 2
-    retries: int = RETRIES
-
-    def open(self, shard: Shard, seed: int) -> OpenedSource:
-        from ._tars import open_tar_source
-
-        return open_tar_source(
-            shard,
-            self.urls,
-            ext=self.ext,
-            storage_options=dict(self.storage_options or {}),
-            shuffle_window=self.shuffle_window,
-            ahead=self.ahead,
-            retries=self.retries,
-            seed=seed,
-            shuffle=True,
-        )
-
-
-@dataclass(frozen=True)
-class SamplesDataset:
-    """``total`` samples made by ``load(index)``, as :func:`sharded_source` takes them.
-    ``names``: the outputs' names, checked against the other sources' when given."""
-
-    total: int
-    load: Callable[[int], Any]
-    num_outputs: int = 1
-    fingerprint: str | None = None
-    names: tuple[str, ...] | None = None
-
-    def open(self, shard: Shard, seed: int) -> OpenedSource:
-        if isinstance(self.total, bool) or not isinstance(self.total, int) or self.total < 1:
-            raise ValueError(f"total must be a positive number of samples, got {self.total!r}")
-        describe = getattr(self.load, "describe", None)
-        return OpenedSource(
-            self.total,
-            self.load,
-            self.num_outputs,
-            self.fingerprint or "",
-            self.names,
-            describe=describe,
-        )
-
-
-Dataset = FilesDataset | TarsDataset | SamplesDataset
 
 
 class MixPlan:
@@ -340,6 +267,11 @@ def _check_sources(sources: Mapping[str, Dataset]) -> list[str]:
             raise TypeError(
                 f"source {name!r} must be a FilesDataset, TarsDataset or SamplesDataset "
                 f"(a dataset's definition, not a per-shard source), got {type(dataset).__name__}"
+            )
+        if isinstance(dataset, SamplesDataset) and dataset.pass_epoch:
+            raise ValueError(
+                f"source {name!r}: pass_epoch=True is not for a mixture (a mixed source's "
+                "samples are drawn across epochs); draw from the sample id in load() instead"
             )
     return list(sources)
 

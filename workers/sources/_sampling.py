@@ -353,6 +353,8 @@ class OpenedSource:
     #: seeded permutation of ``[0, total)``
     orders: Callable[[int], Order] | None = None
     describe: Callable[[int], str] | None = None
+    #: ``load`` is called as ``load(index, epoch)``
+    pass_epoch: bool = False
 
 
 def sharded_source(
@@ -378,19 +380,9 @@ def sharded_source(
     ``pass_epoch=True``, ``load`` is called as ``load(index, epoch)``: random draws made from
     ``(seed, epoch, index)`` there are the same on any layout.
     """
-    from .._dali import ShardedExternalSource
+    from ._datasets import SamplesDataset
 
-    if fingerprint is not None and not isinstance(fingerprint, str):
-        raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
-    samples = BatchedSamples(
-        shard,
-        total,
-        load,
-        batch_size,
-        num_outputs=num_outputs,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        fingerprint=fingerprint or "",
-        pass_epoch=pass_epoch,
+    dataset = SamplesDataset(
+        total, load, num_outputs, fingerprint=fingerprint, pass_epoch=pass_epoch
     )
-    return ShardedExternalSource(samples)
+    return dataset.source(shard, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)

@@ -40,7 +40,7 @@ import numpy as np
 
 from .._shard import Shard
 from ._epoch_order import EpochOrder
-from ._sampling import BatchedSamples, OpenedSource
+from ._sampling import OpenedSource
 from ._storage import RETRIES, StorageFailure, storage_failure
 from ._tar_index import TarIndex
 from ._tar_indexer import Indexer
@@ -407,31 +407,10 @@ def sharded_tars(
     with backoff, each logged (a missing object or denied access is raised at once). The same
     guarantees as :func:`sharded_source`.
     """
-    from .._dali import ShardedExternalSource
+    from ._datasets import TarsDataset
 
-    opened = open_tar_source(
-        shard,
-        urls,
-        ext=ext,
-        storage_options=storage_options,
-        shuffle_window=shuffle_window,
-        ahead=ahead,
-        retries=retries,
-        seed=shard.seed - shard.index,
-        shuffle=shuffle,
-    )
-    samples = BatchedSamples(
-        shard,
-        opened.total,
-        opened.load,
-        batch_size,
-        num_outputs=opened.num_outputs,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        fingerprint=opened.fingerprint,
-        orders=opened.orders,
-    )
-    return ShardedExternalSource(samples)
+    dataset = TarsDataset(urls, ext, storage_options, shuffle_window, ahead, retries)
+    return dataset.source(shard, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
 
 
 def open_tar_source(

@@ -1,0 +1,128 @@
+"""The dataset kinds, one type each: what a mixture takes and what each ``sharded_*`` function
+wraps. Runs in the worker.
+
+A dataset is a definition (paths, URLs, a ``load``): :meth:`open` opens it in a worker (its
+size, how to load a sample, its fingerprint, its own epoch orders), and :meth:`source` makes the
+``ndd.ExternalSource`` root of one shard of it, with every guarantee of
+:func:`~workers.sources._sampling.sharded_source`. ``sharded_files(shard, root, ...)`` is
+``FilesDataset(root).source(shard, ...)``, ``sharded_tars`` is ``TarsDataset``'s and
+``sharded_source`` is ``SamplesDataset``'s; :func:`~workers.sources._mix.sharded_mix` opens each
+of the datasets it mixes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._shard import Shard
+from ._sampling import BatchedSamples, OpenedSource
+from ._storage import RETRIES
+
+
+class _Kind:
+    """What every dataset kind does with what it opens."""
+
+    def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
+        raise NotImplementedError
+
+    def source(
+        self, shard: Shard, *, batch_size: int, shuffle: bool = True, drop_last: bool = False
+    ) -> Any:
+        """The ``ndd.ExternalSource`` root of ``shard``'s part of this dataset: exactly once
+        per epoch, full batches, padding flagged, a resumable position."""
+        from .._dali import ShardedExternalSource
+
+        opened = self.open(shard, shard.seed - shard.index, shuffle=shuffle)
+        samples = BatchedSamples(
+            shard,
+            opened.total,
+            opened.load,
+            batch_size,
+            num_outputs=opened.num_outputs,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            fingerprint=opened.fingerprint,
+            pass_epoch=opened.pass_epoch,
+            orders=opened.orders,
+        )
+        return ShardedExternalSource(samples)
+
+
+@dataclass(frozen=True)
+class FilesDataset(_Kind):
+    """An ImageFolder or a list of files (with ``labels``), as :func:`sharded_files` reads it:
+    outputs ``(encoded bytes, label)``."""
+
+    root_or_files: str | os.PathLike[str] | Sequence[str]
+    labels: Sequence[int] | None = None
+
+    def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
+        from ._files import FileLoader, open_files
+
+        files = open_files(self.root_or_files, self.labels)
+        load = FileLoader(files)
+        return OpenedSource(
+            len(files), load, 2, files.fingerprint, ("jpg", "cls"), describe=load.describe
+        )
+
+
+@dataclass(frozen=True)
+class TarsDataset(_Kind):
+    """WebDataset tar shards, as :func:`sharded_tars` reads them (the same arguments)."""
+
+    urls: str | Sequence[str]
+    ext: str | Sequence[str] = ("jpg", "cls")
+    storage_options: Mapping[str, Any] | None = None
+    shuffle_window: int | None = None
+    ahead: int = 2
+    retries: int = RETRIES
+
+    def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
+        from ._tars import open_tar_source
+
+        return open_tar_source(
+            shard,
+            self.urls,
+            ext=self.ext,
+            storage_options=dict(self.storage_options or {}),
+            shuffle_window=self.shuffle_window,
+            ahead=self.ahead,
+            retries=self.retries,
+            seed=seed,
+            shuffle=shuffle,
+        )
+
+
+@dataclass(frozen=True)
+class SamplesDataset(_Kind):
+    """``total`` samples made by ``load(index)`` (``load(index, epoch)`` with ``pass_epoch``),
+    as :func:`sharded_source` takes them. ``names``: the outputs' names, checked against the
+    other sources' of a mixture when given."""
+
+    total: int
+    load: Callable[..., Any]
+    num_outputs: int = 1
+    fingerprint: str | None = None
+    names: tuple[str, ...] | None = None
+    pass_epoch: bool = False
+
+    def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
+        if isinstance(self.total, bool) or not isinstance(self.total, int) or self.total < 1:
+            raise ValueError(f"total must be a positive number of samples, got {self.total!r}")
+        if self.fingerprint is not None and not isinstance(self.fingerprint, str):
+            raise TypeError(f"fingerprint must be a str, got {type(self.fingerprint).__name__}")
+        return OpenedSource(
+            self.total,
+            self.load,
+            self.num_outputs,
+            self.fingerprint or "",
+            self.names,
+            describe=getattr(self.load, "describe", None),
+            pass_epoch=self.pass_epoch,
+        )
+
+
+Dataset = FilesDataset | TarsDataset | SamplesDataset
