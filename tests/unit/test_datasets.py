@@ -1,0 +1,36 @@
+"""One type per dataset kind (no workers): what a mixture takes is what sharded_* wraps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loader import SamplesDataset, Shard, sharded_mix
+
+
+def _load(index: int, epoch: int = 0) -> Any:
+    return np.array([index], dtype=np.int64)
+
+
+def test_a_samples_dataset_opens_as_sharded_source_reads_it() -> None:
+    shard = Shard.make(rank=0, world_size=1, worker=0, num_workers=1, seed=3)
+    opened = SamplesDataset(10, _load, fingerprint="v1", pass_epoch=True).open(shard, 3)
+    assert (opened.total, opened.num_outputs, opened.fingerprint) == (10, 1, "v1")
+    assert opened.pass_epoch
+    with pytest.raises(TypeError, match="fingerprint must be a str"):
+        SamplesDataset(10, _load, fingerprint=5).open(shard, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="total must be a positive number"):
+        SamplesDataset(0, _load).open(shard, 3)
+
+
+def test_a_mixture_refuses_a_dataset_that_wants_the_epoch() -> None:
+    shard = Shard.make(rank=0, world_size=1, worker=0, num_workers=1, seed=0)
+    with pytest.raises(ValueError, match="pass_epoch=True is not for a mixture"):
+        sharded_mix(
+            shard,
+            {"a": SamplesDataset(10, _load, pass_epoch=True)},
+            weights={"a": 1.0},
+            batch_size=2,
+        )
