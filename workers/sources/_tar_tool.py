@@ -105,90 +105,128 @@ def index_dataset(
     progress: Callable[[Progress], None] | None = None,
 ) -> Progress:
     """Index every shard of ``urls`` and write the summary (see the module docstring)."""
-    expanded = check_urls(urls)
-    storage = storage_for(expanded[0], storage_options, retries)
-    listed = list_shards(storage, expanded)
-    count = len(expanded)
-    counts = np.zeros(count, dtype=np.int64)
-    hashes = [""] * count
-    done = np.zeros(count, dtype=bool)
-    summaries = {d: read_summary(storage, d, listing) for d, listing in listed.listings.items()}
-    state = Progress(count)
-    todo = []
-    for k, url in enumerate(expanded):
-        summary = summaries[storage.dirname(url)]
-        entry = None if summary is None else summary[0].get(storage.basename(url))
-        fresh = entry is not None and entry.identity == listed.identities[k]
-        if fresh and listed.listed_idx[k] and not force:
-            assert entry is not None
-            counts[k], hashes[k], done[k] = entry.samples, entry.keys, True
-            state.up_to_date += 1
-        else:
-            todo.append(k)
-
-    def save() -> None:
-        entries = shard_entries(
-            storage,
-            [expanded[k] for k in np.flatnonzero(done).tolist()],
-            counts[done],
-            [hashes[k] for k in np.flatnonzero(done).tolist()],
-            [listed.identities[k] for k in np.flatnonzero(done).tolist()],
-        )
-        state.summaries = []
-        for directory, new in entries.items():
-            summary = summaries[directory]
-            old: dict[str, ShardEntry] = {} if summary is None else summary[0]
-            merged = updated(old, new, listed.listings[directory])
-            state.summaries.append(write_summary(storage, directory, merged))
-
+    job = _IndexJob(check_urls(urls), storage_options, retries)
+    todo = job.plan(force)
     if progress is not None:
-        progress(state)
+        progress(job.state)
     workers = max(1, min(processes or len(os.sched_getaffinity(0)), len(todo) or 1))
-    saved = time.monotonic()
-    context = multiprocessing.get_context("spawn")
-    options = dict(storage_options or {})
-    with ProcessPoolExecutor(workers, mp_context=context) as pool:
-        pending: set[Future[Indexed]] = set()
-        queue = iter(todo)
-        try:
-            while True:
-                for k in queue:  # keep the pool a little ahead of its processes
-                    pending.add(
-                        pool.submit(
-                            index_one,
-                            expanded[k],
-                            options,
-                            retries,
-                            k,
-                            listed.identities[k],
-                            listed.listed_idx[k],
-                            force,
-                        )
-                    )
-                    if len(pending) >= 4 * workers:
-                        break
-                if not pending:
-                    break
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    _record(future.result(), expanded, counts, hashes, done, state)
-                if time.monotonic() - saved > SAVE_EVERY and done.any():
-                    save()
-                    saved = time.monotonic()
-                if progress is not None:
-                    progress(state)
-        except BaseException:
-            for future in pending:
-                future.cancel()
-            if state.done:
-                save()
-            raise
-    if state.done:
-        save()
-    state.samples = int(counts[done].sum())
+    job.run(todo, workers, force, progress)
+    job.state.samples = int(job.counts[job.done].sum())
     if progress is not None:
-        progress(state)
-    return state
+        progress(job.state)
+    return job.state
+
+
+class _IndexJob:
+    """One run of :func:`index_dataset`: what is known of every shard, and the summaries."""
+
+    def __init__(
+        self, expanded: list[str], storage_options: dict[str, Any] | None, retries: int
+    ) -> None:
+        self.expanded, self.retries = expanded, retries
+        self.options = dict(storage_options or {})
+        self.storage = storage_for(expanded[0], storage_options, retries)
+        self.listed = list_shards(self.storage, expanded)
+        count = len(expanded)
+        self.counts = np.zeros(count, dtype=np.int64)
+        self.hashes = [""] * count
+        self.done = np.zeros(count, dtype=bool)
+        self.summaries = {
+            d: read_summary(self.storage, d, listing) for d, listing in self.listed.listings.items()
+        }
+        self.state = Progress(count)
+
+    def plan(self, force: bool) -> list[int]:
+        """The shards to index: those the summary does not cover as they are now (all with
+        ``force``); the others are counted as up to date."""
+        storage, listed, todo = self.storage, self.listed, []
+        for k, url in enumerate(self.expanded):
+            summary = self.summaries[storage.dirname(url)]
+            entry = None if summary is None else summary[0].get(storage.basename(url))
+            fresh = entry is not None and entry.identity == listed.identities[k]
+            if fresh and listed.listed_idx[k] and not force:
+                assert entry is not None
+                self.counts[k], self.hashes[k], self.done[k] = entry.samples, entry.keys, True
+                self.state.up_to_date += 1
+            else:
+                todo.append(k)
+        return todo
+
+    def save(self) -> None:
+        """Write every directory's summary with what is done so far."""
+        indices = np.flatnonzero(self.done).tolist()
+        entries = shard_entries(
+            self.storage,
+            [self.expanded[k] for k in indices],
+            self.counts[self.done],
+            [self.hashes[k] for k in indices],
+            [self.listed.identities[k] for k in indices],
+        )
+        self.state.summaries = []
+        for directory, new in entries.items():
+            summary = self.summaries[directory]
+            old: dict[str, ShardEntry] = {} if summary is None else summary[0]
+            merged = updated(old, new, self.listed.listings[directory])
+            self.state.summaries.append(write_summary(self.storage, directory, merged))
+
+    def submit(self, pool: ProcessPoolExecutor, k: int, force: bool) -> Future[Indexed]:
+        listed = self.listed
+        return pool.submit(
+            index_one,
+            self.expanded[k],
+            self.options,
+            self.retries,
+            k,
+            listed.identities[k],
+            listed.listed_idx[k],
+            force,
+        )
+
+    def run(
+        self,
+        todo: list[int],
+        workers: int,
+        force: bool,
+        progress: Callable[[Progress], None] | None,
+    ) -> None:
+        """Index ``todo`` on ``workers`` processes, saving the summaries every
+        :data:`SAVE_EVERY` seconds and at the end (also when interrupted)."""
+        saved = time.monotonic()
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            pending: set[Future[Indexed]] = set()
+            queue = iter(todo)
+            try:
+                while True:
+                    for k in queue:  # keep the pool a little ahead of its processes
+                        pending.add(self.submit(pool, k, force))
+                        if len(pending) >= 4 * workers:
+                            break
+                    if not pending:
+                        break
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in finished:
+                        _record(
+                            future.result(),
+                            self.expanded,
+                            self.counts,
+                            self.hashes,
+                            self.done,
+                            self.state,
+                        )
+                    if time.monotonic() - saved > SAVE_EVERY and self.done.any():
+                        self.save()
+                        saved = time.monotonic()
+                    if progress is not None:
+                        progress(self.state)
+            except BaseException:
+                for future in pending:
+                    future.cancel()
+                if self.state.done:
+                    self.save()
+                raise
+        if self.state.done:
+            self.save()
 
 
 def _record(
