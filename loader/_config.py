@@ -25,17 +25,67 @@ from ._validate import check_choice, check_importable, check_positive_int
 OUTPUTS = ("numpy", "torch", "cupy")
 DEVICES = ("cpu", "gpu")
 START_METHODS = ("spawn", "forkserver")
-#: The start method of a Loader made without ``start_method``, when set ("spawn" when unset).
+#: The start method of a Loader made without ``start_method``, when set ("forkserver" when unset).
 START_METHOD_ENV = "DALI_LOADER_START_METHOD"
-DEFAULT_START_METHOD = "spawn"
+#: Workers forked from this process's worker server (loader._server); "spawn" starts each worker
+#: as a fresh interpreter that imports DALI and the main module itself.
+DEFAULT_START_METHOD = "forkserver"
 #: This process's default, set by :func:`set_default_start_method` (the pytest plugin's worker
 #: server: unlike the environment variable, subprocesses a test starts do not inherit it).
 _process_default: str | None = None
 
+_REQUIRED = object()
+#: The Loader's keyword arguments and their defaults (``batch_size`` has none).
+_ARGUMENTS: dict[str, Any] = {
+    "batch_size": _REQUIRED,
+    "num_workers": 2,
+    "feeders": None,
+    "device": "cpu",
+    "device_id": None,
+    "num_threads": None,
+    "prefetch": 2,
+    "output": "numpy",
+    "copy": False,
+    "capture": True,
+    "seed": 0,
+    "timeout": None,
+    "start_method": None,
+    "rank": None,
+    "world_size": None,
+    "startup_timeout": 300.0,
+    "shm_limit": None,
+    "max_restarts": 0,
+    "on_error": "raise",
+    "max_skipped": None,
+    "in_order": True,
+    "trace": None,
+    "memory_limit": None,
+}
+#: Those checked on their own (:func:`_checked`), without the placement or the machine.
+_PLAIN = (
+    "batch_size",
+    "num_workers",
+    "num_threads",
+    "prefetch",
+    "output",
+    "device",
+    "seed",
+    "timeout",
+    "startup_timeout",
+    "shm_limit",
+    "max_restarts",
+    "on_error",
+    "max_skipped",
+    "trace",
+    "copy",
+    "capture",
+    "in_order",
+)
+
 
 def set_default_start_method(method: str | None) -> str | None:
     """Make ``method`` the start method of Loaders this process makes without ``start_method``
-    (None: back to :data:`START_METHOD_ENV` or "spawn"); returns the previous setting."""
+    (None: back to :data:`START_METHOD_ENV` or "forkserver"); returns the previous setting."""
     global _process_default
     if method is not None:
         check_choice(method, "start_method", START_METHODS)
@@ -96,55 +146,21 @@ class LoaderConfig:
 
     @classmethod
     def build(
-        cls,
-        source: Callable[[Shard], Any],
-        step: Callable[..., Any],
-        *,
-        batch_size: Any,
-        num_workers: Any,
-        feeders: Any,
-        device: Any,
-        device_id: Any,
-        num_threads: Any,
-        prefetch: Any,
-        output: Any,
-        copy: Any,
-        capture: Any,
-        seed: Any,
-        timeout: Any,
-        start_method: Any,
-        rank: Any,
-        world_size: Any,
-        startup_timeout: Any,
-        shm_limit: Any,
-        max_restarts: Any = 0,
-        on_error: Any = "raise",
-        max_skipped: Any = None,
-        in_order: Any = True,
-        trace: Any = None,
-        memory_limit: Any = None,
+        cls, source: Callable[[Shard], Any], step: Callable[..., Any], **given: Any
     ) -> LoaderConfig:
         """Validate the constructor's arguments (``TypeError``/``ValueError`` that say what to
-        change) and discover rank, GPU and thread budget."""
-        checked = _checked(
-            batch_size=batch_size,
-            num_workers=num_workers,
-            num_threads=num_threads,
-            prefetch=prefetch,
-            output=output,
-            device=device,
-            seed=seed,
-            timeout=timeout,
-            startup_timeout=startup_timeout,
-            shm_limit=shm_limit,
-            max_restarts=max_restarts,
-            on_error=on_error,
-            max_skipped=max_skipped,
-            trace=trace,
-            copy=copy,
-            capture=capture,
-            in_order=in_order,
-        )
+        change) and discover rank, GPU and thread budget. ``given``: the Loader's keyword
+        arguments (those after ``source`` and ``step``), by name."""
+        unknown = sorted(set(given) - set(_ARGUMENTS))
+        if unknown:
+            raise TypeError(f"unexpected arguments {unknown}; the Loader takes {list(_ARGUMENTS)}")
+        a = {**_ARGUMENTS, **given}
+        if a["batch_size"] is _REQUIRED:
+            raise TypeError("batch_size is required")
+        num_workers, num_threads = a["num_workers"], a["num_threads"]
+        feeders, device_id, memory_limit = a["feeders"], a["device_id"], a["memory_limit"]
+        rank, world_size, start_method = a["rank"], a["world_size"], a["start_method"]
+        checked = _checked(**{name: a[name] for name in _PLAIN})
         _check_functions(source, step, feeders)
         placement = _env.discover_placement(rank, world_size)
         device_id = _check_device(checked["device"], checked["output"], device_id, placement)
@@ -378,7 +394,8 @@ def _check_start_method(start_method: Any) -> str:
     if start_method == "fork":
         raise ValueError(
             "start_method='fork' is refused: a process forked after DALI ran hangs on its "
-            "first operator. Use 'spawn' (the default) or 'forkserver'"
+            "first operator. Use 'forkserver' (the default: workers forked from a worker server "
+            "that never ran DALI) or 'spawn'"
         )
     return check_choice(start_method, "start_method", START_METHODS)
 

@@ -1,4 +1,8 @@
-"""The worker pool: spawning, watching and stopping worker processes. Runs in the trainer.
+"""The worker pool: starting, watching and stopping worker processes. Runs in the trainer.
+
+A worker is forked by this process's worker server (``start_method="forkserver"``, the default:
+:mod:`loader._server`) or spawned by ``multiprocessing`` (``"spawn"``); either is a
+:class:`WorkerProcess` to the pool and to the coordinator, which waits on its ``sentinel``.
 
 The pool owns, per worker: the process, its control channel, its stack pipe (faulthandler output,
 for hangs and crashes) and the write end of its liveness pipe (closing it makes the worker exit).
@@ -19,8 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Protocol
 
 from ipc import ChannelClosed, ControlChannel, wire
 from workers import Shard, WorkerSpec, run_worker
@@ -33,6 +36,28 @@ logger = logging.getLogger("loader")
 KILL_WAIT = 5.0
 
 
+class WorkerProcess(Protocol):
+    """What the pool and the coordinator use of a worker process: a ``multiprocessing`` process
+    (spawn) or a :class:`loader._server_worker.ServerWorker` (forked by the worker server)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def sentinel(self) -> int: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 class WorkerHandle:
     """What the pool owns of one worker: its process and the pipes to it. Nothing else: the
     worker's session state is the coordinator's (:mod:`loader._session`)."""
@@ -41,7 +66,7 @@ class WorkerHandle:
         self,
         index: int,
         spec: WorkerSpec,
-        process: BaseProcess,
+        process: WorkerProcess,
         channel: ControlChannel,
         stack: Connection,
         alive: Connection,
@@ -95,14 +120,12 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    """Spawns one worker per spec and stops them all, bounded in time (module docstring)."""
+    """Starts one worker per spec and stops them all, bounded in time (module docstring)."""
 
     def __init__(self, specs: Sequence[WorkerSpec], start_method: str) -> None:
         """``start_method`` is ``spawn`` or ``forkserver`` (checked by LoaderConfig)."""
-        self._context: Any = multiprocessing.get_context(start_method)
-        self._forked = start_method == "forkserver"
-        if start_method == "forkserver":
-            start_worker_server(self._context, specs)
+        self._context: Any = multiprocessing.get_context("spawn")
+        self._server = start_worker_server(specs) if start_method == "forkserver" else None
         self._specs = list(specs)
         self.handles: list[WorkerHandle] = []
         self._closed = False
@@ -126,15 +149,20 @@ class WorkerPool:
         parent_end, child_end = self._context.Pipe(duplex=True)
         stack_read, stack_write = self._context.Pipe(duplex=False)
         alive_read, alive_write = self._context.Pipe(duplex=False)
-        # A forked worker has its server's environment: it gets the trainer's of now, as a
-        # spawned one does (a variable set since the server started reaches it too)
-        environ = dict(os.environ) if self._forked else None
-        process = self._context.Process(
-            target=run_worker,
-            args=(spec, child_end, stack_write, alive_read, environ),
-            name=f"dali-loader-worker-{index}",
-            daemon=True,
-        )
+        name = f"dali-loader-worker-{index}"
+        process: WorkerProcess
+        if self._server is not None:
+            # A forked worker gets the trainer's environment, directory and import path of now,
+            # as a spawned one does (what changed since the server started reaches it too)
+            fds = [child_end.fileno(), stack_write.fileno(), alive_read.fileno()]
+            process = self._server.worker(name, spec, fds, dict(os.environ))
+        else:
+            process = self._context.Process(
+                target=run_worker,
+                args=(spec, child_end, stack_write, alive_read),
+                name=name,
+                daemon=True,
+            )
         handle = WorkerHandle(
             index, spec, process, ControlChannel(parent_end), stack_read, alive_write
         )
@@ -224,28 +252,18 @@ class WorkerPool:
                 handle.process.join(max(deadline - time.monotonic(), 0.5))
 
 
-#: What multiprocessing's own forkserver imports once, where :mod:`loader._server` cannot start
-#: it (Python 3.14 and later): the worker's loop and, through it, DALI. Not ``__main__``: on
-#: Python 3.11 multiprocessing never preloads it (the server gets no ``main_path``), so each
-#: forked worker imports the main module itself. Forking after DALI was *imported* is safe;
-#: forking after an operator *ran* is not (the child hangs on its first operator), and the
-#: server never runs one.
-FORKSERVER_PRELOAD = ("workers._preload",)
+def start_worker_server(specs: Sequence[WorkerSpec] = ()) -> _server.WorkerServer:
+    """This process's worker server (started if none runs, :mod:`loader._server`), asked to
+    import the modules of the loader's functions and parse their files before it forks the
+    loader's workers: those find them done instead of each importing and parsing them."""
+    server = _server.running(by_loader=True)
+    functions = [f for spec in specs[:1] for f in (spec.source, spec.step, spec.feeders)]
+    found = _server.modules_of(*functions)
+    server.prepare([name for name, _ in found], [path for _, path in found if path])
+    return server
 
 
-def start_worker_server(context: Any, specs: Sequence[WorkerSpec] = ()) -> None:
-    """Make sure this process's worker server runs, with DALI and the main module imported
-    once (:mod:`loader._server`): a loader's workers are forked from it without importing
-    either again. Where that server is not supported, multiprocessing's own forkserver imports
-    DALI once (:data:`FORKSERVER_PRELOAD`)."""
-    if _server.supported():
-        functions = [f for spec in specs[:1] for f in (spec.source, spec.step, spec.feeders)]
-        _server.ensure_running(_server.files_of(*functions))
-    else:
-        context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-
-
-def _alive(process: BaseProcess) -> bool:
+def _alive(process: WorkerProcess) -> bool:
     try:
         return process.is_alive()
     except ValueError:

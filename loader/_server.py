@@ -1,171 +1,191 @@
-"""The worker server: one process per trainer process that holds DALI and the main module,
-imported once, and forks every ``start_method="forkserver"`` worker. Runs in the trainer.
+"""The trainer's side of its worker server: starting it, and asking it for workers. Runs in the
+trainer.
 
-It is multiprocessing's forkserver (its serving loop, its protocol and its client side), started
-by this module instead of by multiprocessing, in one of two ways:
+A worker server (:mod:`workers.server`) is one process per trainer process with DALI imported
+(never run) and the trainer's main module imported once; every ``start_method="forkserver"``
+worker (the default) is forked from it, so a loader starts without importing DALI or the script
+again. It is the project's own, end to end, over public APIs: ``os.fork`` or ``os.posix_spawn``,
+a ``SOCK_SEQPACKET`` socketpair, ``socket.send_fds``; nothing of ``multiprocessing``'s
+forkserver. The requests and replies are :mod:`ipc.server_wire`.
+
+How it starts:
 
 ``fork``
-    Forked from the trainer at its first forkserver loader: the server has everything the
-    trainer imported (torch, numpy, the main module, its ``source`` and ``step``) without
-    importing any of it again, imports DALI (never runs it) and serves. Chosen only when that is
-    safe: DALI was never imported in the trainer (a process forked after DALI ran hangs on its
-    first operator), no CUDA driver is loaded in it (a forked child cannot use CUDA), and no
-    other Python thread runs (a lock one holds would stay locked in the server). The server
-    releases every descriptor it inherited (each becomes ``/dev/null``, so the number stays
-    taken) and freezes the inherited objects for the garbage collector, so that workers share
-    the trainer's pages instead of copying them.
+    Forked from the trainer, when that is safe (:func:`fork_refusal`): no other Python thread,
+    no DALI operator ever run (DALI's threads would be missing in the copy), no CUDA driver
+    loaded, no native thread started since the loader was imported (an OpenMP pool a forked
+    child could not use). The server then has everything the trainer imported (torch, DALI, the
+    script's imports) without importing it again; it drops the inherited descriptors and imports
+    the main module as ``__mp_main__`` (cheap: its imports are there).
 ``exec``
-    Otherwise, a fresh interpreter that imports DALI and the main module once, the latter under
-    the name ``__mp_main__`` as a spawned worker does (code under
-    ``if __name__ == "__main__":`` does not run). Python 3.11's own forkserver never preloads
-    the main module (it passes ``main_path`` to the server, while ``get_preparation_data`` names
-    it ``init_main_from_path``), so every worker forked by it imported the script again, and
-    torch with it.
+    Otherwise a fresh interpreter, which imports DALI and then the main module as
+    ``__mp_main__``, as a spawned worker would (once, instead of once per worker).
 
-A forked worker finds ``__main__`` already imported (same file) and does not import it again.
-The server lives until the trainer and every worker have exited; every later loader of the
-process uses it. ``DALI_LOADER_SERVER=exec`` (or ``fork``) chooses the way; unset, ``fork``
-when safe.
+``DALI_LOADER_SERVER=fork`` or ``exec`` forces one way (``fork`` fails when it is not safe).
+
+When it starts: at the first loader that needs it (inside a test session: a fresh interpreter,
+since a fork would carry that test's state into later tests), or earlier: the pytest plugin starts
+it at a session's start, and :func:`start_early` is meant for the end of the loader package's
+import (not called there yet). It lives until the trainer exits (it ends at end of stream on its
+socket), and every later loader uses it.
+
+Each worker is a :class:`loader._server_worker.ServerWorker`, which the pool uses as it uses a
+``multiprocessing`` process.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import fcntl
 import functools
-import gc
+import inspect
 import logging
+import multiprocessing
 import os
-import signal
 import socket
 import sys
 import threading
+import traceback
 from collections.abc import Sequence
-from multiprocessing import connection as _connection
-from multiprocessing import forkserver as _forkserver
-from multiprocessing import process, resource_tracker, spawn
-from multiprocessing import util as _util
-from typing import Any
+from multiprocessing import spawn
+from typing import TYPE_CHECKING, Any
+
+from ipc import server_wire as sw
+from workers import server as worker_server
+
+if TYPE_CHECKING:
+    from ._server_worker import ServerWorker
 
 logger = logging.getLogger("loader")
 
 #: The environment variable that chooses how the server starts: ``fork``, ``exec`` (or unset).
 SERVER_ENV = "DALI_LOADER_SERVER"
-
-#: The preparation data a fresh (``exec``) server takes from the trainer.
-_PREPARATION_KEYS = ("sys_path", "sys_argv", "dir", "init_main_from_path", "init_main_from_name")
-
-# multiprocessing's private parts this module uses (typeshed leaves them out)
-forkserver: Any = _forkserver
-connection: Any = _connection
-util: Any = _util
+#: Seconds a worker's request may wait for the server's answer (its pid): the server answers
+#: requests in order, and a Prepare may import the main module first.
+REPLY_TIMEOUT = 300.0
 
 _lock = threading.Lock()
-_how: str | None = None  # how the running server was started
+_running: WorkerServer | None = None
+
+
+def _native_threads() -> int:
+    """Threads of this process that Python did not start (OpenBLAS, OpenMP, DALI, CUDA)."""
+    try:
+        return len(os.listdir("/proc/self/task")) - threading.active_count()
+    except OSError:
+        return 0
+
+
+#: Native threads when the loader was imported: a pool started later (OpenMP after a torch
+#: operator) makes a fork of the trainer unsafe.
+_NATIVE_AT_IMPORT = _native_threads()
 
 
 def supported() -> bool:
-    """True where multiprocessing's forkserver has the shape this module relies on (its
-    serving loop takes no authentication key: Python 3.10 to 3.13)."""
-    server = getattr(forkserver, "_forkserver", None)
-    return (
-        sys.version_info < (3, 14)
-        and server is not None
-        and all(
-            hasattr(server, name)
-            for name in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
-        )
+    """True where the worker server can run (Linux: ``fork``, ``posix_spawn``, ``send_fds``)."""
+    return all(hasattr(os, name) for name in ("fork", "posix_spawn")) and hasattr(
+        socket, "send_fds"
     )
 
 
 def fork_refusal() -> str | None:
     """Why the server may not be forked from this process now, or None when it may."""
-    if any(name == "nvidia.dali" or name.startswith("nvidia.dali.") for name in sys.modules):
-        return "DALI was imported in this process"
     if threading.active_count() > 1:
-        return "other threads run in this process"
+        return "other Python threads run in this process"
     try:
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8", errors="replace") as f:
+                names.append(f.read().strip())
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            if any("libcuda.so" in line for line in maps):
-                return "a CUDA driver is loaded in this process"
+            cuda = any("libcuda.so" in line for line in maps)
     except OSError:
-        return "/proc/self/maps cannot be read"
+        return "/proc/self cannot be read"
+    if any(name.startswith("[DALI]") for name in names):
+        return "DALI has run operators in this process (its threads would be missing)"
+    if cuda:
+        return "a CUDA driver is loaded in this process"
+    if len(names) - threading.active_count() > _NATIVE_AT_IMPORT:
+        return "native threads started since the loader was imported (an OpenMP pool?)"
     return None
 
 
 def server_pid() -> int | None:
     """The pid of this process's running worker server, or None."""
-    server = forkserver._forkserver
-    pid = server._forkserver_pid
-    if pid is None:
-        return None
-    with contextlib.suppress(ChildProcessError):
-        if os.waitpid(pid, os.WNOHANG)[0] == 0:
-            return int(pid)
-    return None
+    server = _running
+    return server.pid if server is not None and server.alive() else None
 
 
 def server_fds() -> set[int]:
     """The descriptors this process keeps open for its server (to tell them from leaks)."""
-    fd = forkserver._forkserver._forkserver_alive_fd
-    return {fd} if isinstance(fd, int) else set()
+    server = _running
+    fd = server.fileno() if server is not None else -1
+    return {fd} if fd >= 0 else set()
 
 
 def started_how() -> str | None:
-    """``fork`` or ``exec`` when this module started the running server, else None."""
-    return _how if server_pid() is not None else None
+    """``fork`` or ``exec``: how the running server was started; None when none runs."""
+    server = _running
+    return server.how if server is not None and server.alive() else None
 
 
 def ensure_running(files: Sequence[str] = ()) -> str:
-    """Start the worker server unless one runs; returns how the running one was started
-    (``fork``, ``exec``, or ``multiprocessing`` when multiprocessing started it). A new server
-    parses ``files`` (those of the first loader's ``source`` and ``step``), the main module and
-    DALI's own traced files for DALI's capture before it forks any worker
-    (:func:`workers._imports.warm_source_analysis`)."""
-    global _how
-    server = forkserver._forkserver
-    with _lock, server._lock:
-        if server._forkserver_pid is not None:
-            pid, _status = os.waitpid(server._forkserver_pid, os.WNOHANG)
-            if not pid:
-                return _how or "multiprocessing"
-            os.close(server._forkserver_alive_fd)
-            server._forkserver_address = None
-            server._forkserver_alive_fd = None
-            server._forkserver_pid = None
-        resource_tracker.ensure_running()
-        how = _choose()
-        with socket.socket(socket.AF_UNIX) as listener:
-            address = connection.arbitrary_address("AF_UNIX")
-            listener.bind(address)
-            if not util.is_abstract_socket_namespace(address):
-                os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()
-            try:
-                if how == "fork":
-                    pid = _fork_server(listener.fileno(), alive_r, alive_w, list(files))
-                else:
-                    pid = _exec_server(listener.fileno(), alive_r, list(files))
-            except BaseException:
-                os.close(alive_w)
-                raise
-            finally:
-                os.close(alive_r)
-        server._forkserver_address = address
-        server._forkserver_alive_fd = alive_w
-        server._forkserver_pid = pid
-        _how = how
-        logger.debug("worker server started (%s), pid %d", how, pid)
-        return how
+    """Start this process's worker server unless one runs; returns how the running one was
+    started (``fork`` or ``exec``). ``files`` are parsed for DALI's capture in the server
+    before it forks a worker (those of the suite's or first loader's ``source`` and ``step``)."""
+    return running(files).how
 
 
-def _choose() -> str:
+def running(files: Sequence[str] = (), *, by_loader: bool = False) -> WorkerServer:
+    """This process's worker server, started if none runs (:func:`ensure_running`).
+    ``by_loader``: a loader needs it now; in a test session that means inside a test, whose
+    state (its monkeypatches) a fork would carry into every later test's workers, so the
+    server is then a fresh interpreter (the pytest plugin starts it before the first test)."""
+    global _running
+    with _lock:
+        server = _running
+        if server is None or not server.alive():
+            if server is not None:
+                server.forget()
+            in_test = by_loader and "_pytest" in sys.modules
+            _running = server = WorkerServer.start(_choose(in_test))
+            logger.debug("worker server started (%s), pid %d", server.how, server.pid)
+        if files:
+            server.prepare((), files)
+        return server
+
+
+def start_early() -> str | None:
+    """Start the worker server now, in the background, if this process is a trainer that will
+    use it: the default start method is the server's, this is no ``multiprocessing`` child or
+    worker server, no test session (the plugin starts it there), and a fork is safe now (an
+    ``exec`` server waits for the first loader). Meant for the end of the loader package's
+    import, when a script has not yet started threads or CUDA. Returns how it started, or None."""
+    from ._config import START_METHOD_ENV, _process_default
+
+    method = _process_default or os.environ.get(START_METHOD_ENV, "") or "forkserver"
+    if (
+        method != "forkserver"
+        or not supported()
+        or worker_server.serving()
+        or multiprocessing.parent_process() is not None
+        or "_pytest" in sys.modules
+        or os.environ.get(SERVER_ENV, "") not in ("", "fork")
+        or fork_refusal() is not None
+    ):
+        return None
+    return ensure_running()
+
+
+def _choose(in_test: bool = False) -> str:
     wanted = os.environ.get(SERVER_ENV, "")
     if wanted not in ("", "fork", "exec"):
         raise ValueError(f"{SERVER_ENV} must be 'fork' or 'exec' (or unset), got {wanted!r}")
     if wanted == "exec":
         return "exec"
-    refusal = fork_refusal()
+    refusal = "a test is running (its state would reach later tests)" if in_test else None
+    refusal = refusal or fork_refusal()
     if refusal is None:
         return "fork"
     if wanted == "fork":
@@ -177,100 +197,163 @@ def _choose() -> str:
     return "exec"
 
 
-def _exec_server(listener_fd: int, alive_r: int, files: list[str]) -> int:
-    data = spawn.get_preparation_data("dali-loader-forkserver")
-    preparation = {key: value for key, value in data.items() if key in _PREPARATION_KEYS}
-    command = (
-        "from loader._server import serve_forkserver; "
-        f"serve_forkserver({listener_fd}, {alive_r}, {preparation!r}, {files!r})"
+def _setup() -> sw.Setup:
+    """The trainer's main module and interpreter state (as ``multiprocessing.spawn`` finds
+    them for a spawned child)."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    path = getattr(main, "__file__", None)
+    return sw.Setup(
+        main_path=os.path.abspath(path) if isinstance(path, str) else None,
+        main_name=name if isinstance(name, str) else None,
+        sys_path=tuple(sys.path),
+        argv=tuple(sys.argv),
+        cwd=os.getcwd(),
     )
-    executable = spawn.get_executable()
-    arguments = [executable, *util._args_from_interpreter_flags(), "-c", command]
-    return int(util.spawnv_passfds(executable, arguments, [listener_fd, alive_r]))
 
 
-def serve_forkserver(
-    listener_fd: int, alive_r: int, preparation: dict[str, Any], files: list[str]
-) -> None:
-    """A fresh server's entry point: import the main module (as ``__mp_main__``, the way a
-    spawned worker does) and DALI, then serve. A main module that fails to import is left to
-    each worker, whose own import of it then fails and is reported by the trainer."""
-    current = process.current_process()
-    current._inheriting = True  # type: ignore[attr-defined]
-    try:
-        spawn.prepare(preparation)
-    except BaseException:  # the workers report it (module docstring)
-        logger.debug("worker server: the main module did not import", exc_info=True)
-    finally:
-        del current._inheriting  # type: ignore[attr-defined]
-    _import_dali(files)
-    forkserver.main(listener_fd, alive_r, [])
+def _executing_modules() -> list[str]:
+    """The modules whose code is running on this thread's stack (an import in progress)."""
+    names = []
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            name = frame.f_globals.get("__name__")
+            if isinstance(name, str):
+                names.append(name)
+        frame = frame.f_back
+    return names
 
 
-def _fork_server(listener_fd: int, alive_r: int, alive_w: int, files: list[str]) -> int:
+class WorkerServer:
+    """The trainer's handle on its running server: its pid, how it started, the socket to it."""
+
+    def __init__(self, pid: int, how: str, sock: socket.socket) -> None:
+        self.pid = pid
+        self.how = how
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self._exited = False
+
+    @classmethod
+    def start(cls, how: str) -> WorkerServer:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = _fork_server(ours, theirs) if how == "fork" else _exec_server(theirs)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        server = cls(pid, how, ours)
+        server.send(_setup())
+        return server
+
+    def fileno(self) -> int:
+        """The socket's descriptor (-1 once closed)."""
+        return self._sock.fileno()
+
+    def alive(self) -> bool:
+        """False once the server has exited (and is reaped: it is this process's child)."""
+        if not self._exited:
+            try:
+                self._exited = os.waitpid(self.pid, os.WNOHANG)[0] != 0
+            except ChildProcessError:
+                self._exited = True
+        return not self._exited
+
+    def forget(self) -> None:
+        """Close the socket to a server that has exited."""
+        self._sock.close()
+
+    def send(self, request: sw.Request, fds: list[int] | None = None) -> None:
+        with self._send_lock:
+            sw.send_request(self._sock, request, fds)
+
+    def prepare(self, modules: Sequence[str], files: Sequence[str]) -> None:
+        """Ask the server to import ``modules`` and parse ``files`` before the next fork."""
+        self.send(sw.Prepare(tuple(modules), tuple(files)))
+
+    def worker(
+        self, name: str, spec: Any, fds: Sequence[int], environ: dict[str, str]
+    ) -> ServerWorker:
+        """A worker to be forked by this server (started by :meth:`ServerWorker.start`)."""
+        from ._server_worker import ServerWorker
+
+        return ServerWorker(self, name, spec, fds, environ)
+
+
+def _fork_server(ours: socket.socket, theirs: socket.socket) -> int:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     pid = os.fork()
     if pid:
         return pid
-    code = 1
-    try:
-        # the trainer held these while forking: a worker starting a forkserver of its own must
-        # find them free
-        global _lock
-        _lock = threading.Lock()
-        forkserver._forkserver._lock = threading.Lock()
-        os.close(alive_w)
-        _release_inherited(keep={0, 1, 2, listener_fd, alive_r})
-        _import_dali(files)
-        gc.freeze()
-        forkserver.main(listener_fd, alive_r, [])
-        code = 0
-    except SystemExit as stop:  # the serving loop's end: every client is gone
-        code = stop.code if isinstance(stop.code, int) else 0
-    except BaseException:  # never return into the trainer's code
+    try:  # the child: becomes the server and never returns into the trainer's code
+        ours.close()
+        worker_server.serve_forked(theirs, _executing_modules())
+    except BaseException:
         with contextlib.suppress(Exception):
-            import traceback
-
             traceback.print_exc()
     finally:
-        os._exit(code)
-    raise AssertionError("unreachable")  # pragma: no cover
+        os._exit(1)
 
 
-def _release_inherited(keep: set[int]) -> None:
-    """Point every inherited descriptor but ``keep`` at /dev/null: the files, pipes and sockets
-    of the trainer are released, and the numbers stay taken (a trainer object that closes one
-    later closes /dev/null, not a descriptor of the server's own)."""
-    null = os.open(os.devnull, os.O_RDWR)
+def _exec_server(theirs: socket.socket) -> int:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(worker_server.__file__)))
+    command = (
+        f"import sys; sys.path.insert(0, {root!r}); "
+        "from workers.server import serve_fresh; serve_fresh(3)"
+    )
+    executable = spawn.get_executable() or sys.executable
+    # a copy numbered above 3, so that the child's dup2 onto 3 always clears close-on-exec
+    fd = fcntl.fcntl(theirs.fileno(), fcntl.F_DUPFD_CLOEXEC, 10)
     try:
-        for name in os.listdir("/proc/self/fd"):
-            fd = int(name)
-            if fd in keep or fd == null:
-                continue
-            with contextlib.suppress(OSError):
-                os.fstat(fd)  # not the listing's own descriptor, closed by now
-                os.dup2(null, fd)
+        return os.posix_spawn(
+            executable,
+            [executable, "-c", command],
+            dict(os.environ),
+            file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, fd, 3),
+            ],
+        )
     finally:
-        os.close(null)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.close(fd)
 
 
-def _import_dali(files: list[str]) -> None:
-    from workers import prepare_worker_server
+def _forget_in_child() -> None:
+    """In any child forked from this process (a worker server among them): the trainer's
+    server is not the child's, and the lock may have been held by another thread."""
+    global _lock, _running
+    _lock = threading.Lock()
+    server, _running = _running, None
+    if server is not None:
+        server.forget()
 
-    prepare_worker_server(files)
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def files_of(*functions: Any) -> list[str]:
-    """The source files of the modules that define ``functions`` (partials unwrapped)."""
-    files = []
+@atexit.register
+def _close_at_exit() -> None:
+    """At the trainer's exit: close the socket, and the server ends (registered at import, so
+    it runs after the handlers of what came later, loaders' among them)."""
+    server = _running
+    if server is not None:
+        server.forget()
+
+
+def modules_of(*functions: Any) -> list[tuple[str, str | None]]:
+    """(module name, source file) of each function (partials unwrapped), in order, once."""
+    found: dict[str, str | None] = {}
     for function in functions:
         while isinstance(function, functools.partial):
             function = function.func
-        module = sys.modules.get(getattr(function, "__module__", None) or "")
-        path = getattr(module, "__file__", None)
-        if isinstance(path, str):
-            files.append(path)
-    return files
+        name = getattr(function, "__module__", None)
+        if not isinstance(name, str) or name in found:
+            continue
+        path = getattr(sys.modules.get(name), "__file__", None)
+        found[name] = path if isinstance(path, str) else None
+    return list(found.items())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-import multiprocessing
+import inspect
 import pickle
 import sys
 from typing import Any
@@ -20,15 +20,19 @@ MAIN_GUARD_HINT = (
 def check_not_importing_main() -> None:
     """Refuse a Loader made while a new process imports the trainer's main module.
 
-    A spawned (or forkserver) worker imports the main module to find ``source`` and ``step``.
-    A script that makes its Loader at module level would make one there too: each worker would
-    try to start workers of its own. Multiprocessing's own error says it in general terms."""
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise RuntimeError(
-            "Loader(...) was called while a new process (a loader worker) was importing the "
-            "trainer's main module: the code that makes the Loader runs at import time. Put it "
-            'under `if __name__ == "__main__":` (or in a function that block calls)'
-        )
+    A worker, or the worker server, imports the main module (as ``__mp_main__``, code under
+    ``if __name__ == "__main__":`` skipped) to find ``source`` and ``step``. A script that makes
+    its Loader at module level would make one there too: each worker would try to start workers
+    of its own. Seen from the stack: the body of a module named ``__mp_main__`` is running."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            raise RuntimeError(
+                "Loader(...) was called while a new process (a loader worker) was importing the "
+                "trainer's main module: the code that makes the Loader runs at import time. Put "
+                'it under `if __name__ == "__main__":` (or in a function that block calls)'
+            )
+        frame = frame.f_back
 
 
 def check_importable(fn: Any, what: str) -> None:

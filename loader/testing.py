@@ -19,12 +19,19 @@ blamed. A leak report names the kinds it found. It also names a Loader the test 
 not close: one still open, and one dropped while part of a reference cycle, so that its workers
 ran until the garbage collector found it (a Loader dropped otherwise closes at once).
 
-The worker server: one per test process (under pytest-xdist, one per xdist worker: nothing is
-shared between them), started once with DALI imported and the suite's modules parsed for DALI's
-capture, and kept for the session; a Loader made without ``start_method`` in the test process then
-uses ``"forkserver"`` (a process-wide default that scripts run by a test do not inherit, unlike
-``DALI_LOADER_START_METHOD``), so its workers are forked from that server instead of each
-importing DALI and the test modules (:mod:`loader._server`).
+The worker server: Loaders made without ``start_method`` fork their workers from one worker server
+per process (:mod:`loader._server`; the default start method, ``"forkserver"``). In a test
+session that uses DALI (a module under the root directory that mentions ``nvidia.dali`` is
+imported), the plugin starts that server at the session's start, before any test runs: under
+pytest-xdist one per xdist worker (nothing is shared between them), with DALI imported and the
+suite's DALI-calling files parsed for DALI's capture, kept for the session. Every worker of every
+test is then forked from a copy of the session as it was before the first test (a test's
+monkeypatches do not reach later tests' workers), and gets the test's environment, working
+directory and import path at the moment it starts, as a spawned worker would.
+``--no-loader-worker-server`` (or ``loader_worker_server = false`` in the ini file) leaves the
+server to the first loader; ``--loader-worker-server`` (or the ``loader_worker_server`` fixture)
+also makes it the start method of Loaders made without one when ``DALI_LOADER_START_METHOD``
+says otherwise.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import psutil
 import pytest
 
 from . import _server
-from ._config import set_default_start_method
+from ._config import _check_start_method, set_default_start_method
 from ._loader import OPEN_LOADERS
 from ._resume_check import assert_resumes_exactly
 
@@ -98,25 +105,26 @@ def _helper_pids() -> set[int]:
 
 
 def _helper_fds() -> set[int]:
-    fds: set[int] = set()
-    try:
-        from multiprocessing import resource_tracker
-
-        fd = getattr(resource_tracker._resource_tracker, "_fd", None)
-        if fd is not None:
-            fds.add(fd)
-    except Exception:
-        pass
-    try:
-        from multiprocessing import forkserver
-
-        server = forkserver._forkserver
-        for name in ("_forkserver_alive_fd", "_forkserver_authkey"):
-            value = getattr(server, name, None)
-            if isinstance(value, int):
-                fds.add(value)
-    except Exception:
-        pass
+    """This process's descriptors that belong to long-lived helpers: the worker server's socket,
+    and every pipe shared with a helper process (multiprocessing's resource tracker or
+    forkserver: the same pipe inode is open in that process)."""
+    fds = set(_server.server_fds())
+    shared: set[str] = set()
+    for pid in _helper_pids():
+        try:
+            for name in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{name}")
+                if target.startswith("pipe:"):
+                    shared.add(target)
+        except OSError:
+            continue
+    if shared:
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{name}") in shared:
+                    fds.add(int(name))
+            except OSError:
+                continue
     return fds
 
 
@@ -329,12 +337,10 @@ def leak_check() -> Iterator[None]:
 
 def start_worker_server(files: Sequence[str] = ()) -> str:
     """Start this process's worker server now (DALI imported, nothing run, ``files`` parsed for
-    DALI's capture) and make Loaders made without ``start_method`` use it; returns how it was
-    started (``fork`` or ``exec``, :mod:`loader._server`). The server stays up until the
-    process exits."""
+    DALI's capture) and make Loaders made without ``start_method`` use it, whatever
+    ``DALI_LOADER_START_METHOD`` says; returns how it was started (``fork`` or ``exec``,
+    :mod:`loader._server`). The server stays up until the process exits."""
     set_default_start_method("forkserver")
-    if not _server.supported():
-        return "multiprocessing"
     return _server.ensure_running(files)
 
 
@@ -361,23 +367,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--loader-worker-server",
         action="store_true",
+        dest="loader_worker_server",
         default=None,
-        help="start one loader worker server per test process (DALI imported once) and make "
-        "Loaders made without start_method use it",
+        help="start one loader worker server per test process at the session's start (DALI "
+        "imported once) and make Loaders made without start_method use it (the default when "
+        "the suite uses DALI, unless DALI_LOADER_START_METHOD=spawn)",
+    )
+    group.addoption(
+        "--no-loader-worker-server",
+        action="store_false",
+        dest="loader_worker_server",
+        help="do not start the loader worker server at the session's start (the first Loader "
+        "that needs it starts it)",
     )
     parser.addini(
         "loader_worker_server",
         type="bool",
-        default=False,
-        help="as --loader-worker-server, for every run",
+        default=True,
+        help="false: as --no-loader-worker-server, for every run",
     )
-
-
-def _server_wanted(config: pytest.Config) -> bool:
-    option = config.getoption("--loader-worker-server", default=None)
-    if option is not None:
-        return bool(option)
-    return bool(config.getini("loader_worker_server"))
 
 
 @pytest.fixture(scope="session")
@@ -391,6 +399,18 @@ def loader_worker_server(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.fixture(autouse=True, scope="session")
 def _loader_worker_server_option(request: pytest.FixtureRequest) -> None:
-    """``--loader-worker-server`` / the ini option: the server for every test of the session."""
-    if _server_wanted(request.config):
+    """The worker server for every test of the session (module docstring): forced by
+    ``--loader-worker-server``; by default when the suite uses DALI and Loaders made without
+    ``start_method`` use the server."""
+    config = request.config
+    wanted = config.getoption("loader_worker_server", default=None)
+    if wanted:
         request.getfixturevalue("loader_worker_server")
+        return
+    if wanted is False or not config.getini("loader_worker_server"):
+        return
+    if not _server.supported() or _check_start_method(None) != "forkserver":
+        return
+    files = dali_calling_files(config.rootpath)
+    if files:
+        _server.ensure_running(files)

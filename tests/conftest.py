@@ -1,6 +1,7 @@
-"""Shared fixtures: every test is leak-checked; image datasets are generated once per process;
-loaders made without ``start_method`` fork their workers from one worker server per test process
-(the plugin's ``loader_worker_server``)."""
+"""Shared fixtures: every test is leak-checked; image datasets are generated once per process.
+Loaders made without ``start_method`` fork their workers from one worker server per test process,
+which the package's pytest plugin starts at the session's start (its default for a suite that
+uses DALI); tests of spawn itself pass ``start_method="spawn"``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loader.sample import write_sample_dataset
-from workers._folder_index import CACHE_DIR_ENV
+from workers.sources._folder_index import CACHE_DIR_ENV
 
 pytest_plugins = ["pytester"]
 
@@ -19,14 +20,6 @@ pytest_plugins = ["pytester"]
 def _no_leaks(leak_check: None) -> Iterator[None]:
     """No child process, memfd/socket/pipe descriptor or /dev/shm entry may outlive a test
     (``leak_check`` comes from the package's own pytest plugin, ``loader.testing``)."""
-    yield
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _worker_server(_cache_dir: None, loader_worker_server: str) -> Iterator[None]:
-    """A Loader made without ``start_method`` forks its workers from this process's worker
-    server (DALI imported once; ~0.2 s to a first batch instead of ~1.5 s for two spawned
-    workers). Tests of spawn itself pass ``start_method="spawn"``."""
     yield
 
 

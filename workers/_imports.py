@@ -9,11 +9,12 @@ that imports torch gets it as usual.
 
 It helps only where torch is not imported already: a spawned worker imports the trainer's main
 module first, so a main script with ``import torch`` at its top (as most training scripts have)
-gains nothing there; under ``forkserver`` the worker server imports DALI and the main module once
-for every worker (:mod:`loader._server`). ``DALI_LOADER_DEFER_TORCH=0`` turns it off.
+gains nothing there; with ``forkserver`` (the default) the worker server imports DALI and the
+main module once for every worker (:mod:`workers.server`), and a server forked from a trainer
+that imported torch has it already. ``DALI_LOADER_DEFER_TORCH=0`` turns it off.
 
 :func:`warm_source_analysis` does, in the worker server, the part of a first trace that does not
-run DALI: DALI 2.4's capture parses each file that calls an operator (libcst; 0.1-0.5 s per file
+run DALI: DALI 2.4's capture parses each file that calls an operator (libcst; 0.1-0.8 s per file
 and process on the 2-core machine), and caches the result per file; parsed once in the server,
 every forked worker finds it cached.
 """

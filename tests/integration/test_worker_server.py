@@ -1,21 +1,33 @@
-"""The forkserver's worker server (loader._server): how it starts, what it imports, and that
-the workers it forks need not import the main module again."""
+"""The worker server (loader/_server.py, workers/server.py): the default start method; how the
+server starts (forked from a clean trainer, else a fresh interpreter), what it imports, what a
+forked worker takes from the trainer, and that the server ends with its trainer."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from loader import _config
+from loader import Loader, WorkerDiedError, _config, _server
 
 pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parents[2]
+
+#: A module the main script imports at its top: a line in imports.txt per process that runs it.
+HEAVY = """
+import os
+
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "imports.txt"), "a") as f:
+    f.write(f"{os.getpid()} heavy\\n")
+"""
 
 #: A main script whose every import outside the trainer is counted (a line in imports.txt per
 #: process that imports it under another name than __main__), with {top} at its top.
@@ -24,6 +36,8 @@ SCRIPT = """
 import json
 import os
 import sys
+
+import heavy
 
 if __name__ != "__main__":
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "imports.txt"), "a") as f:
@@ -45,7 +59,7 @@ class Ids:
             yield ndd.as_batch([np.array([i]) for i in self.mine[start:start + 4]])
 
 
-def ids(shard):  # DALI is imported in the workers only
+def ids(shard):
     import nvidia.dali.experimental.dynamic as ndd
 
     return ndd.ExternalSource(Ids(shard), cycle="raise")
@@ -58,28 +72,46 @@ def step(batch):
 
 
 def main():
-    pids = []
+    pids, parents = [], set()
     for _ in range(2):
-        with Loader(ids, step, batch_size=4, start_method="forkserver") as loader:
+        with Loader(ids, step, batch_size=4) as loader:  # the default start method
             got = sorted(int(v) for b in loader for v in np.asarray(b["id"]).ravel())
             assert got == list(range(32)), got
             pids += loader.worker_pids()
+            parents |= {{psutil.Process(pid).ppid() for pid in loader.worker_pids()}}
     print(json.dumps({{"how": _server.started_how(), "server": _server.server_pid(),
-                       "workers": pids}}))
+                       "workers": pids, "parents": sorted(parents),
+                       "method": loader.config.start_method}}))
 
 
 if __name__ == "__main__":
+    import psutil
+
     main()
 """
 
+#: DALI imported and run in the trainer before its first loader.
+DALI_RAN = """
+import numpy as np
+import nvidia.dali.experimental.dynamic as ndd
 
-def run_script(tmp_path: Path, top: str, server: str | None) -> tuple[dict[str, object], list[str]]:
+ndd.cast(ndd.as_batch([np.zeros(2)]), dtype=ndd.int32).evaluate()
+"""
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DALI_LOADER_")}
+    env.update(PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def run_script(
+    tmp_path: Path, top: str, server: str | None
+) -> tuple[dict[str, object], list[tuple[int, str]]]:
+    (tmp_path / "heavy.py").write_text(HEAVY)
     script = tmp_path / "main_script.py"
     script.write_text(SCRIPT.format(top=top))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DALI_LOADER_")}
-    env["PYTHONPATH"] = str(ROOT)
-    if server is not None:
-        env["DALI_LOADER_SERVER"] = server
+    env = clean_env(**({"DALI_LOADER_SERVER": server} if server else {}))
     done = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
@@ -89,55 +121,70 @@ def run_script(tmp_path: Path, top: str, server: str | None) -> tuple[dict[str, 
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    imports = tmp_path / "imports.txt"
-    lines = imports.read_text().split("\n") if imports.exists() else []
-    return json.loads(done.stdout.strip().splitlines()[-1]), [line for line in lines if line]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = (tmp_path / "imports.txt").read_text().split("\n")
+    imports = [(int(pid), name) for pid, name in (line.split() for line in lines if line)]
+    return found, imports
+
+
+def test_a_script_importing_dali_at_its_top_gets_a_forked_server_by_default(
+    tmp_path: Path,
+) -> None:
+    """The README's shape (DALI imported at the top, nothing run): with no setting, the server
+    is forked from the trainer, imports the main script once as __mp_main__ and nothing it
+    imported again (heavy.py runs in the trainer only); the workers of both loaders are the
+    server's children and import nothing."""
+    found, imports = run_script(tmp_path, "import nvidia.dali.experimental.dynamic", None)
+    assert found["how"] == "fork"
+    assert found["method"] == "forkserver"
+    assert found["parents"] == [found["server"]]
+    assert len(found["workers"]) == 4  # type: ignore[arg-type]
+    trainer = [pid for pid, name in imports if name == "heavy" and pid != found["server"]]
+    assert [name for _pid, name in imports] == ["heavy", "__mp_main__"], imports
+    assert imports[1][0] == found["server"] and len(trainer) == 1
 
 
 def test_a_fresh_server_imports_the_main_module_once_as_mp_main(tmp_path: Path) -> None:
-    """exec: the server imports the script once, as __mp_main__ (its __main__ block does not
-    run there); the four workers of two loaders import it no more."""
+    """exec: the server imports the script (and what it imports) once, as __mp_main__ (its
+    __main__ block does not run there); the four workers of two loaders import it no more."""
     found, imports = run_script(tmp_path, "import numpy", "exec")
     assert found["how"] == "exec"
-    assert [line.split()[1] for line in imports] == ["__mp_main__"], imports
-    assert imports[0].split()[0] == str(found["server"])
+    assert [name for _pid, name in imports] == ["heavy", "heavy", "__mp_main__"], imports
+    assert {pid for pid, _name in imports[1:]} == {found["server"]}
 
 
-def test_a_server_forked_from_the_trainer_imports_nothing_again(tmp_path: Path) -> None:
-    """fork (chosen by default where safe): the script is never imported again, and the workers
-    are the server's children."""
-    found, imports = run_script(tmp_path, "import numpy", None)
-    assert found["how"] == "fork"
-    assert imports == []
-    assert len(found["workers"]) == 4  # type: ignore[arg-type]
-
-
-def test_the_server_is_not_forked_from_a_trainer_that_imported_dali(tmp_path: Path) -> None:
-    found, imports = run_script(tmp_path, "import nvidia.dali.experimental.dynamic", None)
+def test_a_trainer_that_ran_dali_gets_a_fresh_server(tmp_path: Path) -> None:
+    """A fork of a process whose DALI threads run would hang: that trainer's server is a new
+    interpreter, found without any setting."""
+    found, _imports = run_script(tmp_path, DALI_RAN, None)
     assert found["how"] == "exec"
-    assert len(imports) == 1
+    assert found["parents"] == [found["server"]]
 
 
 def test_a_forced_fork_is_refused_when_unsafe(tmp_path: Path) -> None:
+    (tmp_path / "heavy.py").write_text(HEAVY)
     script = tmp_path / "main_script.py"
-    script.write_text(SCRIPT.format(top="import nvidia.dali.experimental.dynamic"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DALI_LOADER_")}
-    env.update(PYTHONPATH=str(ROOT), DALI_LOADER_SERVER="fork")
+    script.write_text(SCRIPT.format(top=DALI_RAN))
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=200, env=env
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=clean_env(DALI_LOADER_SERVER="fork"),
     )
     assert done.returncode != 0
-    assert "DALI was imported in this process" in done.stderr
+    assert "DALI has run operators in this process" in done.stderr
+    assert "Unset DALI_LOADER_SERVER" in done.stderr
 
 
 def test_the_default_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(_config.START_METHOD_ENV, raising=False)
     previous = _config.set_default_start_method(None)
     try:
-        assert _config._check_start_method(None) == "spawn"
-        monkeypatch.setenv(_config.START_METHOD_ENV, "forkserver")
         assert _config._check_start_method(None) == "forkserver"
-        assert _config._check_start_method("spawn") == "spawn"
+        monkeypatch.setenv(_config.START_METHOD_ENV, "spawn")
+        assert _config._check_start_method(None) == "spawn"
+        assert _config._check_start_method("forkserver") == "forkserver"
         monkeypatch.setenv(_config.START_METHOD_ENV, "fork")
         with pytest.raises(ValueError, match="DALI_LOADER_START_METHOD='fork'"):
             _config._check_start_method(None)
@@ -148,20 +195,32 @@ def test_the_default_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class MarkBatches:
-    """One batch of 4 samples, each the value of LOADER_TEST_MARK in the worker."""
+    """One batch of 4 samples, each what ``read_mark`` finds in the worker."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         import numpy as np
         import nvidia.dali.experimental.dynamic as ndd
 
-        mark = int(os.environ.get("LOADER_TEST_MARK", "0"))
-        yield ndd.as_batch([np.array([mark], dtype=np.int64)] * 4)
+        yield ndd.as_batch([np.array([read_mark(self.kind)], dtype=np.int64)] * 4)
 
 
-def mark_source(shard: object) -> object:
+def read_mark(kind: str) -> int:
+    if kind == "env":
+        return int(os.environ.get("LOADER_TEST_MARK", "0"))
+    if kind == "cwd":
+        return int(Path("mark.txt").read_text())  # relative to the working directory
+    import loader_test_mark  # importable only through a sys.path entry added by the test
+
+    return int(loader_test_mark.MARK)
+
+
+def mark_source(shard: object, kind: str) -> object:
     import nvidia.dali.experimental.dynamic as ndd
 
-    return ndd.ExternalSource(MarkBatches(), cycle="raise")
+    return ndd.ExternalSource(MarkBatches(kind), cycle="raise")
 
 
 def mark_step(batch: object) -> dict[str, object]:
@@ -170,13 +229,12 @@ def mark_step(batch: object) -> dict[str, object]:
     return {"mark": ndd.cast(batch, dtype=ndd.int64)}
 
 
-def marks(monkeypatch: pytest.MonkeyPatch, value: str) -> set[int]:
-    from loader import Loader
+def marks(kind: str) -> set[int]:
+    import functools
 
-    monkeypatch.setenv("LOADER_TEST_MARK", value)
-    with Loader(
-        mark_source, mark_step, batch_size=4, num_workers=1, start_method="forkserver"
-    ) as loader:
+    source = functools.partial(mark_source, kind=kind)
+    with Loader(source, mark_step, batch_size=4, num_workers=1) as loader:
+        assert _server.server_pid() in {psutil.Process(p).ppid() for p in loader.worker_pids()}
         return {int(v) for b in loader for v in b["mark"].ravel()}
 
 
@@ -184,5 +242,109 @@ def test_forked_workers_get_the_trainers_environment_of_now(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """As a spawned worker does: a variable set after the server started reaches the workers."""
-    assert marks(monkeypatch, "3") == {3}
-    assert marks(monkeypatch, "5") == {5}
+    monkeypatch.setenv("LOADER_TEST_MARK", "3")
+    assert marks("env") == {3}
+    monkeypatch.setenv("LOADER_TEST_MARK", "5")
+    assert marks("env") == {5}
+
+
+def test_forked_workers_get_the_trainers_directory_and_path_of_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "mark.txt").write_text("7")
+    (tmp_path / "loader_test_mark.py").write_text("MARK = 11\n")
+    monkeypatch.chdir(tmp_path)
+    assert marks("cwd") == {7}
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert marks("path") == {11}
+
+
+def test_a_worker_killed_by_a_signal_is_reported_through_the_server() -> None:
+    """The server reaps its children and writes each exit code to the trainer: a worker killed
+    by SIGKILL is a WorkerDiedError that names the signal, at once."""
+    from tests import pipelines as P
+
+    with Loader(P.sample_source, P.cast_step, batch_size=4, num_workers=1) as loader:
+        batches = iter(loader)
+        next(batches)
+        os.kill(loader.worker_pids()[0], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError, match="SIGKILL"):
+            for _ in batches:
+                pass
+
+
+EARLY_PACKAGE = """
+from loader import _server
+
+HOW = _server.start_early()  # what the loader package's import does at its end
+
+import nvidia.dali.experimental.dynamic as ndd
+
+
+def source(shard):  # defined after the server was forked
+    import numpy as np
+
+    return ndd.ExternalSource(iter([ndd.as_batch([np.array([shard.index])] * 4)]), cycle="raise")
+
+
+def step(batch):
+    return {"x": ndd.cast(batch, dtype=ndd.int64)}
+"""
+
+EARLY_SCRIPT = """
+import json
+import mylib
+from loader import Loader, _server
+
+if __name__ == "__main__":
+    server = _server.server_pid()
+    with Loader(mylib.source, mylib.step, batch_size=4) as loader:
+        xs = sorted(int(v) for b in loader for v in b["x"].ravel())
+    print(json.dumps({"early": mylib.HOW, "same": server == _server.server_pid(), "xs": xs}))
+"""
+
+
+def test_an_early_server_imports_the_modules_it_was_forked_in_again(tmp_path: Path) -> None:
+    """A server started in the middle of an import (mylib's top, before mylib defines its
+    functions) drops the modules still executing and imports them when a loader needs them:
+    the loader's workers find mylib.source, and the early server is the one used."""
+    (tmp_path / "mylib.py").write_text(EARLY_PACKAGE)
+    (tmp_path / "main.py").write_text(EARLY_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "main.py"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=clean_env(),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == {"early": "fork", "same": True, "xs": [0, 0, 0, 0, 1, 1, 1, 1]}
+
+
+def test_the_server_ends_with_its_trainer(tmp_path: Path) -> None:
+    """Nothing outlives the trainer: the server sees the end of its socket and exits, even
+    when the trainer is killed."""
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import sys, time\n"
+        "from loader import _server\n"
+        "print(_server.ensure_running(), _server.server_pid(), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    trainer = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=clean_env()
+    )
+    try:
+        assert trainer.stdout is not None
+        how, pid = trainer.stdout.readline().split()
+        server = psutil.Process(int(pid))
+        assert how == "fork" and server.ppid() == trainer.pid
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+    deadline = time.monotonic() + 10
+    while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the worker server outlived its trainer"
+        time.sleep(0.05)

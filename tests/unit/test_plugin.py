@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -156,13 +157,16 @@ SERVER_SUITE = {
         import nvidia.dali.experimental.dynamic as ndd
         import numpy as np
 
+        OFFSET = 0  # a test changes it in the test process: workers must not see it
+
         class Ids:
             def __init__(self, shard):
                 self.ids = list(range(shard.index, 32, shard.count))
 
             def __iter__(self):
                 for start in range(0, len(self.ids), 4):
-                    yield ndd.as_batch([np.array([i]) for i in self.ids[start:start + 4]])
+                    chunk = self.ids[start:start + 4]
+                    yield ndd.as_batch([np.array([i + OFFSET]) for i in chunk])
 
         def source(shard):
             return ndd.ExternalSource(Ids(shard), cycle="raise")
@@ -179,8 +183,13 @@ SERVER_SUITE = {
 
         SERVERS = []
 
+        def test_aa_server_before_any_loader():
+            with open(os.path.join(os.path.dirname(__file__), "early.txt"), "a") as out:
+                out.write(f"{os.getpid()} {_server.server_pid()}\\n")
+
         @pytest.mark.parametrize("n", range(4))
-        def test_loader(leak_check, n):
+        def test_loader(leak_check, monkeypatch, n):
+            monkeypatch.setattr(steps, "OFFSET", 1000 + n)
             with Loader(steps.source, steps.step, batch_size=4, num_workers=2) as loader:
                 ids = sorted(int(v) for b in loader for v in b["id"].ravel())
                 parents = {psutil.Process(pid).ppid() for pid in loader.worker_pids()}
@@ -197,21 +206,70 @@ SERVER_SUITE = {
 }
 
 
-@pytest.mark.parametrize("xdist", [False, True], ids=["serial", "xdist"])
-def test_worker_server_option_serves_a_suite(pytester: pytest.Pytester, xdist: bool) -> None:
-    """--loader-worker-server: Loaders made without start_method fork their workers from one
-    server per test process (one per xdist worker under -n 2), leak_check stays green."""
+def read_pairs(path: Path) -> set[tuple[str, str]]:
+    lines = path.read_text().split("\n") if path.exists() else []
+    return {(line.split()[0], line.split()[1]) for line in lines if line}
+
+
+@pytest.mark.parametrize(
+    ("xdist", "option"),
+    [
+        (False, None),
+        (True, None),
+        (False, "--loader-worker-server"),
+        (False, "--no-loader-worker-server"),
+    ],
+    ids=["serial", "xdist", "flag", "no-flag"],
+)
+def test_a_suite_gets_one_worker_server_per_test_process(
+    pytester: pytest.Pytester, xdist: bool, option: str | None
+) -> None:
+    """By default (and with --loader-worker-server): the plugin starts one worker server per
+    test process (one per xdist worker under -n 2) before the first test, Loaders made without
+    start_method fork their workers from it, leak_check stays green, and a test's monkeypatch
+    does not reach any worker (they are forked from the session as it was before the tests).
+    With --no-loader-worker-server the first Loader starts it instead."""
     import textwrap
 
     for name, text in SERVER_SUITE.items():
         pytester.path.joinpath(name).write_text(textwrap.dedent(text))
-    arguments = ["-p", "no:cacheprovider", "--loader-worker-server"]
+    arguments = ["-p", "no:cacheprovider", *([option] if option else [])]
     arguments += ["-n", "2"] if xdist else ["-p", "no:xdist"]
     result = pytester.runpytest_subprocess(*arguments, timeout=240)
-    result.assert_outcomes(passed=5)
-    lines = pytester.path.joinpath("servers.txt").read_text().split("\n")
-    pairs = {tuple(line.split()) for line in lines if line}
+    result.assert_outcomes(passed=6)
+    pairs = read_pairs(pytester.path / "servers.txt")
     processes = {process for process, _server in pairs}
     servers = {server for _process, server in pairs}
     assert len(processes) == (2 if xdist else 1), pairs  # (4 tests: both xdist workers build)
     assert len(servers) == len(processes), pairs  # one server per test process, none shared
+    early = read_pairs(pytester.path / "early.txt")
+    if option == "--no-loader-worker-server":
+        assert early == {(process, "None") for process, _ in early}
+    else:
+        assert early <= pairs, (early, pairs)  # running before the first test, and the one used
+
+
+def test_the_resource_trackers_pipe_is_not_a_leak(pytester: pytest.Pytester) -> None:
+    """multiprocessing's resource tracker, started by a test, keeps a pipe to it open in the
+    test process for good: leak_check knows it as the helper's (the same pipe is open in the
+    helper process), and still sees a pipe the test leaves."""
+    result = run_inner(
+        pytester,
+        """
+        import os
+        from multiprocessing import shared_memory
+
+        LEAKED = []
+
+        def test_tracker_started(leak_check):
+            memory = shared_memory.SharedMemory(create=True, size=4096)
+            memory.close()
+            memory.unlink()
+
+        def test_leaky_pipe(leak_check):
+            LEAKED.extend(os.pipe())
+        """,
+    )
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaky_pipe*"])
+    result.stdout.no_fnmatch_line("*ERROR at teardown of test_tracker_started*")

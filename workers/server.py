@@ -1,0 +1,302 @@
+"""The worker server's process: DALI imported (never run), the trainer's main module imported once
+as ``__mp_main__``, and a loop that forks one worker per request. Runs in the server process;
+each child it forks becomes one worker (:func:`_start_forked_worker`, then :mod:`workers._main`).
+
+::
+
+    trainer (loader/_server.py)                        server (this module, one thread)
+    Setup, Prepare, Fork + descriptors  ══ SEQPACKET ══►  serve(): one request at a time
+    status socket, one per worker       ◄──────────────  pid once forked; exit code once reaped
+    start pipe, one per worker          ─────────────────►  forked child: WorkerStart, then
+                                                            run_worker (workers/_entry.py)
+
+The server reads every request from its one client, the trainer that started it; it writes only
+to the status sockets. It never runs a DALI operator and has one thread, so a fork of it is a clean
+copy: DALI imported, the main module and the loaders' modules imported, DALI's source analysis of
+their files cached (:mod:`workers._imports`), nothing running. Its children share those pages
+(``gc.freeze()`` keeps the garbage collector from writing to them).
+
+It exits when the trainer is gone (end of stream on its socket); workers it forked then exit on
+their own liveness pipes. A worker whose main module the server could not import imports it
+itself, as a spawned worker does, so its error reaches the trainer the same way.
+
+Everything here goes through public APIs (``os.fork``, ``socket.recv_fds``, ``signal``,
+``runpy``), none of ``multiprocessing``'s internals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import pickle
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import traceback
+import types
+from collections.abc import Iterable
+from multiprocessing.connection import Connection
+from typing import NoReturn
+
+from ipc import server_wire as sw
+
+logger = logging.getLogger("loader")
+
+_serving = False
+
+
+def serving() -> bool:
+    """True in a worker server and in the workers it forked (no server is started from them)."""
+    return _serving
+
+
+def serve_forked(sock: socket.socket, partial_modules: Iterable[str]) -> NoReturn:
+    """The entry point of a server forked from the trainer, in the child of that fork: release
+    what the trainer's copy holds, drop the modules that were still executing at the fork (their
+    code never finishes here; they are imported again when needed), then serve. Never returns."""
+    _release_inherited(keep={0, 1, 2, sock.fileno()})
+    for name in partial_modules:
+        if name != "__main__":
+            sys.modules.pop(name, None)
+    _run(sock, fresh=False)
+
+
+def serve_fresh(fd: int) -> NoReturn:
+    """The entry point of a fresh server (a new interpreter): serve on descriptor ``fd``."""
+    _run(socket.socket(fileno=fd), fresh=True)
+
+
+def _run(sock: socket.socket, *, fresh: bool) -> NoReturn:
+    global _serving
+    _serving = True
+    code = 0
+    try:
+        _reset_signals()
+        first = sw.receive_request(sock)
+        if first is None:
+            _exit(0)
+        setup, fds = first
+        for fd in fds:
+            os.close(fd)
+        if not isinstance(setup, sw.Setup):
+            raise TypeError(f"the first request must be Setup, got {type(setup).__name__}")
+        if fresh:
+            sys.path[:] = setup.sys_path
+            sys.argv[:] = setup.argv
+            os.chdir(setup.cwd)
+        server = Server(sock, setup)
+        server.warm()
+        server.serve()
+    except BaseException:  # never return into the caller's code (a fork of the trainer)
+        code = 1
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    _exit(code)
+
+
+def _exit(code: int) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _reset_signals() -> None:
+    """No handler of the trainer's runs here: Ctrl-C is the trainer's to handle (the server
+    ends with it), every other Python-level handler goes back to the default."""
+    for signum in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            if callable(signal.getsignal(signum)):
+                signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _release_inherited(keep: set[int]) -> None:
+    """Point every inherited descriptor but ``keep`` at /dev/null: the trainer's files, pipes and
+    sockets are released (a worker's end of stream is not held open by the server), and the
+    numbers stay taken (a trainer object that closes one later closes /dev/null)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd in keep or fd == null:
+                continue
+            with contextlib.suppress(OSError):
+                os.fstat(fd)  # not the listing's own descriptor, closed by now
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def import_main(setup: sw.Setup) -> bool:
+    """Import the trainer's main module under the name ``__mp_main__``, as a spawned worker
+    does (code under ``if __name__ == "__main__":`` does not run), and make it ``__main__``
+    here. False when there is none to import (``-c``, a REPL, a package's ``__main__``)."""
+    name, path = setup.main_name, setup.main_path
+    if name is not None and name != "__main__" and not name.endswith(".__main__"):
+        content = runpy.run_module(name, run_name="__mp_main__", alter_sys=True)
+    elif name is None and path is not None and os.path.basename(path) != "ipython":
+        content = runpy.run_path(path, run_name="__mp_main__")
+    else:
+        return False
+    module = types.ModuleType("__mp_main__")
+    module.__dict__.update(content)
+    _old_mains.append(sys.modules.get("__main__"))
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+    return True
+
+
+#: The main modules replaced by ``__mp_main__`` (kept alive: their functions' globals).
+_old_mains: list[types.ModuleType | None] = []
+
+
+class Server:
+    """The serving loop of one server: requests in order, a fork per worker, and each worker's
+    exit code to its status socket once reaped (module docstring)."""
+
+    def __init__(self, sock: socket.socket, setup: sw.Setup) -> None:
+        self._sock = sock
+        self._setup = setup
+        self._statuses: dict[int, socket.socket] = {}  # pid -> status socket, until reaped
+        self._main_state = "pending"  # "imported", "failed" or "none" after the first Prepare
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+
+    def warm(self) -> None:
+        """Import DALI and the worker's modules, and parse DALI's own traced files and the main
+        module's file for DALI's capture, before any request needs them."""
+        from ._imports import prepare_worker_server
+
+        prepare_worker_server([self._setup.main_path] if self._setup.main_path else [])
+        gc.freeze()
+
+    def serve(self) -> None:
+        """Serve until the trainer is gone."""
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.set_wakeup_fd(self._wake_write)
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._sock, selectors.EVENT_READ)
+            selector.register(self._wake_read, selectors.EVENT_READ)
+            while True:
+                for key, _events in selector.select():
+                    if key.fileobj is self._sock:
+                        received = sw.receive_request(self._sock)
+                        if received is None:
+                            return
+                        self._handle(*received)
+                    else:
+                        with contextlib.suppress(BlockingIOError):
+                            while os.read(self._wake_read, 4096):
+                                pass
+                self._reap()
+
+    def _handle(self, request: sw.Request, fds: list[int]) -> None:
+        if isinstance(request, sw.Fork):
+            self._fork(request, fds)
+            return
+        for fd in fds:
+            os.close(fd)
+        if isinstance(request, sw.Prepare):
+            self._prepare(request)
+        else:
+            raise TypeError(f"unexpected worker server request {type(request).__name__}")
+
+    def _prepare(self, request: sw.Prepare) -> None:
+        from ._imports import warm_source_analysis
+
+        if self._main_state == "pending":
+            try:
+                self._main_state = "imported" if import_main(self._setup) else "none"
+            except BaseException:  # each worker imports it again and reports (docstring)
+                self._main_state = "failed"
+                logger.debug("worker server: the main module did not import", exc_info=True)
+        for name in request.modules:
+            if name in ("__main__", "__mp_main__"):
+                continue
+            try:
+                __import__(name)
+            except BaseException:  # the worker that needs it reports it
+                logger.debug("worker server: %s did not import", name, exc_info=True)
+        warm_source_analysis(request.files)
+        gc.freeze()
+
+    def _fork(self, request: sw.Fork, fds: list[int]) -> None:
+        status = socket.socket(fileno=fds[0])
+        worker_fds = fds[1:]
+        pid = os.fork()
+        if pid == 0:
+            status.close()
+            self._start_child(worker_fds)
+        for fd in worker_fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):  # the trainer closed it: nobody waits for the worker
+            sw.send_status(status, pid)
+        self._statuses[pid] = status
+        logger.debug("worker server: forked %s, pid %d", request.name, pid)
+
+    def _start_child(self, fds: list[int]) -> NoReturn:
+        """In the forked child: drop the server's descriptors and become the worker."""
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            self._sock.close()
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            for other in self._statuses.values():
+                other.close()
+            _start_forked_worker(
+                fds, import_main_first=self._main_state == "failed", setup=self._setup
+            )
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        except BaseException:
+            with contextlib.suppress(Exception):
+                traceback.print_exc()
+        _exit(code)
+
+    def _reap(self) -> None:
+        while self._statuses:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            sock = self._statuses.pop(pid, None)
+            if sock is None:
+                continue
+            with sock, contextlib.suppress(OSError):
+                sw.send_status(sock, os.waitstatus_to_exitcode(status))
+
+
+def _start_forked_worker(fds: list[int], *, import_main_first: bool, setup: sw.Setup) -> None:
+    """A forked child's start: read :class:`~ipc.server_wire.WorkerStart` from the start pipe,
+    take the trainer's environment, directory and path, then run the worker
+    (:func:`workers._entry.run_worker`, which does not return)."""
+    start_fd, conn_fd, stack_fd, alive_fd = fds
+    start = pickle.loads(sw.read_all(start_fd))
+    os.close(start_fd)
+    if not isinstance(start, sw.WorkerStart):
+        raise TypeError(f"a worker's start record, not {type(start).__name__}")
+    os.environ.clear()
+    os.environ.update(start.environ)
+    os.chdir(start.cwd)
+    sys.path[:] = start.sys_path
+    if import_main_first:
+        import_main(setup)  # fails here as in a spawned worker, with its traceback on stderr
+    spec = pickle.loads(start.spec)
+    from ._entry import run_worker
+
+    run_worker(
+        spec,
+        Connection(conn_fd),
+        Connection(stack_fd, readable=False),
+        Connection(alive_fd, writable=False),
+    )
