@@ -73,7 +73,7 @@ def _table(stats: LoaderStats, report: Diagnosis | None = None) -> str:
     lines = [
         "",
         "summary",
-        f"  startup            {stats.startup_seconds:.2f} s  (spawn workers, import DALI, "
+        f"  startup            {stats.startup_seconds:.2f} s  (start workers, import DALI, "
         "open sources)",
         f"  iteration          {seconds:.2f} s  (first iter() to last batch, all epochs)",
         f"    first batch      {first:.2f} s  (the traced first step)",
