@@ -167,26 +167,8 @@ def test_a_fraction_is_of_the_available_memory_split_among_sharers() -> None:
 
 
 def _config(**arguments: object) -> LoaderConfig:
-    defaults: dict[str, object] = {
-        "batch_size": 4,
-        "num_workers": 2,
-        "feeders": None,
-        "device": "cpu",
-        "device_id": None,
-        "num_threads": None,
-        "prefetch": 2,
-        "output": "numpy",
-        "copy": False,
-        "capture": True,
-        "seed": 0,
-        "timeout": None,
-        "start_method": None,
-        "rank": None,
-        "world_size": None,
-        "startup_timeout": 300.0,
-        "shm_limit": None,
-    }
-    return LoaderConfig.build(T.quick_source, T.id_step, **{**defaults, **arguments})
+    """A configuration as a Loader with these keywords (the rest as its defaults) makes it."""
+    return LoaderConfig.build(T.quick_source, T.id_step, **{"batch_size": 4, **arguments})
 
 
 def test_what_auto_tunes_follows_the_arguments() -> None:
