@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -92,6 +93,37 @@ def test_a_state_over_other_shards_is_refused(tmp_path: Path) -> None:
     with loader_over(str(tmp_path / "b" / "other-{000..004}.tar")) as loader:
         with pytest.raises(ValueError, match="tars:"):
             loader.load_state_dict(state)
+
+
+def test_a_state_over_shards_rewritten_with_the_same_names_and_keys_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A re-export: the same shard names, the same sample keys and counts, other bytes (each
+    sample of the first shard gains a 16 KiB member): the fingerprint sees the shards' sizes."""
+    import io
+    import tarfile
+
+    T.write_id_tars(tmp_path / "a", TOTAL, 7)
+    T.write_id_tars(tmp_path / "b", TOTAL, 7)
+    first = tmp_path / "b" / "train-000.tar"
+    with tarfile.open(first) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    with tarfile.open(first, "w") as tar:
+        for member, data in members:
+            tar.addfile(member, io.BytesIO(data))
+            if member.name.endswith(".id"):
+                extra = tarfile.TarInfo(member.name[: -len(".id")] + ".txt")
+                extra.size = 16384
+                tar.addfile(extra, io.BytesIO(b"x" * extra.size))
+    with loader_over(str(tmp_path / "a" / "train-{000..004}.tar")) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with loader_over(str(tmp_path / "b" / "train-{000..004}.tar"), on_error="skip") as loader:
+        with pytest.raises(ValueError, match="tars:"):
+            loader.load_state_dict(state)
+        with caplog.at_level(logging.WARNING, logger="loader"):
+            loader.load_state_dict(state, strict=False)  # a warning instead
+        assert any("tars:" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_a_sample_without_a_member_is_named_and_can_be_skipped(tmp_path: Path) -> None:

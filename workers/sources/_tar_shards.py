@@ -89,11 +89,14 @@ class TarShards:
         return found
 
     def fingerprint(self) -> str:
-        """``tars:`` and a hash of the shards' names (not where they are kept), sample counts and
-        keys: the same dataset copied to an object store keeps its fingerprint."""
+        """``tars:`` and a hash of the shards' names (not where they are kept), sizes, sample
+        counts and keys: the same dataset copied to an object store keeps its fingerprint, and
+        shards rewritten with the same names and keys but other bytes (a re-export) change it
+        (the sizes come with the listing: nothing more is read)."""
         digest = hashlib.sha256()
-        for url, count, keys in zip(self.urls, self.counts.tolist(), self.keys_hashes, strict=True):
-            digest.update(f"{posixpath.basename(url)}\0{count}\0{keys}\n".encode())
+        rows = zip(self.urls, self.identities, self.counts.tolist(), self.keys_hashes, strict=True)
+        for url, (size, _version), count, keys in rows:
+            digest.update(f"{posixpath.basename(url)}\0{size}\0{count}\0{keys}\n".encode())
         return f"tars:{digest.hexdigest()[:16]}"
 
     def index(self, shard: int, indexer: Indexer) -> TarIndex:
