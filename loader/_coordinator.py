@@ -23,6 +23,7 @@ import logging
 import select
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ipc import ChannelClosed, ProtocolError, SlotReader, open_region, wire
@@ -40,6 +41,16 @@ from ._stats import LoaderStats, Timeline, TrainerCounters, snapshot
 logger = logging.getLogger("loader")
 
 Limit = tuple[float | None, str]  # how long to wait, and the setting it comes from
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFacts:
+    """What the rest of the trainer may know of one worker (a snapshot: the coordinator owns
+    its sessions): its process, and the bytes and batches it has made."""
+
+    pid: int | None
+    bytes: int
+    steps: int
 
 
 class Coordinator:
@@ -240,6 +251,12 @@ class Coordinator:
         workers differ, which a seek settles)."""
         epochs = {s.next_epoch for s in self.sessions}
         return next(iter(epochs)) if len(epochs) == 1 else None
+
+    def worker_facts(self) -> tuple[WorkerFacts, ...]:
+        """A snapshot of every worker, for tuning."""
+        return tuple(
+            WorkerFacts(s.handle.pid, s.counters.bytes, s.counters.steps) for s in self.sessions
+        )
 
     def agreement_fields(self) -> dict[str, Any] | None:
         """What every rank's workers must agree on, from the signature they all sent (None

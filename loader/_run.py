@@ -138,7 +138,7 @@ class Run:
         num_workers="auto" (a collective under torch.distributed)."""
         tuner = self.autotuner
         assert tuner is not None
-        decision = _tuning.at_start(tuner, self.require().sessions, self.config)
+        decision = _tuning.at_start(tuner, self.require().worker_facts(), self.config)
         if decision.changed:
             self._relaunch(decision.layout)
         logger.info(
@@ -377,7 +377,7 @@ class Run:
             return  # settled: the memory is checked every few epochs (the same on every rank)
         config, was_settled = self.config, tuner.settled
         decision = _tuning.after_epoch(
-            tuner, self.timeline, self.require().sessions, config, run.epoch
+            tuner, self.timeline, self.require().worker_facts(), config, run.epoch
         )
         if decision is None:
             return

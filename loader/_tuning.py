@@ -22,13 +22,13 @@ from ._stats import batch_end
 
 if TYPE_CHECKING:
     from ._config import LoaderConfig
-    from ._session import WorkerSession
+    from ._coordinator import WorkerFacts
     from ._stats import Timeline
 
 
 def measure(
     timeline: Timeline,
-    sessions: Sequence[WorkerSession],
+    facts: Sequence[WorkerFacts],
     epoch: int,
     *,
     layout: Layout,
@@ -62,7 +62,7 @@ def measure(
                 break
             if record[0] == epoch and batch_end(record[3], record[2]) >= start:
                 busy += record[3].cpu_ns
-    memory, largest = worker_memory(sessions, num_slots)
+    memory, largest = worker_memory(facts, num_slots)
     return Measurement(
         layout=layout,
         batches=len(calls) - skip,
@@ -76,22 +76,20 @@ def measure(
     )
 
 
-def worker_memory(sessions: Sequence[WorkerSession], num_slots: int) -> tuple[int, int]:
+def worker_memory(facts: Sequence[WorkerFacts], num_slots: int) -> tuple[int, int]:
     """Bytes the workers hold, and the largest one's: each process's USS (its own pages, as
     psutil measures them) plus its shared-memory slots (``num_slots`` of its batch size)."""
     import psutil
 
     total = largest = 0
-    for session in sessions:
-        pid = session.handle.pid
+    for worker in facts:
         uss = 0
-        if pid is not None:
+        if worker.pid is not None:
             try:
-                uss = int(psutil.Process(pid).memory_full_info().uss)
+                uss = int(psutil.Process(worker.pid).memory_full_info().uss)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 uss = 0
-        counters = session.counters
-        slots = num_slots * (counters.bytes // counters.steps) if counters.steps else 0
+        slots = num_slots * (worker.bytes // worker.steps) if worker.steps else 0
         total += uss + slots
         largest = max(largest, uss + slots)
     return total, largest
@@ -100,16 +98,16 @@ def worker_memory(sessions: Sequence[WorkerSession], num_slots: int) -> tuple[in
 def after_epoch(
     tuner: Autotuner,
     timeline: Timeline,
-    sessions: Sequence[WorkerSession],
+    facts: Sequence[WorkerFacts],
     config: LoaderConfig,
     epoch: int,
 ) -> Decision | None:
-    """The tuner's decision on ``epoch``, just delivered by ``sessions`` on ``config``'s layout,
+    """The tuner's decision on ``epoch``, just delivered by ``facts`` on ``config``'s layout,
     measured on every rank and combined (a collective with a process group up); None when the
     epoch was too short to measure on some rank."""
     measured = measure(
         timeline,
-        sessions,
+        facts,
         epoch,
         layout=config.layout,
         prefetch=config.prefetch,
@@ -128,12 +126,12 @@ def after_epoch(
     return None if measured is None else tuner.observe(epoch, measured)
 
 
-def at_start(tuner: Autotuner, sessions: Sequence[WorkerSession], config: LoaderConfig) -> Decision:
+def at_start(tuner: Autotuner, facts: Sequence[WorkerFacts], config: LoaderConfig) -> Decision:
     """Before the first epoch: the workers as started, measured on every rank (a collective
     with a process group up), must fit the memory budget; with every rank's host known, the
     CPU budget is the smallest share of any host's CPUs (a first guess made for more CPUs is
     replaced)."""
-    memory, largest = worker_memory(sessions, config.num_slots)
+    memory, largest = worker_memory(facts, config.num_slots)
     gathered = _distributed.gather(
         {"memory": memory, "worker_memory": largest, **_env.host_facts()}
     )
