@@ -149,10 +149,10 @@ def test_a_layout_without_a_full_batch_for_every_worker_is_refused_with_drop_las
 
 def test_a_shard_whose_batches_were_all_received_ends_a_continuous_iteration_there() -> None:
     base = Shard.make(rank=0, world_size=1, worker=1, num_workers=2, seed=0)
-    position = Position(0, ((1, (2, 1)),), continues=True)  # 10 samples, 3 batches: 2 + 1
+    position = Position(0, ((1, (1, 2)),), continues=True)  # 10 samples, 3 batches: 1 + 2
     samples = BatchedSamples(base.for_epoch(0, position), 10, _id, 4)
     _continuous(samples)
-    assert samples.epoch_steps(0) == 0 and samples.epoch_steps(1) == len(samples) == 1
+    assert samples.epoch_steps(0) == 0 and samples.epoch_steps(1) == len(samples) == 2
     stream = iter(samples)
     assert _ids(next(stream)) == _expected(samples, 1)[0]  # epoch 1 at once
 

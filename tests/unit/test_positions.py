@@ -86,7 +86,7 @@ def _reference_layout(
         part, first = samples[first : first + share], first + share
         start = 0
         for worker in range(workers):
-            count = rank_steps // workers + (worker < rank_steps % workers)
+            count = rank_steps // workers + (worker >= workers - rank_steps % workers)
             rows = part[start * batch : (start + count) * batch]
             real = len(rows)
             filler = rows[-1] if rows else part[0] if part else samples[0]
@@ -160,7 +160,7 @@ def _check(sampling: Sampling, epoch: int, shape: Shape, position: Position | No
         assert len({sum(len(shard) for shard in mine) for mine in per_rank}) == 1
         for mine in per_rank:
             steps = [len(shard) for shard in mine]
-            assert max(steps) - min(steps) <= 1 and steps == sorted(steps, reverse=True)
+            assert max(steps) - min(steps) <= 1 and steps == sorted(steps)
         real = len(_delivered(plan))
         if -(-real // (ranks * sampling.batch_size)) >= workers:  # a batch for every worker
             for mine in per_rank:
@@ -410,8 +410,8 @@ def _billion_shard(index: int, ranks: int = RANKS, workers: int = WORKERS) -> tu
     rank_first, share = rank * base + min(rank, extra), base + (rank < extra)
     steps = -(-total // (ranks * batch))
     each, more = divmod(steps, workers)
-    first_step = worker * each + min(worker, more)
-    mine = each + (worker < more)
+    first_step = worker * each + max(worker - (workers - more), 0)
+    mine = each + (worker >= workers - more)
     first = min(first_step * batch, share)
     last = min((first_step + mine) * batch, share)
     return rank_first + first, last - first, mine
@@ -495,9 +495,9 @@ def test_a_reshard_of_a_billion_samples_takes_the_old_shards_remaining_samples_i
         rank_first, share = rank * base + min(rank, extra), base + (rank < extra)
         steps = -(-total_left // (new_ranks * 256))
         each, more = divmod(steps, WORKERS)
-        first_step = worker * each + min(worker, more)
+        first_step = worker * each + max(worker - (WORKERS - more), 0)
         first = rank_first + min(first_step * 256, share)
-        last = rank_first + min((first_step + each + (worker < more)) * 256, share)
+        last = rank_first + min((first_step + each + (worker >= WORKERS - more)) * 256, share)
         # the old shards whose remaining samples make up this new shard, continued on their layout
         owners = range(int(np.searchsorted(starts, first, "right")) - 1, old)
         expected = [np.empty(0, np.int64)]

@@ -35,12 +35,12 @@ def _parse(state: dict[str, Any], world_size: int = 1, num_workers: int = 4) -> 
 
 
 def test_a_state_counts_uneven_workers_and_refuses_a_count_past_a_shard_s_batches() -> None:
-    # 80 samples, batches of 16, 4 workers on one rank: 5 batches, shared 2, 1, 1, 1
-    assert [len(shard) for shard in plan_epoch(SAMPLING, 1, 4, None)] == [2, 1, 1, 1]
-    resume = _parse(_state(received=[2, 1, 1, 0]))
-    assert resume.position.segments == ((1, (2, 1, 1, 0)),) and resume.continues
+    # 80 samples, batches of 16, 4 workers on one rank: 5 batches, shared 1, 1, 1, 2
+    assert [len(shard) for shard in plan_epoch(SAMPLING, 1, 4, None)] == [1, 1, 1, 2]
+    resume = _parse(_state(received=[1, 1, 0, 2]))
+    assert resume.position.segments == ((1, (1, 1, 0, 2)),) and resume.continues
     with pytest.raises(ValueError, match=r"received: shard 1 of 4 \(on 1 rank\(s\)\) .* 2 "):
-        _parse(_state(received=[2, 2, 0, 0]))
+        _parse(_state(received=[0, 2, 0, 0]))
 
 
 def test_history_names_each_earlier_layout_by_its_world_size() -> None:

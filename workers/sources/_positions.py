@@ -60,7 +60,7 @@ def steps_per_epoch(
 ) -> int:
     """Batches every rank yields per epoch when ``count`` shards (``count // ranks`` workers on
     each of ``ranks`` ranks) split an epoch of ``total`` samples. A worker yields
-    :func:`shard_steps` of them: the rank's batches shared out whole, one more for some."""
+    :func:`shard_steps` of them: the rank's batches shared out whole, the last workers one more."""
     return Layout(Runs.whole(total), count, batch_size, drop_last, ranks=ranks).rank_steps
 
 
@@ -135,10 +135,12 @@ class Layout:
     ``drop_last``: ``rank_steps`` full batches each, the rest of the sequence left out). Every rank
     yields ``rank_steps`` batches, the fewest that hold its part; its batches are shared out whole
     among its workers, in order (worker ``w`` takes the next ``rank_steps // W`` of them, one more
-    while ``w < rank_steps % W``), so only a rank's last batch can be short: its missing rows are
-    padding (repeats of the shard's last sample, flagged), at most ``ranks * batch_size - 1`` rows
-    in an epoch. When a rank has fewer batches than workers, each of its workers yields one batch
-    (the rest padding): a worker always has a batch to trace.
+    when ``w >= W - rank_steps % W``: the last workers take the extra ones), so only a rank's last
+    batch can be short: its missing rows are padding (repeats of the shard's last sample,
+    flagged), at most ``ranks * batch_size - 1`` rows in an epoch. The short batch is the last
+    one of the last worker, which round robin also delivers last: it ends the rank's epoch.
+    When a rank has fewer batches than workers, each of its workers yields one batch (the rest
+    padding): a worker always has a batch to trace.
     """
 
     __slots__ = ("batch_size", "count", "drop_last", "rank_steps", "ranks", "runs", "workers")
@@ -176,8 +178,9 @@ class Layout:
             rank_first = rank * base + np.minimum(rank, extra)
             share = base + (rank < extra).astype(np.int64)
         each, more = divmod(self.rank_steps, self.workers)
-        steps = each + (worker < more).astype(np.int64)
-        first_step = worker * each + np.minimum(worker, more)
+        fewer = self.workers - more  # the first workers, with ``each`` batches
+        steps = each + (worker >= fewer).astype(np.int64)
+        first_step = worker * each + np.maximum(worker - fewer, 0)
         first = np.minimum(first_step * batch, share)
         last = np.minimum((first_step + steps) * batch, share)
         return rank_first, share, first, last, steps
