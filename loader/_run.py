@@ -447,11 +447,13 @@ class Run:
         loaded = self._loaded()
         return self._epoch_length(self.planned()) if loaded is None else loaded[1]
 
-    def progress(self) -> Progress:
-        """The run's :class:`Progress` (no message to a worker)."""
+    def progress(self, config: LoaderConfig | None = None) -> Progress:
+        """The run's :class:`Progress` (no message to a worker); ``config``: :meth:`planned`,
+        when the caller has it already."""
+        config = config or self.planned()
         coordinator = self.require()
         current = self.current
-        workers = self.planned().num_workers
+        workers = config.num_workers
         if self._live():
             assert current is not None
             return Progress(
@@ -462,7 +464,7 @@ class Run:
             )
         resume = self.pending
         if resume is not None:
-            random = tuple(resume.random_states(self._shard_indices(self.planned())))
+            random = tuple(resume.random_states(self._shard_indices(config)))
         elif coordinator.next_epoch() == self.epoch and workers == self.config.num_workers:
             random = tuple(coordinator.random_states())
         else:  # set_epoch, or a new layout: the workers start that epoch seeded for it
@@ -472,8 +474,8 @@ class Run:
     def state(self) -> dict[str, Any]:
         """``state_dict()``: :meth:`progress` encoded, gathered across ranks."""
         sampling = self.sampling()
-        progress = self.progress()
         config = self.planned()
+        progress = self.progress(config)
         resume = progress.resume or Resume(Position(progress.epoch, ()))
         mine, history, steps = resume.progress(self._shard_indices(config), progress.delivered)
         random = [_checkpoint.random_json(states) for states in progress.random]
