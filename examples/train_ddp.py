@@ -116,7 +116,7 @@ def main() -> None:
         "--kill-worker-at",
         type=int,
         default=None,
-        help="at this step, the last rank SIGKILLs one of its workers (to see healing)",
+        help="at this step, the last rank SIGKILLs its last worker (to see healing)",
     )
     parser.add_argument(
         "--batch-size-on-rank",
@@ -213,7 +213,8 @@ def main() -> None:
                     record["step"] = global_step
                     save_record()
                 if global_step == args.kill_worker_at and rank == world - 1:
-                    os.kill(loader.worker_pids()[0], signal.SIGKILL)
+                    # the last worker: it has the most batches of the epoch still to make
+                    os.kill(loader.worker_pids()[-1], signal.SIGKILL)
                 if global_step == args.stop_after:
                     dist.barrier()  # every rank is done with its steps (and checkpoint) so far
                     if rank == 0:
