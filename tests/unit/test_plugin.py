@@ -240,7 +240,9 @@ def test_a_suite_gets_one_worker_server_per_test_process(
     pairs = read_pairs(pytester.path / "servers.txt")
     processes = {process for process, _server in pairs}
     servers = {server for _process, server in pairs}
-    assert len(processes) == (2 if xdist else 1), pairs  # (4 tests: both xdist workers build)
+    # (4 tests build loaders; xdist's scheduler, on a busy machine, may hand them all to one
+    # worker, so under -n 2 one or two test processes build)
+    assert 1 <= len(processes) <= (2 if xdist else 1), pairs
     assert len(servers) == len(processes), pairs  # one server per test process, none shared
     early = read_pairs(pytester.path / "early.txt")
     if option == "--no-loader-worker-server":
