@@ -13,7 +13,8 @@ loader's worker server are not ours and are ignored; the workers they fork are),
 descriptor to shared memory (a memfd or a ``/dev/shm`` file), a socket, a pipe or an anonymous
 inode (eventfd, epoll), and a new entry in ``/dev/shm`` that this test's processes made: one that
 the test process or one of its descendants holds open or mapped, or that nobody holds (a file
-made and closed but never unlinked) and belongs to this user. A new entry held only by other
+made and closed but never unlinked), belongs to this user and is still there
+:data:`UNHELD_GRACE` seconds later. A new entry held only by other
 processes is another job's (a concurrent test session, a DataLoader's semaphores) and is not
 blamed. A leak report names the kinds it found. It also names a Loader the test opened and did
 not close: one still open, and one dropped while part of a reference cycle, so that its workers
@@ -40,6 +41,7 @@ import contextlib
 import gc
 import os
 import sys
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -70,6 +72,8 @@ __all__ = [
 ]
 
 _HELPER_MARKERS = ("resource_tracker", "forkserver")
+#: Seconds a new ``/dev/shm`` entry that nobody holds has to disappear before it is blamed.
+UNHELD_GRACE = 2.0
 # What a watched descriptor's /proc/self/fd link starts with, and the kind a leak report names.
 # A memfd's link reads "/memfd:NAME (deleted)" (older kernels drop the leading slash).
 _WATCHED_FD_KINDS = (
@@ -213,20 +217,29 @@ def _shm_made_here(new: set[str]) -> list[str]:
     holders = shm_holders(new)
     ours = _own_process_tree()
     uid = os.getuid()
-    blamed = []
+    blamed, unheld = [], []
     for name in sorted(new):
         held_by = holders[name]
         if held_by & ours:
             blamed.append(name)
-            continue
-        if held_by:
-            continue  # held by other processes only: another job's
-        try:
-            if os.stat(f"/dev/shm/{name}").st_uid == uid:
-                blamed.append(name)
-        except OSError:
-            continue  # gone since: not left behind
-    return blamed
+        elif not held_by:  # (held by other processes only: another job's)
+            unheld.append(name)
+    # held by nobody: a process that just exited may not have unlinked it yet (another job's,
+    # or its resource tracker's work): what is still there after a moment was left behind
+    deadline = time.monotonic() + UNHELD_GRACE
+    while unheld:
+        still = []
+        for name in unheld:
+            try:
+                if os.stat(f"/dev/shm/{name}").st_uid == uid:
+                    still.append(name)
+            except OSError:
+                continue  # gone since: not left behind
+        unheld = still
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    return sorted(blamed + unheld)
 
 
 def snapshot() -> Snapshot:

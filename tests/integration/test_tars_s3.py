@@ -229,11 +229,25 @@ class Counted:
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
-    def loader(self, pattern: str, workers: int = 2, **kw: Any) -> Loader:
+    def loader(
+        self, pattern: str, workers: int = 2, rank: int = 0, world_size: int = 1, **kw: Any
+    ) -> Loader:
         """A loader reading through the proxy."""
         options = self.server.options(self.proxy.endpoint)
         source = functools.partial(T.id_tars, urls=self.url(pattern), storage_options=options, **kw)
-        return Loader(source, T.cls_id_step, batch_size=4, num_workers=workers, copy=True)
+        return Loader(
+            source,
+            T.cls_id_step,
+            batch_size=4,
+            num_workers=workers,
+            rank=rank,
+            world_size=world_size,
+            copy=True,
+        )
+
+    def tar_bytes(self) -> int:
+        """Bytes of shards served so far."""
+        return sum(s.bytes for s in self.proxy.records() if s.name.endswith(".tar"))
 
     def close(self) -> None:
         self.proxy.close()
@@ -368,3 +382,24 @@ def test_a_shard_changed_after_indexing_is_named_and_read_as_it_is_now(
     with loader:
         seen = [i for batch in loader for i in ids(batch)]
     assert sorted(seen) == sorted(list(range(12)) + list(range(16, 32)) + list(range(18, 24)))
+
+
+def test_an_epoch_on_two_ranks_of_four_workers_reads_the_dataset_about_once(
+    counted: Counted, tmp_path: Path
+) -> None:
+    """20 shards on 2 ranks x 4 workers (a worker's part: 2.5 shards): each worker reads its
+    own piece of each shard it needs, so an epoch serves about the dataset's bytes (before,
+    workers sharing a group of shards each fetched all of it: 2.1x)."""
+    paths = T.write_payload_tars(tmp_path, 20, 40, 8000)
+    counted.upload(paths)
+    counted.index("train-{0000..0019}.tar")
+    served, seen = 0, []
+    for rank in range(2):  # (one rank after the other: the bytes of each one's second epoch)
+        with counted.loader("train-{0000..0019}.tar", 4, rank, 2) as loader:
+            for _batch in loader:  # epoch 0: the cache's first reads, the next epoch's ahead
+                pass
+            before = counted.tar_bytes()
+            seen += [i for batch in loader for i in ids(batch)]
+            served += counted.tar_bytes() - before
+    assert sorted(seen) == list(range(800))
+    assert served <= 1.25 * _size(paths), served / _size(paths)

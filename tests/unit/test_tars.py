@@ -88,6 +88,38 @@ def _runs(shard_of: np.ndarray, window: int, counts: np.ndarray) -> list[tuple[i
     return runs
 
 
+@pytest.mark.parametrize(("ranks", "workers", "window"), [(1, 3, 2), (2, 4, 4), (3, 2, 1)])
+def test_each_worker_reads_its_own_contiguous_piece_of_each_shard(
+    tmp_path: Path, ranks: int, workers: int, window: int
+) -> None:
+    """Given the parts of the layout an epoch starts with, the order keeps each part's samples
+    of a shard one contiguous run of it, and no two parts share a sample of a shard: each
+    shard's bytes are read once per epoch, however many workers and ranks read it."""
+    from workers import Sampling, plan_epoch
+    from workers.sources._tars import TarOrders
+
+    T.write_id_tars(tmp_path, 97, 9)  # 11 shards, the last one short
+    shards = open_shards(str(tmp_path / "train-{000..010}.tar"), None, 0.0)
+    orders = TarOrders(shards, 5, window)
+    sampling = Sampling(97, 4, 5, True, False, "")
+    plan = plan_epoch(sampling, 2, ranks * workers, None, orders, ranks=ranks)
+    taken = []
+    for batches in plan:
+        real = np.concatenate([ids[: len(ids) - padded] for ids, padded in batches])
+        taken += real.tolist()
+        for shard in np.unique(real // 9).tolist():  # (ids of shard k: 9k .. 9k + 8)
+            mine = np.sort(real[real // 9 == shard])
+            assert mine.tolist() == list(range(int(mine[0]), int(mine[-1]) + 1))
+        assert len(set((real // 9).tolist())) <= -(-len(real) // 9) + 2 * window
+    assert sorted(taken) == list(range(97))  # exactly once
+    # the order a layout sets is kept: asked again for the same parts, the same samples
+    again = plan_epoch(sampling, 2, ranks * workers, None, orders, ranks=ranks)
+    assert all(
+        [a.tolist() for a, _ in x] == [b.tolist() for b, _ in y]
+        for x, y in zip(plan, again, strict=True)
+    )
+
+
 def test_an_index_is_kept_reused_and_made_again_when_its_tar_changes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

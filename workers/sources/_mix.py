@@ -78,7 +78,8 @@ class MixPlan:
 class MixOrder:
     """The stable sample ids at positions of one mixed epoch."""
 
-    def __init__(self, mix: Mixture, epoch: int) -> None:
+    def __init__(self, mix: Mixture, epoch: int, parts: np.ndarray[Any, Any] | None = None) -> None:
+        # (``parts`` are not used: a mix draws from its sources' streams, whichever worker reads)
         self.mix, self.epoch = mix, epoch
 
     def draws(self, positions: np.ndarray[Any, Any]) -> tuple[_Int64s, _Int64s]:

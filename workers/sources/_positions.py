@@ -27,7 +27,7 @@ shard's batches are then computed for that shard's positions alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -46,8 +46,15 @@ class Order(Protocol):
     def at(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]: ...
 
 
-#: Makes the order of an epoch: ``orders(epoch)``.
-Orders = Callable[[int], Order]
+class Orders(Protocol):
+    """Makes the order of an epoch: ``orders(epoch, parts)``. ``parts``: where each shard's part
+    of the epoch starts and ends (sorted positions, from 0 to the epoch's size) in the layout the
+    epoch started with; an order may keep what a part reads together (tar shards: each shard read
+    by one worker), and must give the same order for the same ``parts`` all epoch long, through
+    resumes on other layouts."""
+
+    def __call__(self, epoch: int, parts: np.ndarray[Any, Any] | None = None) -> Order: ...
+
 
 #: One batch: its sample ids (always ``batch_size`` of them) and how many trailing rows are padding.
 Batch = tuple[np.ndarray[Any, Any], int]
@@ -201,6 +208,14 @@ class Layout:
         """Batches shard ``index`` yields."""
         return self._one(index)[4]
 
+    def parts(self) -> _Int64s:
+        """Where each shard's real items start and end in the sequence (sorted, with 0 and its
+        length): the ``parts`` an :class:`Orders` is given, for the layout an epoch starts with."""
+        rank_first, _share, first, last, _steps = self.bounds(np.arange(self.count, dtype=np.int64))
+        edges = [np.array([0, len(self.runs)], np.int64), rank_first + first, rank_first + last]
+        parts: _Int64s = np.unique(np.concatenate(edges))
+        return parts
+
     def remaining(self, received: Sequence[int]) -> Runs:
         """The real samples of every shard's batches after its ``received`` ones, in shard order."""
         assert len(received) == self.count
@@ -256,18 +271,20 @@ def shard_indices(
 
 def _final_layout(
     sampling: Sampling, epoch: int, count: int, ranks: int, position: Position | None
-) -> tuple[Layout, Sequence[int]]:
-    """The layout ``count`` shards on ``ranks`` ranks run ``epoch`` in from ``position``, and
-    how many of each shard's batches they have already delivered."""
+) -> tuple[Layout, Sequence[int], Layout]:
+    """The layout ``count`` shards on ``ranks`` ranks run ``epoch`` in from ``position``, how
+    many of each shard's batches they have already delivered, and the layout the epoch started
+    with (whose parts decide a source's own order)."""
     if sampling.total < 1:
         raise ValueError("the dataset is empty")
     whole = Runs.whole(sampling.total)
     size, drop_last = sampling.batch_size, sampling.drop_last
     if position is None or position.epoch != epoch or not position.segments:
-        return Layout(whole, count, size, drop_last, ranks=ranks), (0,) * count
+        layout = Layout(whole, count, size, drop_last, ranks=ranks)
+        return layout, (0,) * count, layout
     segments = position.segments
     first_ranks, first_received = segments[0]
-    layout = Layout(whole, len(first_received), size, drop_last, ranks=first_ranks)
+    layout = first = Layout(whole, len(first_received), size, drop_last, ranks=first_ranks)
     for k, (segment_ranks, received) in enumerate(segments):
         last = k == len(segments) - 1
         if last and position.continues:
@@ -276,12 +293,12 @@ def _final_layout(
                     f"the position continues a layout of {len(received)} shards on "
                     f"{segment_ranks} rank(s), not {count} on {ranks}"
                 )
-            return layout, received
+            return layout, received, first
         next_ranks, next_count = (
             (ranks, count) if last else (segments[k + 1][0], len(segments[k + 1][1]))
         )
         layout = Layout(layout.remaining(received), next_count, size, False, ranks=next_ranks)
-    return layout, (0,) * count
+    return layout, (0,) * count, first
 
 
 def steps_left(
@@ -296,14 +313,14 @@ def steps_left(
     """Per shard in ``indices`` (of ``count`` on ``ranks`` ranks), the batches of ``epoch`` it
     still yields from ``position``: what :func:`shard_batches` would give, counted without
     computing a sample (O(shards of the position's segments))."""
-    layout, delivered = _final_layout(sampling, epoch, count, ranks, position)
+    layout, delivered, _first = _final_layout(sampling, epoch, count, ranks, position)
     return [max(0, layout.steps(index) - delivered[index]) for index in indices]
 
 
-def _order(sampling: Sampling, epoch: int, orders: Orders | None) -> Order:
+def _order(sampling: Sampling, epoch: int, orders: Orders | None, first: Layout) -> Order:
     if orders is None:
         return EpochOrder(sampling.total, epoch, sampling.seed, sampling.shuffle)
-    return orders(epoch)
+    return orders(epoch, first.parts())
 
 
 def plan_epoch(
@@ -319,8 +336,8 @@ def plan_epoch(
     from ``position`` (a fresh epoch when it is None or about another epoch). ``orders``: the
     source's own epoch orders, if it has them (else the seeded :class:`EpochOrder` of
     ``sampling``)."""
-    layout, delivered = _final_layout(sampling, epoch, count, ranks, position)
-    order = _order(sampling, epoch, orders)
+    layout, delivered, first = _final_layout(sampling, epoch, count, ranks, position)
+    order = _order(sampling, epoch, orders, first)
     return [layout.batches(order, index, delivered) for index in range(count)]
 
 
@@ -336,8 +353,8 @@ def shard_batches(
 ) -> list[Batch]:
     """Shard ``index`` of ``count`` (on ``ranks`` ranks): its batches of ``epoch`` from
     ``position`` on. Costs O(shards of the position's segments + this shard's samples)."""
-    layout, delivered = _final_layout(sampling, epoch, count, ranks, position)
-    order = _order(sampling, epoch, orders)
+    layout, delivered, first = _final_layout(sampling, epoch, count, ranks, position)
+    order = _order(sampling, epoch, orders, first)
     return layout.batches(order, index, delivered)
 
 

@@ -38,7 +38,7 @@ from ipc.wire import Sampling
 
 from .._control import FedBatch, FeedState, SampleControl
 from .._shard import Shard
-from ._positions import Batch, Order, Orders, shard_batches, shard_steps
+from ._positions import Batch, Orders, shard_batches, shard_steps
 
 logger = logging.getLogger("workers")
 
@@ -351,7 +351,7 @@ class OpenedSource:
     names: tuple[str, ...] | None = None
     #: the dataset's own orders (a permutation per epoch, or per turn of its stream); None: a
     #: seeded permutation of ``[0, total)``
-    orders: Callable[[int], Order] | None = None
+    orders: Orders | None = None
     describe: Callable[[int], str] | None = None
     #: ``load`` is called as ``load(index, epoch)``
     pass_epoch: bool = False

@@ -12,14 +12,17 @@ Sample ids number the samples shard after shard, in tar order. An epoch's order
 
 * ``shuffle_window=None`` (local shards): one permutation of the whole dataset; each sample is one
   ``pread`` of its members' bytes.
-* ``shuffle_window=k`` (remote shards: 4 by default): the shards are permuted, then taken ``k`` at a
-  time, and the samples of each group of ``k`` are permuted among themselves. A worker's part of an
-  epoch is a run of such groups, so it reads a few shards at a time, each with one request for the
-  byte range it needs (the next shards fetched while the current ones are halfway read, at most
-  ``ahead`` in advance), never one request per sample. A sample can land anywhere in its group of
-  ``k`` shards' samples, and the groups come in a random order; a sample never meets, in one
-  batch, samples of shards outside its group. Memory per worker: the shards of the groups in use
-  plus ``ahead`` more.
+* ``shuffle_window=k`` (remote shards: 4 by default): the shards are permuted and their samples
+  concatenated; that sequence is cut where each worker's part of the epoch starts and ends (in
+  the layout the epoch started with), each part is cut into groups of ``k`` shards (a shard
+  that straddles two parts gives each its own piece), and the samples of each group are
+  permuted among themselves. A worker reads a few shards at a time, of each one only its own
+  contiguous piece, with one request for that byte range (the next shards fetched while the
+  current ones are halfway read, at most ``ahead`` in advance), never one request per sample:
+  an epoch reads each shard's bytes once, however many workers and ranks share it. A sample
+  can land anywhere in its group, and the groups come in a random order; a sample never meets,
+  in one batch, samples of shards outside its group. Memory per worker: the pieces of the
+  groups in use plus ``ahead`` more.
 
 Outputs: one per requested extension, in order: the member's raw bytes (a uint8 array, for DALI's
 decoders), or for ``cls``-like members (:data:`INTEGER_EXTS`) their text parsed as an integer.
@@ -85,50 +88,72 @@ _Int64s = np.ndarray[Any, np.dtype[np.int64]]
 
 class TarOrder:
     """The samples at positions of one epoch (see the module docstring): shards permuted and
-    taken ``window`` at a time, samples permuted inside each group."""
+    concatenated, that sequence cut into *parts* (``parts``: the sorted positions where each
+    worker's part of the epoch starts and ends, in the layout the epoch started with; None: one
+    part), each part cut into groups of ``window`` shards (or pieces of shards, at a part's
+    edges), and the samples permuted inside each group. A worker whose part is a run of groups
+    then reads of each shard one contiguous range that no other worker reads: an epoch reads
+    each shard's bytes once, whatever the number of workers and ranks."""
 
-    def __init__(self, shards: TarShards, epoch: int, seed: int, window: int) -> None:
+    def __init__(
+        self,
+        shards: TarShards,
+        epoch: int,
+        seed: int,
+        window: int,
+        parts: np.ndarray[Any, Any] | None = None,
+    ) -> None:
         count = len(shards.counts)
         self.shards, self.window, self.epoch, self.seed = shards, window, epoch, seed
         self.permuted: _Int64s = EpochOrder(count, epoch, seed, True).at(np.arange(count))
-        #: where each permuted shard's samples start in the epoch, and the total
+        #: where each permuted shard's samples start in the sequence, and the total
         self.runs: _Int64s = np.concatenate(
             [np.zeros(1, np.int64), np.cumsum(shards.counts[self.permuted])]
         )
-        #: where each group of ``window`` permuted shards starts, and the total
-        self.group_starts: _Int64s = self.runs[np.r_[np.arange(0, count, window), count]]
+        total = int(self.runs[-1])
+        cuts = np.array([0, total], np.int64) if parts is None else np.asarray(parts, np.int64)
+        cuts = np.unique(np.clip(np.concatenate([cuts, [0, total]]), 0, total))
+        # pieces: the sequence cut at every shard's start and every part's edge
+        pieces = np.unique(np.concatenate([self.runs, cuts]))[:-1]
+        part = np.searchsorted(cuts, pieces, side="right") - 1
+        first_piece = np.searchsorted(pieces, cuts[part])  # the first piece of each piece's part
+        heads = (np.arange(len(pieces)) - first_piece) % window == 0
+        #: where each group starts in the sequence, and the total
+        self.group_starts: _Int64s = np.concatenate([pieces[heads], [total]]).astype(np.int64)
 
     def at(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         positions = np.asarray(positions, dtype=np.int64)
         groups = np.searchsorted(self.group_starts, positions, side="right") - 1
-        ids = np.empty_like(positions)
+        sequence = np.empty_like(positions)
         for group in np.unique(groups).tolist():
             chosen = groups == group
             first = int(self.group_starts[group])
             size = int(self.group_starts[group + 1]) - first
             key = np.random.SeedSequence([self.seed, self.epoch, group]).generate_state(1)
             within = EpochOrder(size, self.epoch, int(key[0]), True).at(positions[chosen] - first)
-            # ``within`` counts the group's samples, its permuted shards one after another
-            slots = group * self.window
-            inner = self.runs[slots : slots + self.window + 1] - first
-            slot = np.searchsorted(inner, within, side="right") - 1
-            shard = self.permuted[slots + slot]
-            ids[chosen] = self.shards.starts[shard] + (within - inner[slot])
+            sequence[chosen] = first + within
+        # a place in the sequence is a sample of a permuted shard, in tar order
+        slot = np.searchsorted(self.runs, sequence, side="right") - 1
+        ids: np.ndarray[Any, Any] = self.shards.starts[self.permuted[slot]] + (
+            sequence - self.runs[slot]
+        )
         return ids
 
 
 class TarOrders:
-    """``orders(epoch)`` for :class:`BatchedSamples`: the :class:`TarOrder` of each epoch (the
-    last two are kept: the worker asks for the current and the next one)."""
+    """``orders(epoch, parts)`` for :class:`BatchedSamples`: the :class:`TarOrder` of each epoch
+    (the last two are kept: the worker asks for the current and the next one)."""
 
     def __init__(self, shards: TarShards, seed: int, window: int) -> None:
         self.shards, self.seed, self.window = shards, seed, window
-        self._made: OrderedDict[int, TarOrder] = OrderedDict()
+        self._made: OrderedDict[tuple[int, bytes], TarOrder] = OrderedDict()
 
-    def __call__(self, epoch: int) -> TarOrder:
-        order = self._made.get(epoch)
+    def __call__(self, epoch: int, parts: np.ndarray[Any, Any] | None = None) -> TarOrder:
+        key = (epoch, b"" if parts is None else np.asarray(parts, np.int64).tobytes())
+        order = self._made.get(key)
         if order is None:
-            order = self._made[epoch] = TarOrder(self.shards, epoch, self.seed, self.window)
+            order = TarOrder(self.shards, epoch, self.seed, self.window, parts)
+            self._made[key] = order
             while len(self._made) > 2:
                 self._made.popitem(last=False)
         return order
