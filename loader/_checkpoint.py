@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ipc.wire import Position, RandomStates, Sampling, join_states, split_states
+from workers import describe_difference
 
 logger = logging.getLogger("loader")
 
@@ -124,17 +125,20 @@ def make_state(
     steps: Sequence[int | None],
     random: Sequence[list[str] | None],
 ) -> dict[str, Any]:
+    described: dict[str, Any] = {
+        "total": sampling.total,
+        "shuffle": sampling.shuffle,
+        "drop_last": sampling.drop_last,
+        "fingerprint": sampling.fingerprint,
+    }
+    if sampling.parts:
+        described["parts"] = sampling.parts
     return {
         "format": FORMAT,
         "seed": sampling.seed,
         "epoch": epoch,
         "batch_size": sampling.batch_size,
-        "sampling": {
-            "total": sampling.total,
-            "shuffle": sampling.shuffle,
-            "drop_last": sampling.drop_last,
-            "fingerprint": sampling.fingerprint,
-        },
+        "sampling": described,
         "layout": {"world_size": world_size, "num_workers": num_workers},
         "received": list(received),
         "history": [[ranks, list(done)] for ranks, done in history],
@@ -161,8 +165,7 @@ def parse_state(
     apply. A change of layout (world size, workers) is never an error. A dataset whose
     fingerprint differs is one; with ``strict=False`` it is logged as a warning instead."""
     version = _check_format(state)
-    _check_sampling(state, sampling)
-    _check_dataset(state, sampling, strict)
+    _check_sampling(state, sampling, strict)
     epoch = _field(state, "epoch", int)
     if epoch < 0:
         raise ValueError(f"epoch: {epoch} is negative")
@@ -242,8 +245,8 @@ def _at_epoch_start(state: Mapping[str, Any]) -> bool:
     )
 
 
-def _check_sampling(state: Mapping[str, Any], sampling: Sampling) -> None:
-    """The state's seed, batch size and sampling must be this loader's."""
+def _check_sampling(state: Mapping[str, Any], sampling: Sampling, strict: bool) -> None:
+    """The state's seed, batch size, dataset and sampling must be this loader's."""
     for name, expected in (
         ("seed", sampling.seed),
         ("batch_size", sampling.batch_size),
@@ -254,6 +257,7 @@ def _check_sampling(state: Mapping[str, Any], sampling: Sampling) -> None:
                 f"{name}: the state was taken with {name}={value}, this loader has {expected}; "
                 f"build the Loader (and its source) with {name}={value} to resume it"
             )
+    _check_dataset(state, sampling, strict)
     saved = _field(state, "sampling", Mapping)
     for name, expected_value in (
         ("total", sampling.total),
@@ -263,9 +267,12 @@ def _check_sampling(state: Mapping[str, Any], sampling: Sampling) -> None:
         value = saved.get(name)
         if value != expected_value:
             what = "dataset size" if name == "total" else name
+            differs = _parts_differ(saved, sampling) if name == "total" else None
             raise ValueError(
                 f"sampling.{name}: the state was taken with {name}={value!r} ({what}), this "
-                f"loader's source has {expected_value!r}; a state only applies to the same data"
+                f"loader's source has {expected_value!r}"
+                + (f" ({differs})" if differs else "")
+                + "; a state only applies to the same data"
             )
 
 
@@ -285,17 +292,29 @@ def _check_dataset(state: Mapping[str, Any], sampling: Sampling, strict: bool) -
         raise ValueError(f"sampling.fingerprint: {saved!r} is not what state_dict() writes")
     if saved == mine:
         return
-    total = sampling.total
+    saved_total = _field(state, "sampling", Mapping).get("total")
+    before = saved_total if isinstance(saved_total, int) else sampling.total
     message = (
-        f"dataset: the state was saved over {describe_dataset(saved, total)}, this loader reads "
-        f"{describe_dataset(mine, total)}"
+        f"dataset: the state was saved over {describe_dataset(saved, before)}, this loader "
+        f"reads {describe_dataset(mine, sampling.total)}"
     )
+    differs = _parts_differ(_field(state, "sampling", Mapping), sampling)
+    if differs:
+        message += f" ({differs})"
     if strict:
         raise ValueError(
             f"{message}; a state only applies to the same data (pass strict=False to "
             "load_state_dict() to resume over a dataset you changed knowingly)"
         )
     logger.warning("%s; resuming anyway (strict=False)", message)
+
+
+def _parts_differ(saved: Mapping[str, Any], sampling: Sampling) -> str | None:
+    """What differs between the parts the state recorded and this loader's (None: unknown)."""
+    parts = saved.get("parts")
+    if not isinstance(parts, str) or not parts or not sampling.parts:
+        return None
+    return describe_difference(parts, sampling.parts)
 
 
 def describe_dataset(fingerprint: str, total: int) -> str:

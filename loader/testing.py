@@ -13,8 +13,9 @@ loader's worker server are not ours and are ignored; the workers they fork are),
 descriptor to shared memory (a memfd or a ``/dev/shm`` file), a socket, a pipe or an anonymous
 inode (eventfd, epoll), and a new entry in ``/dev/shm`` that this test's processes made: one that
 the test process or one of its descendants holds open or mapped, or that nobody holds (a file
-made and closed but never unlinked), belongs to this user and is still there
-:data:`UNHELD_GRACE` seconds later. A new entry held only by other
+made and closed but never unlinked) and belongs to this user (a multiprocessing semaphore, which
+its resource tracker unlinks after its process exits, only if it is still there
+:data:`UNHELD_GRACE` seconds later). A new entry held only by other
 processes is another job's (a concurrent test session, a DataLoader's semaphores) and is not
 blamed. A leak report names the kinds it found. It also names a Loader the test opened and did
 not close: one still open, and one dropped while part of a reference cycle, so that its workers
@@ -72,8 +73,10 @@ __all__ = [
 ]
 
 _HELPER_MARKERS = ("resource_tracker", "forkserver")
-#: Seconds a new ``/dev/shm`` entry that nobody holds has to disappear before it is blamed.
+#: Seconds a new multiprocessing semaphore in ``/dev/shm`` that nobody holds has to disappear
+#: before it is blamed.
 UNHELD_GRACE = 2.0
+_SEMAPHORE = "sem.mp-"
 # What a watched descriptor's /proc/self/fd link starts with, and the kind a leak report names.
 # A memfd's link reads "/memfd:NAME (deleted)" (older kernels drop the leading slash).
 _WATCHED_FD_KINDS = (
@@ -224,9 +227,10 @@ def _shm_made_here(new: set[str]) -> list[str]:
             blamed.append(name)
         elif not held_by:  # (held by other processes only: another job's)
             unheld.append(name)
-    # held by nobody: a process that just exited may not have unlinked it yet (another job's,
-    # or its resource tracker's work): what is still there after a moment was left behind
-    deadline = time.monotonic() + UNHELD_GRACE
+    # held by nobody: multiprocessing's semaphore of a process that just exited may not be
+    # unlinked yet (its resource tracker's work, another job's): still there a moment later,
+    # it was left behind
+    deadline = time.monotonic() + (UNHELD_GRACE if any(_SEMAPHORE in n for n in unheld) else 0)
     while unheld:
         still = []
         for name in unheld:

@@ -18,6 +18,7 @@ from ._timing import BatchClock
 from .sources._datasets import FilesDataset, SamplesDataset, TarsDataset
 from .sources._files import list_files, sharded_files
 from .sources._mix import sharded_mix
+from .sources._parts import describe_difference
 from .sources._positions import (
     continue_from,
     every_shard_steps,
@@ -65,6 +66,7 @@ __all__ = [
     "TarsDataset",
     "WorkerSpec",
     "continue_from",
+    "describe_difference",
     "every_shard_steps",
     "index_dataset",
     "list_files",

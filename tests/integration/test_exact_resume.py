@@ -160,6 +160,43 @@ def test_a_state_over_other_files_is_refused_unless_strict_is_off(
     assert any(r.message.startswith("dataset: ") for r in caplog.records)
 
 
+def test_a_folder_exported_again_with_the_same_names_is_another_dataset(
+    tiny_images: Path, tmp_path: Path
+) -> None:
+    """The same class folders and file names, other bytes (the JPEGs saved again at another
+    quality): a state is refused, naming the class folders whose bytes differ; one over a class
+    with a file less names it with its counts."""
+    from PIL import Image
+
+    again = tmp_path / "again"
+    for path in sorted(tiny_images.rglob("*.jpg")):
+        target = again / path.parent.name / path.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent.name == "class_1":
+            Image.open(path).save(target, quality=95)
+        else:  # (class_0: the same bytes)
+            target.write_bytes(path.read_bytes())
+    with images_loader(tiny_images, num_workers=1) as loader:
+        next(iter(loader))
+        state = json.loads(json.dumps(loader.state_dict()))
+    with images_loader(again, num_workers=1) as loader:
+        with pytest.raises(
+            ValueError, match=r"\(class folders changed: class_1 \(size \d+ -> \d+\)\); a state"
+        ):
+            loader.load_state_dict(state)
+    fewer = tmp_path / "fewer"
+    for path in sorted(tiny_images.rglob("*.jpg"))[1:]:  # class_0's first image left out
+        target = fewer / path.parent.name / path.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    named = r"\(class folders changed: class_0 \(samples 12 -> 11, size \d+ -> \d+\)\)"
+    with images_loader(fewer, num_workers=1) as loader:
+        with pytest.raises(ValueError, match=rf"saved over 24 files.* reads 23 files.*{named}"):
+            loader.load_state_dict(state)
+        with pytest.raises(ValueError, match=rf"^sampling\.total: .*=24 .*23 {named}"):
+            loader.load_state_dict(state, strict=False)  # (another size cannot be resumed)
+
+
 def test_a_sharded_source_state_keeps_its_fingerprint() -> None:
     source = functools.partial(P.sample_source, fingerprint="v1")
     with ids_loader(source=source, num_workers=1) as loader:

@@ -95,6 +95,23 @@ def test_a_state_over_other_shards_is_refused(tmp_path: Path) -> None:
             loader.load_state_dict(state)
 
 
+def test_a_state_over_a_shard_set_with_a_shard_missing_names_it(tmp_path: Path) -> None:
+    """The old refusal said only that the sizes differ (600 samples, 570); now it names the
+    shard."""
+    T.write_id_tars(tmp_path, TOTAL, 7)
+    with loader_over(str(tmp_path / "train-{000..004}.tar")) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    urls = [str(tmp_path / f"train-{k:03d}.tar") for k in (0, 1, 3, 4)]
+    with loader_over(urls) as loader:
+        with pytest.raises(ValueError, match=r"\(shards missing here: train-002\.tar\)"):
+            loader.load_state_dict(state)
+        with pytest.raises(
+            ValueError, match=r"sampling\.total: .*\(shards missing here: train-002"
+        ):
+            loader.load_state_dict(state, strict=False)
+
+
 def test_a_state_over_shards_rewritten_with_the_same_names_and_keys_is_refused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -119,7 +136,7 @@ def test_a_state_over_shards_rewritten_with_the_same_names_and_keys_is_refused(
         next(iter(loader))
         state = loader.state_dict()
     with loader_over(str(tmp_path / "b" / "train-{000..004}.tar"), on_error="skip") as loader:
-        with pytest.raises(ValueError, match="tars:"):
+        with pytest.raises(ValueError, match=r"tars:.*\(shards changed: train-000\.tar \(size"):
             loader.load_state_dict(state)
         with caplog.at_level(logging.WARNING, logger="loader"):
             loader.load_state_dict(state, strict=False)  # a warning instead

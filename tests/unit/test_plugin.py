@@ -86,24 +86,32 @@ def test_leak_check_blames_a_dev_shm_entry_the_test_left(pytester: pytest.Pytest
         pytester,
         """
         import os
+        import pytest
         from multiprocessing import shared_memory
 
         KEPT = []
+
+        @pytest.fixture
+        def orphan():
+            # (unlinked right after leak_check's teardown: a concurrent test session on this
+            # machine cannot tell it from its own for longer than this test lasts)
+            path = f"/dev/shm/leak_check_orphan_{os.getpid()}"
+            yield path
+            os.unlink(path)
 
         def test_clean(leak_check):
             path = f"/dev/shm/leak_check_clean_{os.getpid()}"
             open(path, "w").close()
             os.unlink(path)
 
-        def test_orphan(leak_check):
-            open(f"/dev/shm/leak_check_orphan_{os.getpid()}", "w").close()
+        def test_orphan(orphan, leak_check):
+            open(orphan, "w").close()
 
         def test_mapped(leak_check):
             memory = shared_memory.SharedMemory(create=True, size=4096, name=f"lc_{os.getpid()}")
             KEPT.append(memory)
 
         def test_zz_cleanup():
-            os.unlink(f"/dev/shm/leak_check_orphan_{os.getpid()}")
             KEPT.pop().unlink()
         """,
     )

@@ -56,3 +56,28 @@ def test_a_format_2_state_loads_at_an_epoch_start_and_is_refused_mid_epoch() -> 
     assert fresh.epoch == 1 and fresh.before == 0
     with pytest.raises(ValueError, match=r"format 2, .*equal parts per worker.*start the epoch"):
         _parse(_state(format=2))
+
+
+def test_a_datasets_parts_name_what_differs_and_stay_small() -> None:
+    from workers.sources._parts import decode_parts, describe_difference, encode_parts
+
+    shards = [(f"train-{k:06d}.tar", 81920 + k % 7, 1251) for k in range(8192)]
+    saved = encode_parts("shard", shards)
+    assert decode_parts(saved) == ("shard", shards)
+    assert len(saved) < 96 * 1024  # (8,192 shards in a state: under 96 KiB)
+    assert describe_difference(saved, saved) is None
+    changed = list(shards)
+    del changed[7]
+    changed[9] = (changed[9][0], 80000, 1250)  # (train-000010: 7 is gone)
+    changed += [(f"train-{k:06d}.tar", 1, 1) for k in range(8192, 8200)]
+    said = describe_difference(saved, encode_parts("shard", changed))
+    assert said == (
+        "shards missing here: train-000007.tar; shards not in the state: train-008192.tar, "
+        "train-008193.tar, train-008194.tar, train-008195.tar, train-008196.tar and 3 more; "
+        "shards changed: train-000010.tar (samples 1251 -> 1250, size 81923 -> 80000)"
+    )
+    # other kinds, or no parts: nothing to say
+    assert describe_difference(saved, encode_parts("class folder", [("a", 1, 1)])) is None
+    assert describe_difference("", saved) is None
+    with pytest.raises(ValueError, match="not a list of a dataset's parts"):
+        decode_parts("bm90IGpzb24=")

@@ -45,6 +45,7 @@ class _Kind:
             shuffle=shuffle,
             drop_last=drop_last,
             fingerprint=opened.fingerprint,
+            parts=opened.parts,
             pass_epoch=opened.pass_epoch,
             orders=opened.orders,
         )
@@ -65,7 +66,13 @@ class FilesDataset(_Kind):
         files = open_files(self.root_or_files, self.labels)
         load = FileLoader(files)
         return OpenedSource(
-            len(files), load, 2, files.fingerprint, ("jpg", "cls"), describe=load.describe
+            len(files),
+            load,
+            2,
+            files.fingerprint,
+            ("jpg", "cls"),
+            describe=load.describe,
+            parts=files.parts,
         )
 
 

@@ -43,6 +43,10 @@ class FileTable(Protocol):
 
     fingerprint: str
 
+    @property
+    def parts(self) -> str:
+        """What the files are, part by part, for a state (:mod:`sources._parts`; empty: none)."""
+
     def __len__(self) -> int: ...
 
     def path(self, index: int) -> str: ...
@@ -60,6 +64,10 @@ class ListedFiles:
         digest = hashlib.sha256("\0".join(self._files).encode(errors="surrogateescape"))
         digest.update(self._labels.astype("<i4", copy=False).tobytes())
         self.fingerprint = f"files:{digest.hexdigest()[:16]}"
+
+    @property
+    def parts(self) -> str:
+        return ""  # (a list's files are not grouped; their sizes are not read: see sharded_files)
 
     def __len__(self) -> int:
         return len(self._files)
@@ -142,8 +150,9 @@ def sharded_files(
     a resumable position. Decode with ``ndd.decoders.image(jpegs)`` in ``step``. A directory is
     listed once and indexed in the loader's cache directory (``DALI_LOADER_CACHE_DIR``); later
     builds, in any worker, read the index. The list's fingerprint (a hash of the relative paths
-    of a directory's files, of the paths and labels of a list) goes into the loader's state: a
-    state saved over other files is refused.
+    and sizes of a directory's files, read once with its listing; of the paths and labels of a
+    list, whose files are not opened before they are read) goes into the loader's state: a
+    state saved over other files is refused, naming the class folders that differ.
     """
     from ._datasets import FilesDataset
 

@@ -29,15 +29,19 @@ equal): such an index is not written, and the folder is listed again until it ha
 that long. A file that fails any structural check (magic, header, sizes) is ignored and rebuilt.
 
 Fingerprint: the index also keeps a hash of its sorted relative paths (class folder and file
-name, in order), made once with the listing: what a loader's state records of the dataset, to
-refuse a state saved over other files. Sizes are not in it: they would cost a ``stat`` per file,
-and a file rewritten in place changes no folder's identity, so an index would not see it either.
+name, in order) and of the files' sizes, made once with the listing (a ``stat`` per file, once
+per folder and cache directory): what a loader's state records of the dataset, to refuse a state
+saved over other files -- a folder exported again with the same names but other bytes is another
+dataset. Its *parts* (each class folder's name, files and bytes) go into the state too, so that a
+refused state names the class folders that differ. A file rewritten in place changes no
+folder's identity, so an index does not see it (a folder written by renaming files into place,
+as copies and syncs do, is listed again).
 
 The file: :data:`MAGIC`, the header's length (little-endian uint64), the header (JSON: root,
-classes, identity, counts, fingerprint), then, 8-byte aligned, ``class_starts`` (int64, the
-first file of each class and the count), ``offsets`` (int64, where each file's name starts in
-``names``, and the end) and ``names`` (the file names inside their class folder, as
-``os.fsencode`` bytes).
+classes, identity, counts, fingerprint, each class's bytes), then, 8-byte aligned,
+``class_starts`` (int64, the first file of each class and the count), ``offsets`` (int64, where
+each file's name starts in ``names``, and the end) and ``names`` (the file names inside their
+class folder, as ``os.fsencode`` bytes).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from ._index_file import locked
+from ._parts import encode_parts
 
 logger = logging.getLogger("workers")
 
@@ -65,7 +70,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 #: Names the directory the loader keeps its caches in.
 CACHE_DIR_ENV = "DALI_LOADER_CACHE_DIR"
 MAGIC = b"DLFOLDR1"
-FORMAT = 2  # 2: the header holds the fingerprint
+FORMAT = 3  # 2: the header holds the fingerprint; 3: the files' sizes are in it
 #: An index listed within this many nanoseconds of a change it records is not trusted.
 RACY_NS = 2_000_000_000
 
@@ -91,8 +96,10 @@ class FolderIndex:
     index file or made from a listing; a file's path is built when it is asked for."""
 
     __slots__ = (
+        "_class_bytes",
         "_class_labels",
         "_class_starts",
+        "_classes",
         "_firsts",
         "_keep",
         "_names",
@@ -109,10 +116,12 @@ class FolderIndex:
         offsets: _Int64s,
         names: np.ndarray[Any, np.dtype[np.uint8]],
         fingerprint: str,
+        class_bytes: list[int],
         keep: object = None,
     ) -> None:
-        #: ``files:<hash>`` of the sorted relative paths (see the module docstring)
+        #: ``files:<hash>`` of the sorted relative paths and sizes (see the module docstring)
         self.fingerprint = fingerprint
+        self._classes, self._class_bytes = classes, class_bytes
         self._prefixes = [os.path.join(root, name, "") for name in classes]
         self._class_starts, self._offsets, self._names = class_starts, offsets, names
         self._keep = keep  # the mapping the arrays view
@@ -138,6 +147,13 @@ class FolderIndex:
     def label(self, index: int) -> np.ndarray[Any, Any]:
         """The label of file ``index``: a read-only int32 array of one element."""
         return self._class_labels[self._class(index)]
+
+    @property
+    def parts(self) -> str:
+        """Each class folder's name, bytes and files, for a state (:mod:`sources._parts`)."""
+        counts = np.diff(self._class_starts).tolist()
+        rows = zip(self._classes, self._class_bytes, counts, strict=True)
+        return encode_parts("class folder", [(name, size, count) for name, size, count in rows])
 
 
 def check_folder(root: str) -> None:
@@ -229,8 +245,32 @@ def _from_listing(root: str, classes: list[str], names: list[list[str]]) -> Fold
     offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
     blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-    fingerprint = _fingerprint(classes, class_starts, offsets, blob)
-    return FolderIndex(root, classes, class_starts, offsets, blob, fingerprint)
+    sizes = _sizes(root, classes, names)
+    fingerprint = _fingerprint(classes, class_starts, offsets, blob, sizes)
+    running = np.concatenate([np.zeros(1, np.int64), np.cumsum(np.maximum(sizes, 0))])
+    class_bytes = running[class_starts[1:]] - running[class_starts[:-1]]
+    return FolderIndex(
+        root, classes, class_starts, offsets, blob, fingerprint, class_bytes.tolist()
+    )
+
+
+def _sizes(root: str, classes: list[str], names: list[list[str]]) -> _Int64s:
+    """Every listed file's size, in order (-1: gone since it was listed): one ``stat`` each,
+    relative to its class folder."""
+    sizes = np.empty(sum(map(len, names)), dtype=np.int64)
+    done = 0
+    for folder, inside in zip(classes, names, strict=True):
+        fd = os.open(os.path.join(root, folder), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in inside:
+                try:
+                    sizes[done] = os.stat(name, dir_fd=fd).st_size
+                except OSError:
+                    sizes[done] = -1  # (the folder changed: its index is not kept)
+                done += 1
+        finally:
+            os.close(fd)
+    return sizes
 
 
 def _fingerprint(
@@ -238,13 +278,16 @@ def _fingerprint(
     class_starts: _Int64s,
     offsets: _Int64s,
     names: np.ndarray[Any, np.dtype[np.uint8]],
+    sizes: _Int64s,
 ) -> str:
-    """``files:`` and a hash of the relative paths, in order: the class folders, where each
-    one's files start, and the files' names (the arrays say exactly that)."""
+    """``files:`` and a hash of the relative paths, in order -- the class folders, where each
+    one's files start, and the files' names (the arrays say exactly that) -- and of the files'
+    sizes."""
     digest = hashlib.sha256(b"\0".join(os.fsencode(name) for name in classes))
     for array in (class_starts, offsets):
         digest.update(array.astype("<i8", copy=False).tobytes())
     digest.update(names.tobytes())
+    digest.update(sizes.astype("<i8", copy=False).tobytes())
     return f"files:{digest.hexdigest()[:16]}"
 
 
@@ -274,6 +317,7 @@ def _build(path: Path, root: str, real: str) -> FolderIndex:
             "files": len(index),
             "name_bytes": int(index._offsets[-1]),
             "fingerprint": index.fingerprint,
+            "class_bytes": index._class_bytes,
         }
     ).encode()
     start = -(-(_PREFIX + len(header)) // 8) * 8
@@ -328,8 +372,16 @@ def _parse(mapped: mmap.mmap, path: Path, root: str, real: str) -> FolderIndex |
     if _PREFIX + length > len(mapped):
         raise ValueError("truncated")
     header = json.loads(mapped[_PREFIX : _PREFIX + length])
-    if header["format"] != FORMAT or header["root"] != real:
-        raise ValueError("another format or folder")
+    if header["format"] != FORMAT:
+        logger.info(
+            "the folder index %s has format %s, not %d: listing again",
+            path,
+            header["format"],
+            FORMAT,
+        )
+        return None
+    if header["root"] != real:
+        raise ValueError("another folder")
     classes: list[str] = header["classes"]
     files, name_bytes = int(header["files"]), int(header["name_bytes"])
     start = -(-(_PREFIX + length) // 8) * 8
@@ -355,7 +407,11 @@ def _parse(mapped: mmap.mmap, path: Path, root: str, real: str) -> FolderIndex |
         logger.debug("the index %s is stale: %s changed since it was listed", path, root)
         return None
     logger.debug("read the index of %s (%d files) from %s", root, files, path)
-    fingerprint = header["fingerprint"]
+    fingerprint, class_bytes = header["fingerprint"], header["class_bytes"]
     if not isinstance(fingerprint, str):
         raise ValueError("no fingerprint")
-    return FolderIndex(root, classes, class_starts, offsets, names, fingerprint, keep=mapped)
+    if not isinstance(class_bytes, list) or len(class_bytes) != len(classes):
+        raise ValueError("no sizes")
+    return FolderIndex(
+        root, classes, class_starts, offsets, names, fingerprint, class_bytes, keep=mapped
+    )

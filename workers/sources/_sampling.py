@@ -54,7 +54,9 @@ class BatchedSamples:
 
     ``load(index)`` returns one sample (an array) or a tuple of ``num_outputs`` arrays; with
     ``pass_epoch=True`` it is called as ``load(index, epoch)``, the epoch the sample is loaded
-    for. ``fingerprint``: what the samples are (saved in a state, checked when it is loaded).
+    for. ``fingerprint``: what the samples are (saved in a state, checked when it is loaded);
+    ``parts``: what they are part by part (:mod:`sources._parts`: a refused state names the
+    parts that differ).
     ``orders``: the source's own epoch orders (see :data:`sources._positions.Orders`), else the
     seeded permutation of ``[0, total)``.
 
@@ -77,6 +79,7 @@ class BatchedSamples:
         fingerprint: str = "",
         pass_epoch: bool = False,
         orders: Orders | None = None,
+        parts: str = "",
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -89,7 +92,7 @@ class BatchedSamples:
         self.orders = orders
         # the loader's seed: the same on every shard (a shard's own seed is seed + index)
         seed = shard.seed - shard.index
-        self.sampling = Sampling(total, batch_size, seed, shuffle, drop_last, fingerprint)
+        self.sampling = Sampling(total, batch_size, seed, shuffle, drop_last, fingerprint, parts)
         self.epoch = shard.epoch
         self.position = shard.position
         # the worker's, handed over by ``bind``; until then, a control state of its own
@@ -355,6 +358,8 @@ class OpenedSource:
     describe: Callable[[int], str] | None = None
     #: ``load`` is called as ``load(index, epoch)``
     pass_epoch: bool = False
+    #: what the dataset is, part by part (:mod:`sources._parts`; empty: not known)
+    parts: str = ""
 
 
 def sharded_source(

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ._parts import encode_parts
 from ._storage import (
     RETRIES,
     Identity,
@@ -98,6 +99,13 @@ class TarShards:
         for url, (size, _version), count, keys in rows:
             digest.update(f"{posixpath.basename(url)}\0{size}\0{count}\0{keys}\n".encode())
         return f"tars:{digest.hexdigest()[:16]}"
+
+    def parts(self) -> str:
+        """Each shard's name, size and samples, for a state (:mod:`sources._parts`)."""
+        rows = zip(self.urls, self.identities, self.counts.tolist(), strict=True)
+        return encode_parts(
+            "shard", [(posixpath.basename(url), size, count) for url, (size, _v), count in rows]
+        )
 
     def index(self, shard: int, indexer: Indexer) -> TarIndex:
         """The index of ``shard``, fetched now (a worker about to read it); ``StorageFailure``

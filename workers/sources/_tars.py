@@ -476,5 +476,12 @@ def open_tar_source(
     names = [alternatives[0] for alternatives in wanted]
     load = TarLoader(shards, wanted, ahead, names)
     return OpenedSource(
-        shards.total, load, len(wanted), fingerprint, tuple(names), orders, load.describe
+        shards.total,
+        load,
+        len(wanted),
+        fingerprint,
+        tuple(names),
+        orders,
+        load.describe,
+        parts=shards.parts(),
     )
