@@ -21,7 +21,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
+
+#: While the worker calls ``source(shard)``: whether the loader skips what it cannot read
+#: (``on_error="skip"``), so that a source may leave out a damaged part of its data (a tar shard
+#: that is not whole) instead of failing the start. False outside a worker.
+SKIP_DAMAGED: ContextVar[bool] = ContextVar("SKIP_DAMAGED", default=False)
 
 #: Told of a sample whose ``load`` raised under ``on_error="skip"``:
 #: (epoch, step, sample id, sample name, reason).

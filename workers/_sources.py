@@ -20,7 +20,7 @@ from typing import Any
 from ipc import wire
 
 from . import _dali
-from ._control import FeedState, SampleControl
+from ._control import SKIP_DAMAGED, FeedState, SampleControl
 from ._phase import Phase
 from ._shard import Shard
 from ._spec import WorkerSpec
@@ -61,7 +61,11 @@ def build_sources(
     ``control``: the worker's, handed to a sharded source (see the module docstring)."""
     _dali.seed_random(shard.seed + shard.epoch * shard.count)
     set_phase(Phase.SOURCE)
-    source = spec.source(shard)
+    skipping = SKIP_DAMAGED.set(control.skip)
+    try:
+        source = spec.source(shard)
+    finally:
+        SKIP_DAMAGED.reset(skipping)
     problem = _dali.describe_source_error(source)
     if problem is not None:
         raise TypeError(problem)

@@ -190,6 +190,45 @@ def test_a_bad_shard_fails_before_the_first_batch_naming_it(
         loader_over(str(tmp_path / "train-{000..004}.tar"))
 
 
+def test_a_damaged_shard_is_left_out_under_skip_and_named(tmp_path: Path) -> None:
+    """A truncated shard fails the start (above), but under on_error="skip" the job starts: the
+    shard's whole samples before the damage are read, the rest is left out, a warning names
+    it, every rank still has as many steps, and nothing vouches for the shard (no .idx, no
+    summary entry): once rewritten, it is read whole."""
+    import warnings
+
+    T.write_id_tars(tmp_path, TOTAL, 7)
+    whole = (tmp_path / "train-002.tar").read_bytes()
+    _truncated(tmp_path / "train-002.tar")
+    urls = str(tmp_path / "train-{000..004}.tar")
+    seen: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        loaders = [
+            loader_over(urls, workers=2, on_error="skip", rank=r, world_size=2) for r in range(2)
+        ]
+    try:
+        assert len(loaders[0]) == len(loaders[1])
+        for loader in loaders:
+            seen += [i for batch in loader for i in real(batch, "id")]
+    finally:
+        for loader in loaders:
+            loader.close()
+    said = [str(w.message) for w in caught if "on_error='skip'" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]  # (the job's: rank 0's worker 0)
+    kept = sorted(i for i in seen if 14 <= i < 21)
+    assert 0 < len(kept) < 7 and kept == list(range(14, 14 + len(kept))), kept
+    assert said[0].count("train-002.tar") == 1 and f"first {len(kept)} samples" in said[0]
+    others = [i for i in range(TOTAL) if not 14 <= i < 21]
+    assert sorted(i for i in seen if not 14 <= i < 21) == others  # exactly once
+    assert not (tmp_path / "train-002.idx").exists()
+    summary = json.loads((tmp_path / "loader-summary.json").read_text())
+    assert "train-002.tar" not in [row[0] for row in summary["shards"]]
+    (tmp_path / "train-002.tar").write_bytes(whole)  # rewritten: read whole, no warning
+    with loader_over(urls, on_error="skip") as loader:
+        assert sorted(i for batch in loader for i in real(batch, "id")) == list(range(TOTAL))
+
+
 def test_window_orders_read_a_few_shards_at_a_time(tmp_path: Path) -> None:
     """With a window of 1, a worker's batches come from one shard at a time."""
     T.write_id_tars(tmp_path, 64, 8)

@@ -544,3 +544,32 @@ def test_the_index_command_indexes_once_and_finishes_an_interrupted_run(tmp_path
         text=True,
     )
     assert bad.returncode == 2 and "--storage-options is not JSON" in bad.stderr
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_a_damaged_shard_keeps_its_whole_samples_before_the_damage(
+    tmp_path: Path, seekable: bool
+) -> None:
+    """Cut anywhere, a shard gives the samples whose members all lie before the cut (never a
+    sample missing a member), and the error a strict scan raises; garbage gives none."""
+    from workers.sources._tar_index import scan, scan_whole_samples
+
+    T.write_id_tars(tmp_path, 7, 7)
+    data = (tmp_path / "train-000.tar").read_bytes()
+    full = scan(str(tmp_path / "train-000.tar"), io.BytesIO(data), seekable=True)
+    ends = [  # where each sample's last member ends
+        int((full.member_offset + full.member_size)[full.member_sample == k].max())
+        for k in range(full.samples)
+    ]
+    for cut in range(0, ends[-1] + 1024, 97):  # (after the end-of-archive blocks: whole)
+        stream = io.BytesIO(data[:cut])
+        if not seekable:  # (a remote shard is read as a stream)
+            stream.seekable = lambda: False  # type: ignore[method-assign]
+        index, damage = scan_whole_samples("t.tar", stream, seekable=seekable, size=cut)
+        assert damage is not None and "t.tar" in str(damage)
+        assert index.samples <= sum(end <= cut for end in ends)
+        assert index.samples >= sum(end <= cut for end in ends) - 1  # (the cut one's neighbour)
+        for k in range(index.samples):  # each kept sample is whole
+            assert (index.member_sample == k).sum() == (full.member_sample == k).sum()
+    index, damage = scan_whole_samples("t.tar", io.BytesIO(b"not a tar" * 200), seekable=seekable)
+    assert index.samples == 0 and "not a whole tar" in str(damage)

@@ -153,8 +153,9 @@ class IndexBuilder:
     def samples(self) -> int:
         return len(self._keys)
 
-    def build(self) -> TarIndex:
-        if not self._keys:
+    def build(self, *, empty: bool = False) -> TarIndex:
+        """The index; ``ValueError`` when it holds no sample, unless ``empty``."""
+        if not self._keys and not empty:
             raise ValueError(f"{self.url} holds no samples")
         keys = self._keys
         key_offsets = np.zeros(len(keys) + 1, dtype=np.int64)
@@ -183,10 +184,26 @@ def keys_hash(key_offsets: _Int64s, keys: np.ndarray[Any, Any]) -> str:
     return hashlib.sha256(offsets.tobytes() + bytes(keys)).hexdigest()[:16]
 
 
-def scan(url: str, stream: IO[bytes], *, seekable: bool) -> TarIndex:
-    """Index the tar read from ``stream`` (named ``url`` in errors)."""
-    builder = IndexBuilder(url)
+def scan(url: str, stream: IO[bytes], *, seekable: bool, size: int | None = None) -> TarIndex:
+    """Index the tar read from ``stream`` (named ``url`` in errors); ``ValueError`` naming it
+    when it is not a whole WebDataset shard. ``size``: the shard's, when ``stream`` cannot
+    seek (to check that it ends after its last member's data and the end-of-archive blocks)."""
+    index, damage = scan_whole_samples(url, stream, seekable=seekable, size=size)
+    if damage is not None:
+        raise damage
+    return index
+
+
+def scan_whole_samples(
+    url: str, stream: IO[bytes], *, seekable: bool, size: int | None = None
+) -> tuple[TarIndex, ValueError | None]:
+    """Index the tar read from ``stream``, and what is wrong with it (None: nothing). A shard
+    that is not whole (truncated, corrupt, a member that breaks WebDataset's rules) gives the
+    index of its samples before the damage (the sample the damage falls in left out: its other
+    members may be gone), and the error :func:`scan` raises."""
+    members: list[tuple[str, int, int, str]] = []  # name, data offset, size, where found
     offset = tar_end = 0
+    damage: ValueError | None = None
     try:
         with tarfile.open(fileobj=stream, mode="r:" if seekable else "r|") as tar:
             for member in tar:
@@ -198,30 +215,55 @@ def scan(url: str, stream: IO[bytes], *, seekable: bool) -> TarIndex:
                         f"{url}: member {member.name!r} at byte {member.offset} is not a "
                         "regular file (a link or device); a WebDataset shard holds files only"
                     )
-                builder.add(
-                    member.name, member.offset_data, member.size, url, f"at byte {member.offset}"
+                members.append(
+                    (member.name, member.offset_data, member.size, f"at byte {member.offset}")
                 )
             tar_end = tar.offset  # where the next header (or the end-of-archive blocks) starts
     except tarfile.ReadError as error:
-        raise ValueError(
+        damage = ValueError(
             f"{url} is not a whole tar file (read up to byte {offset}: {error}); a truncated "
             "or corrupt shard must be rewritten"
-        ) from error
-    except EOFError as error:
-        raise ValueError(f"{url} ends inside a member after byte {offset}: truncated") from error
-    if seekable:  # every member whole, and the end-of-archive blocks after the last one
-        end = stream.seek(0, os.SEEK_END)
-        last = max(
-            (o + s for o, s in zip(builder.member_offset, builder.member_size, strict=True)),
-            default=0,
         )
-        stream.seek(tar_end)
-        if last > end or stream.read(1024) != bytes(1024):
-            raise ValueError(
+    except EOFError:
+        damage = ValueError(f"{url} ends inside a member after byte {offset}: truncated")
+    except ValueError as error:
+        damage = error
+    if damage is None and (seekable or size is not None):  # every member whole, and the
+        # end-of-archive blocks after the last one (a stream read them: it ended at a zero block)
+        end = stream.seek(0, os.SEEK_END) if seekable else size
+        assert end is not None
+        last = max((o + s for _n, o, s, _a in members), default=0)
+        if seekable:
+            stream.seek(tar_end)
+        if last > end or tar_end + 1024 > end or (seekable and stream.read(1024) != bytes(1024)):
+            damage = ValueError(
                 f"{url} is not a whole tar file: it ends at byte {end}, inside a member or "
                 "without the end-of-archive blocks (truncated); rewrite the shard"
             )
-    return builder.build()
+            offset = min(end, offset)
+    builder = IndexBuilder(url)
+    if damage is None:
+        try:
+            for name, data, size, at in members:
+                builder.add(name, data, size, url, at)
+            return builder.build(), None
+        except ValueError as error:
+            damage, builder = error, IndexBuilder(url)
+    # the members before the damage, less the sample it falls in (or the last one read)
+    whole = [m for m in members if m[1] + m[2] <= offset]
+    cut = members[len(whole)][0] if len(whole) < len(members) else None
+    if cut is None and whole:
+        cut = whole[-1][0]
+    cut_key = None if cut is None else split_name(cut)
+    for name, data, size, at in whole:
+        split = split_name(name)
+        if cut_key is not None and split is not None and split[0] == cut_key[0]:
+            break
+        try:
+            builder.add(name, data, size, url, at)
+        except ValueError:
+            break  # (the member that broke WebDataset's rules: what came before it is kept)
+    return builder.build(empty=True), damage
 
 
 def cache_path(url: str) -> Path:

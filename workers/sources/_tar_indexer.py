@@ -20,7 +20,7 @@ from typing import Literal
 from . import _index_file
 from ._folder_index import CACHE_DIR_ENV
 from ._storage import Identity, Storage, local_path
-from ._tar_index import TarIndex, keep_cached, load_cached, lock_path, scan
+from ._tar_index import TarIndex, keep_cached, load_cached, lock_path, scan_whole_samples
 from ._wds_idx import fits, format_idx, header_mismatch, idx_url, last_member, parse_idx
 
 logger = logging.getLogger("workers")
@@ -38,8 +38,13 @@ class Indexer:
     """Finds or makes the index of a shard: this node's cache, the ``.idx`` beside the shard, a
     scan (whose index is then written beside the shard, where the store allows it)."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, *, skip_damaged: bool = False) -> None:
         self.storage = storage
+        #: a shard that is not whole gives the index of its samples before the damage (kept
+        #: nowhere but in ``damaged``) instead of raising (``on_error="skip"``)
+        self.skip_damaged = skip_damaged
+        #: the shards found damaged: url -> (the index of their whole samples, what is wrong)
+        self.damaged: dict[str, tuple[TarIndex, ValueError]] = {}
         self.writable = True  # until a write beside the shards is refused
         self._refused: set[str] = set()  # ``.idx`` files found not to fit their shard
         self.scanned = 0
@@ -74,7 +79,8 @@ class Indexer:
                 found = None if force else self._found(url, identity, again, probe)
                 if found is None:
                     index = self._scan(url, identity)
-                    self.publish(url, index, identity)
+                    if url not in self.damaged:  # (a damaged shard's index is kept nowhere)
+                        self.publish(url, index, identity)
                     return index, "scan"
         if publish_cached and found[1] == "cache" and listed is False:
             self.publish(url, found[0], identity)
@@ -176,7 +182,13 @@ class Indexer:
     def _scan(self, url: str, identity: Identity) -> TarIndex:
         started = time.monotonic()
         with self.storage.open(local_path(url)) as stream:
-            index = scan(url, stream, seekable=self.storage.local)
+            index, damage = scan_whole_samples(
+                url, stream, seekable=self.storage.local, size=identity[0]
+            )
+        if damage is not None:
+            if not self.skip_damaged:
+                raise damage
+            self.damaged[url] = (index, damage)
         self.scanned += 1
         self.scanned_bytes += identity[0]
         logger.info(

@@ -31,7 +31,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,6 +80,9 @@ class TarShards:
     identities: list[Identity]
     #: whether the listing showed an ``.idx`` beside each shard (None: not known)
     listed_idx: list[bool | None]
+    #: shards that are not whole, under ``on_error="skip"``: the index of their samples before
+    #: the damage (what the job reads of them), and what is wrong
+    damaged: dict[int, tuple[TarIndex, ValueError]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -111,6 +114,8 @@ class TarShards:
         """The index of ``shard``, fetched now (a worker about to read it); ``StorageFailure``
         when it no longer matches what the epoch was planned with."""
         url = self.urls[shard]
+        if shard in self.damaged:
+            return self.damaged[shard][0]
         found = indexer.get(url, self.identities[shard], listed=self.listed_idx[shard], probe=False)
         assert found is not None  # (wait=True)
         index, source = found
@@ -179,10 +184,13 @@ def open_shards(
     retries: int = RETRIES,
     *,
     lead: bool = False,
+    skip_damaged: bool = False,
 ) -> TarShards:
     """Expand, check and open the shards (see the module docstring). Shards the summary does not
     cover are indexed walking from ``start_fraction`` of them. The ``lead`` worker (one per job)
-    names a stale summary, reports progress and writes the summary when it had to look past it."""
+    names a stale summary, reports progress and writes the summary when it had to look past it.
+    ``skip_damaged`` (``on_error="skip"``): a shard that is not whole gives its samples before
+    the damage (the ``lead`` worker warns, naming it) instead of failing the start."""
     expanded = check_urls(urls)
     storage = storage_for(expanded[0], storage_options, retries)
     listed = list_shards(storage, expanded)
@@ -206,7 +214,7 @@ def open_shards(
             _report_stale(where, entries, expanded, listed, storage, urls)
     if not rest:
         return _opened(expanded, storage, counts, hashes, listed)
-    indexer = Indexer(storage)
+    indexer = Indexer(storage, skip_damaged=skip_damaged)
 
     def opened(k: int, index: TarIndex) -> None:
         counts[k], hashes[k] = index.samples, index.keys_hash
@@ -214,20 +222,41 @@ def open_shards(
     started = time.monotonic()
     _walk(expanded, listed, indexer, rest, int(start_fraction * len(rest)), opened, lead)
     unindexed = sum(1 for k in rest if listed.listed_idx[k] is False)
+    if lead and unindexed:
+        logger.info(
+            "%d of %d shards had no index: the workers indexed them (%.1f s; this worker "
+            "scanned %d, %.1f MB). %s indexes a dataset once, for every node and every job",
+            unindexed,
+            count,
+            time.monotonic() - started,
+            indexer.scanned,
+            indexer.scanned_bytes / 1e6,
+            index_command(urls),
+        )
+    number = {url: k for k, url in enumerate(expanded)}
+    damaged = {number[url]: found for url, found in indexer.damaged.items()}
     if lead:
-        if unindexed:
-            logger.info(
-                "%d of %d shards had no index: the workers indexed them (%.1f s; this worker "
-                "scanned %d, %.1f MB). %s indexes a dataset once, for every node and every job",
-                unindexed,
-                count,
-                time.monotonic() - started,
-                indexer.scanned,
-                indexer.scanned_bytes / 1e6,
-                index_command(urls),
-            )
-        _write_summaries(storage, expanded, counts, hashes, listed, summaries)
-    return _opened(expanded, storage, counts, hashes, listed)
+        for k, (index, damage) in sorted(damaged.items()):
+            _warn_damaged(expanded[k], index, damage, listed.identities[k][0])
+        kept = [k for k in range(count) if k not in damaged]  # (no summary vouches for those)
+        _write_summaries(storage, expanded, counts, hashes, listed, summaries, kept)
+    shards = _opened(expanded, storage, counts, hashes, listed)
+    shards.damaged = damaged
+    return shards
+
+
+def _warn_damaged(url: str, index: TarIndex, damage: ValueError, size: int) -> None:
+    """Say once per job (the lead worker) what a damaged shard gives under on_error="skip"."""
+    read = (
+        f"its first {index.samples} samples are read (up to byte {index.data_end} of {size})"
+        if index.samples
+        else "none of its samples is read"
+    )
+    warnings.warn(
+        f"on_error='skip': {damage}. {read}; the rest of it is left out of every epoch until "
+        "the shard is rewritten (a state saved now is refused over the rewritten shard)",
+        stacklevel=3,
+    )
 
 
 def _report_stale(
@@ -296,9 +325,13 @@ def _write_summaries(
     hashes: list[str],
     listed: Listed,
     summaries: dict[str, tuple[dict[str, ShardEntry], str] | None],
+    kept: list[int],
 ) -> None:
+    """Write the summary of each directory: the entries of shards ``kept`` over those the old
+    summary has of other shards still as listed."""
+    identities = [listed.identities[k] for k in kept]
     for directory, entries in shard_entries(
-        storage, urls, counts, hashes, listed.identities
+        storage, [urls[k] for k in kept], counts[kept], [hashes[k] for k in kept], identities
     ).items():
         summary = summaries[directory]
         merged = updated({} if summary is None else summary[0], entries, listed.listings[directory])

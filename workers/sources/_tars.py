@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from .._control import SKIP_DAMAGED
 from .._shard import Shard
 from ._epoch_order import EpochOrder
 from ._sampling import OpenedSource
@@ -462,7 +463,12 @@ def open_tar_source(
     ):
         raise ValueError(f"shuffle_window must be None or an integer >= 1, got {shuffle_window!r}")
     shards = open_shards(
-        urls, storage_options, shard.index / max(1, shard.count), retries, lead=shard.index == 0
+        urls,
+        storage_options,
+        shard.index / max(1, shard.count),
+        retries,
+        lead=shard.index == 0,
+        skip_damaged=SKIP_DAMAGED.get(),
     )
     window = shuffle_window
     if window is None:
