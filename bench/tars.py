@@ -21,6 +21,9 @@ loader (2 workers, a cache that has never seen the bucket) serves and waits for 
 batch: without any index (the workers scan every shard), the ``python -m loader.tars index``
 run itself, and after it; and ``webdataset.WebDataset`` streaming the same shards over HTTP
 (one process, its first batch of 4), for reference.
+
+``--remote-epoch``: the bytes an epoch serves (:func:`bench.tars_remote.epoch_bytes`), 20
+shards on 2 ranks of 1, 2 and 4 workers.
 """
 
 from __future__ import annotations
@@ -119,7 +122,15 @@ def main(argv: list[str] | None = None) -> None:
         default=1024,
         help="--remote-scale: skip the run without an index above this many shards",
     )
+    parser.add_argument(
+        "--remote-epoch", action="store_true", help="bytes served per epoch, per layout"
+    )
     args = parser.parse_args(argv)
+    if args.remote_epoch:
+        from bench import tars_remote
+
+        tars_remote.epoch_bytes()
+        return
     if args.remote_scale:
         from bench import tars_remote
 

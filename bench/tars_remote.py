@@ -47,21 +47,7 @@ def step(cls: Any, ids: Any) -> dict[str, Any]:
 
 
 def write_shards(directory: Path, count: int) -> list[Path]:
-    paths = []
-    for number in range(count):
-        path = directory / f"train-{number:06d}.tar"
-        with tarfile.open(path, "w") as tar:
-            for sample in range(number * SAMPLES, (number + 1) * SAMPLES):
-                for ext, data in (
-                    ("bin", bytes([sample % 256]) * PAYLOAD),
-                    ("cls", str(sample % 3).encode()),
-                    ("id", str(sample).encode()),
-                ):
-                    info = tarfile.TarInfo(f"s{sample:08d}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-        paths.append(path)
-    return paths
+    return _payload_shards(directory, count, SAMPLES, PAYLOAD)
 
 
 def upload(server: S3Server, bucket: str, paths: list[Path]) -> None:
@@ -132,6 +118,81 @@ def webdataset_first(
     del dataset
     requests, served = proxy.count()
     return requests, served, seconds
+
+
+def epoch_bytes(shards: int = 20, per_shard: int = 40, payload: int = 8000) -> None:
+    """What one epoch serves, as a share of the dataset: ``shards`` shards of ``per_shard``
+    samples (``payload`` bytes each, plus ``.cls`` and ``.id``) indexed by the index command,
+    read by 2 ranks (one after the other) of 1, 2 and 4 workers. Each rank runs two epochs; the
+    row counts the bytes served during its second one (the first also fills the cache, and
+    either epoch's workers fetch the next epoch's first shards ahead of it)."""
+    print(f"{'ranks':>5} {'workers':>7} {'MB/epoch':>8} {'of data':>7} {'requests':>8}")
+    with tempfile.TemporaryDirectory(prefix="bench-tars-cache-") as cache:
+        os.environ["DALI_LOADER_CACHE_DIR"] = cache
+        server = S3Server(threaded=False)
+        proxy = CountingProxy(server.endpoint)
+        options = server.options(proxy.endpoint)
+        try:
+            with tempfile.TemporaryDirectory() as directory:
+                paths = _payload_shards(Path(directory), shards, per_shard, payload)
+                size = sum(p.stat().st_size for p in paths)
+                upload(server, "epoch", paths)
+                urls = f"s3://epoch/train-{{000000..{shards - 1:06d}}}.tar"
+                index_command(proxy, urls, options)
+                for workers in (1, 2, 4):
+                    served, requests = _two_ranks(proxy, urls, options, workers)
+                    print(
+                        f"{2:>5} {workers:>7} {served / 1e6:>8.2f} {served / size:>7.1%} "
+                        f"{requests:>8}",
+                        flush=True,
+                    )
+        finally:
+            proxy.close()
+            server.close()
+
+
+def _payload_shards(directory: Path, count: int, per_shard: int, payload: int) -> list[Path]:
+    paths = []
+    for number in range(count):
+        path = directory / f"train-{number:06d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for sample in range(number * per_shard, (number + 1) * per_shard):
+                for ext, data in (
+                    ("bin", bytes([sample % 256]) * payload),
+                    ("cls", str(sample % 3).encode()),
+                    ("id", str(sample).encode()),
+                ):
+                    info = tarfile.TarInfo(f"s{sample:08d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(path)
+    return paths
+
+
+def _two_ranks(
+    proxy: CountingProxy, urls: str, options: dict[str, Any], workers: int
+) -> tuple[int, int]:
+    """(bytes, requests) of shards served during each rank's second epoch, summed."""
+    served = requests = 0
+    run = functools.partial(source, urls=urls, options=options)
+    for rank in range(2):
+        with Loader(
+            run, step, batch_size=4, num_workers=workers, rank=rank, world_size=2, copy=True
+        ) as loader:
+            for _batch in loader:
+                pass
+            before = _tar_reads(proxy)
+            for _batch in loader:
+                pass
+            after = _tar_reads(proxy)
+        served += after[0] - before[0]
+        requests += after[1] - before[1]
+    return served, requests
+
+
+def _tar_reads(proxy: CountingProxy) -> tuple[int, int]:
+    reads = [s for s in proxy.records() if s.name.endswith(".tar")]
+    return sum(s.bytes for s in reads), len(reads)
 
 
 def main(sizes: list[int], no_scan_above: int) -> None:
