@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import threading
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -254,6 +255,7 @@ class LoaderConfig:
     def worker_specs(self) -> list[WorkerSpec]:
         """What each worker is told at spawn time."""
         on_main_thread = threading.current_thread() is threading.main_thread()
+        together = uuid.uuid4().hex
         return [
             WorkerSpec(
                 source=self.source,
@@ -271,6 +273,7 @@ class LoaderConfig:
                 log_level=logging.getLogger("loader").getEffectiveLevel(),
                 shm_limit=self.shm_limit,
                 on_error=self.on_error,
+                started_together=together,
             )
             for shard in self.shards
         ]

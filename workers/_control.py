@@ -28,6 +28,10 @@ from dataclasses import dataclass
 #: (``on_error="skip"``), so that a source may leave out a damaged part of its data (a tar shard
 #: that is not whole) instead of failing the start. False outside a worker.
 SKIP_DAMAGED: ContextVar[bool] = ContextVar("SKIP_DAMAGED", default=False)
+#: While the worker calls ``source(shard)``: a token its pool's workers share (started
+#: together), under which a source may share with them what each would ask the store for (a
+#: listing). Empty outside a worker: nothing is shared.
+STARTED_TOGETHER: ContextVar[str] = ContextVar("STARTED_TOGETHER", default="")
 
 #: Told of a sample whose ``load`` raised under ``on_error="skip"``:
 #: (epoch, step, sample id, sample name, reason).

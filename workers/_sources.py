@@ -20,7 +20,7 @@ from typing import Any
 from ipc import wire
 
 from . import _dali
-from ._control import SKIP_DAMAGED, FeedState, SampleControl
+from ._control import SKIP_DAMAGED, STARTED_TOGETHER, FeedState, SampleControl
 from ._phase import Phase
 from ._shard import Shard
 from ._spec import WorkerSpec
@@ -62,9 +62,11 @@ def build_sources(
     _dali.seed_random(shard.seed + shard.epoch * shard.count)
     set_phase(Phase.SOURCE)
     skipping = SKIP_DAMAGED.set(control.skip)
+    together = STARTED_TOGETHER.set(spec.started_together)
     try:
         source = spec.source(shard)
     finally:
+        STARTED_TOGETHER.reset(together)
         SKIP_DAMAGED.reset(skipping)
     problem = _dali.describe_source_error(source)
     if problem is not None:

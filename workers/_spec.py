@@ -32,6 +32,9 @@ class WorkerSpec:
     log_level: int
     shm_limit: int | None = None  # bytes of shared memory this worker's arena may use
     on_error: str = "raise"  # "skip": corrupt samples are replaced and reported
+    #: the same for the workers started together (a pool): they may share what each would
+    #: otherwise ask the store for (a listing of the shards' directory)
+    started_together: str = ""
     bad_samples: frozenset[int] = frozenset()  # sample ids known to fail (replaced, not loaded)
     #: the random generators' states for the first batch (a replacement goes on with those of
     #: the batch it starts at); empty: seeded from the seed, the shard and the epoch

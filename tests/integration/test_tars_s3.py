@@ -358,6 +358,8 @@ def test_1024_shards_start_with_few_requests_after_the_index_command(
     assert requests <= 64, Counter(
         (s.method, s.name.rsplit(".", 1)[-1]) for s in counted.proxy.records()
     )
+    # the two workers started together list the directory once (2,049 objects: 3 pages)
+    assert len([s for s in counted.proxy.records() if "list-type" in s.query]) == 3
 
 
 def test_a_shard_changed_after_indexing_is_named_and_read_as_it_is_now(
