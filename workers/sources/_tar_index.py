@@ -18,6 +18,8 @@ An index comes from one of three places (:mod:`workers.sources._tar_shards` deci
 Bad shards raise before any batch: a file that is not a tar or ends inside a member (``ValueError``
 with the URL and the offset), a member whose name has no extension, a key that appears twice
 apart, two members of a sample with one extension, or a member that is not a regular file.
+Under ``on_error="skip"`` such a shard gives its samples before the damage instead
+(:func:`scan_whole_samples`).
 """
 
 from __future__ import annotations
@@ -194,6 +196,9 @@ def scan(url: str, stream: IO[bytes], *, seekable: bool, size: int | None = None
     return index
 
 
+_Member = tuple[str, int, int, str]  # name, data offset, size, where found ("at byte 1536")
+
+
 def scan_whole_samples(
     url: str, stream: IO[bytes], *, seekable: bool, size: int | None = None
 ) -> tuple[TarIndex, ValueError | None]:
@@ -201,9 +206,25 @@ def scan_whole_samples(
     that is not whole (truncated, corrupt, a member that breaks WebDataset's rules) gives the
     index of its samples before the damage (the sample the damage falls in left out: its other
     members may be gone), and the error :func:`scan` raises."""
-    members: list[tuple[str, int, int, str]] = []  # name, data offset, size, where found
+    members, offset, damage = _members(url, stream, seekable=seekable, size=size)
+    if damage is None:
+        builder = IndexBuilder(url)
+        try:
+            for name, data, length, at in members:
+                builder.add(name, data, length, url, at)
+            return builder.build(), None
+        except ValueError as error:
+            damage = error
+    return _before(url, members, offset), damage
+
+
+def _members(
+    url: str, stream: IO[bytes], *, seekable: bool, size: int | None
+) -> tuple[list[_Member], int, ValueError | None]:
+    """The tar's file members, where the reading stopped (the last header's offset, or the
+    end of the data when it ends too soon), and what is wrong with it (None: nothing)."""
+    members: list[_Member] = []
     offset = tar_end = 0
-    damage: ValueError | None = None
     try:
         with tarfile.open(fileobj=stream, mode="r:" if seekable else "r|") as tar:
             for member in tar:
@@ -215,55 +236,64 @@ def scan_whole_samples(
                         f"{url}: member {member.name!r} at byte {member.offset} is not a "
                         "regular file (a link or device); a WebDataset shard holds files only"
                     )
-                members.append(
-                    (member.name, member.offset_data, member.size, f"at byte {member.offset}")
-                )
+                at = f"at byte {member.offset}"
+                members.append((member.name, member.offset_data, member.size, at))
             tar_end = tar.offset  # where the next header (or the end-of-archive blocks) starts
     except tarfile.ReadError as error:
-        damage = ValueError(
-            f"{url} is not a whole tar file (read up to byte {offset}: {error}); a truncated "
-            "or corrupt shard must be rewritten"
+        return (
+            members,
+            offset,
+            ValueError(
+                f"{url} is not a whole tar file (read up to byte {offset}: {error}); a truncated "
+                "or corrupt shard must be rewritten"
+            ),
         )
     except EOFError:
-        damage = ValueError(f"{url} ends inside a member after byte {offset}: truncated")
+        return (
+            members,
+            offset,
+            ValueError(f"{url} ends inside a member after byte {offset}: truncated"),
+        )
     except ValueError as error:
-        damage = error
-    if damage is None and (seekable or size is not None):  # every member whole, and the
-        # end-of-archive blocks after the last one (a stream read them: it ended at a zero block)
+        return members, offset, error
+    if seekable or size is not None:  # every member whole, and the end-of-archive blocks after
+        # the last one (a stream read them: it ended at a zero block)
         end = stream.seek(0, os.SEEK_END) if seekable else size
         assert end is not None
         last = max((o + s for _n, o, s, _a in members), default=0)
         if seekable:
             stream.seek(tar_end)
         if last > end or tar_end + 1024 > end or (seekable and stream.read(1024) != bytes(1024)):
-            damage = ValueError(
-                f"{url} is not a whole tar file: it ends at byte {end}, inside a member or "
-                "without the end-of-archive blocks (truncated); rewrite the shard"
+            return (
+                members,
+                min(end, offset),
+                ValueError(
+                    f"{url} is not a whole tar file: it ends at byte {end}, inside a member or "
+                    "without the end-of-archive blocks (truncated); rewrite the shard"
+                ),
             )
-            offset = min(end, offset)
-    builder = IndexBuilder(url)
-    if damage is None:
-        try:
-            for name, data, size, at in members:
-                builder.add(name, data, size, url, at)
-            return builder.build(), None
-        except ValueError as error:
-            damage, builder = error, IndexBuilder(url)
-    # the members before the damage, less the sample it falls in (or the last one read)
+    return members, offset, None
+
+
+def _before(url: str, members: list[_Member], offset: int) -> TarIndex:
+    """The index of the samples whose members all end before ``offset``, less the sample the
+    first member after them belongs to (or the last one), stopping at a member that breaks
+    WebDataset's rules."""
     whole = [m for m in members if m[1] + m[2] <= offset]
     cut = members[len(whole)][0] if len(whole) < len(members) else None
     if cut is None and whole:
         cut = whole[-1][0]
     cut_key = None if cut is None else split_name(cut)
-    for name, data, size, at in whole:
+    builder = IndexBuilder(url)
+    for name, data, length, at in whole:
         split = split_name(name)
         if cut_key is not None and split is not None and split[0] == cut_key[0]:
             break
         try:
-            builder.add(name, data, size, url, at)
+            builder.add(name, data, length, url, at)
         except ValueError:
             break  # (the member that broke WebDataset's rules: what came before it is kept)
-    return builder.build(empty=True), damage
+    return builder.build(empty=True)
 
 
 def cache_path(url: str) -> Path:

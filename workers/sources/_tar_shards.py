@@ -287,26 +287,46 @@ def open_shards(
 
     started = time.monotonic()
     _walk(expanded, listed, indexer, rest, int(start_fraction * len(rest)), opened, lead)
-    unindexed = sum(1 for k in rest if listed.listed_idx[k] is False)
+    return _after_walk(
+        urls, expanded, storage, counts, hashes, listed, summaries, rest, indexer, lead, started
+    )
+
+
+def _after_walk(
+    given: str | Iterable[str],
+    urls: list[str],
+    storage: Storage,
+    counts: _Int64s,
+    hashes: list[str],
+    listed: Listed,
+    summaries: dict[str, tuple[dict[str, ShardEntry], str] | None],
+    walked: list[int],
+    indexer: Indexer,
+    lead: bool,
+    started: float,
+) -> TarShards:
+    """The shards once the indexes of ``walked`` were found or made: the ``lead`` worker says
+    what the walk cost and which shards are damaged, and writes the summary."""
+    unindexed = sum(1 for k in walked if listed.listed_idx[k] is False)
     if lead and unindexed:
         logger.info(
             "%d of %d shards had no index: the workers indexed them (%.1f s; this worker "
             "scanned %d, %.1f MB). %s indexes a dataset once, for every node and every job",
             unindexed,
-            count,
+            len(urls),
             time.monotonic() - started,
             indexer.scanned,
             indexer.scanned_bytes / 1e6,
-            index_command(urls),
+            index_command(given),
         )
-    number = {url: k for k, url in enumerate(expanded)}
+    number = {url: k for k, url in enumerate(urls)}
     damaged = {number[url]: found for url, found in indexer.damaged.items()}
     if lead:
         for k, (index, damage) in sorted(damaged.items()):
-            _warn_damaged(expanded[k], index, damage, listed.identities[k][0])
-        kept = [k for k in range(count) if k not in damaged]  # (no summary vouches for those)
-        _write_summaries(storage, expanded, counts, hashes, listed, summaries, kept)
-    shards = _opened(expanded, storage, counts, hashes, listed)
+            _warn_damaged(urls[k], index, damage, listed.identities[k][0])
+        kept = [k for k in range(len(urls)) if k not in damaged]  # (no summary vouches for those)
+        _write_summaries(storage, urls, counts, hashes, listed, summaries, kept)
+    shards = _opened(urls, storage, counts, hashes, listed)
     shards.damaged = damaged
     return shards
 
