@@ -34,6 +34,7 @@ import nvidia.dali.experimental.dynamic as ndd
 
 from bench._s3 import CountingProxy, S3Server
 from loader import Loader, Shard, sharded_tars
+from tests.tar_pipelines import write_payload_tars
 
 SAMPLES, PAYLOAD = 4, 2000
 
@@ -47,7 +48,21 @@ def step(cls: Any, ids: Any) -> dict[str, Any]:
 
 
 def write_shards(directory: Path, count: int) -> list[Path]:
-    return _payload_shards(directory, count, SAMPLES, PAYLOAD)
+    paths = []
+    for number in range(count):
+        path = directory / f"train-{number:06d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for sample in range(number * SAMPLES, (number + 1) * SAMPLES):
+                for ext, data in (
+                    ("bin", bytes([sample % 256]) * PAYLOAD),
+                    ("cls", str(sample % 3).encode()),
+                    ("id", str(sample).encode()),
+                ):
+                    info = tarfile.TarInfo(f"s{sample:08d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(path)
+    return paths
 
 
 def upload(server: S3Server, bucket: str, paths: list[Path]) -> None:
@@ -134,10 +149,10 @@ def epoch_bytes(shards: int = 20, per_shard: int = 40, payload: int = 8000) -> N
         options = server.options(proxy.endpoint)
         try:
             with tempfile.TemporaryDirectory() as directory:
-                paths = _payload_shards(Path(directory), shards, per_shard, payload)
+                paths = write_payload_tars(Path(directory), shards, per_shard, payload)
                 size = sum(p.stat().st_size for p in paths)
                 upload(server, "epoch", paths)
-                urls = f"s3://epoch/train-{{000000..{shards - 1:06d}}}.tar"
+                urls = f"s3://epoch/train-{{0000..{shards - 1:04d}}}.tar"
                 index_command(proxy, urls, options)
                 for workers in (1, 2, 4):
                     served, requests = _two_ranks(proxy, urls, options, workers)
@@ -149,24 +164,6 @@ def epoch_bytes(shards: int = 20, per_shard: int = 40, payload: int = 8000) -> N
         finally:
             proxy.close()
             server.close()
-
-
-def _payload_shards(directory: Path, count: int, per_shard: int, payload: int) -> list[Path]:
-    paths = []
-    for number in range(count):
-        path = directory / f"train-{number:06d}.tar"
-        with tarfile.open(path, "w") as tar:
-            for sample in range(number * per_shard, (number + 1) * per_shard):
-                for ext, data in (
-                    ("bin", bytes([sample % 256]) * payload),
-                    ("cls", str(sample % 3).encode()),
-                    ("id", str(sample).encode()),
-                ):
-                    info = tarfile.TarInfo(f"s{sample:08d}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-        paths.append(path)
-    return paths
 
 
 def _two_ranks(

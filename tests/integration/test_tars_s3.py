@@ -109,7 +109,14 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 
 def make(store: Store, workers: int, rank: int, world: int, **kw: Any) -> Loader:
-    source = functools.partial(T.id_tars, urls=PATTERN, storage_options=store.options, **kw)
+    return id_loader(PATTERN, store.options, workers, rank, world, **kw)
+
+
+def id_loader(
+    urls: str, options: dict[str, Any], workers: int, rank: int, world: int, **kw: Any
+) -> Loader:
+    """A loader of ``T.id_tars`` over ``urls`` (batches of 4, ``rank`` of ``world``)."""
+    source = functools.partial(T.id_tars, urls=urls, storage_options=options, **kw)
     return Loader(
         source,
         T.cls_id_step,
@@ -234,16 +241,7 @@ class Counted:
     ) -> Loader:
         """A loader reading through the proxy."""
         options = self.server.options(self.proxy.endpoint)
-        source = functools.partial(T.id_tars, urls=self.url(pattern), storage_options=options, **kw)
-        return Loader(
-            source,
-            T.cls_id_step,
-            batch_size=4,
-            num_workers=workers,
-            rank=rank,
-            world_size=world_size,
-            copy=True,
-        )
+        return id_loader(self.url(pattern), options, workers, rank, world_size, **kw)
 
     def tar_bytes(self) -> int:
         """Bytes of shards served so far."""
