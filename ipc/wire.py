@@ -223,6 +223,9 @@ class Hello:
     sampling: Sampling | None = None
     #: batches of the epoch the sources were built for (fewer when started mid-epoch)
     first_epoch_steps: int | None = None
+    #: what the source leaves out of every epoch, one line each (a damaged tar shard under
+    #: on_error="skip": its name, what is wrong, what of it is read)
+    left_out: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,6 +122,9 @@ class LoaderStats:
     cpus: int = 1  # the CPUs this rank's workers share (affinity / local ranks and xdist peers)
     #: with num_workers="auto" / num_threads="auto": the layout chosen and why
     autotune: AutotuneReport | None = None
+    #: what the workers' sources leave out of every epoch, one line each: a damaged tar shard
+    #: under on_error="skip" (what is wrong with it, what of it is read)
+    left_out: tuple[str, ...] = ()
 
     @property
     def samples_per_second(self) -> float:
@@ -414,6 +417,9 @@ def snapshot(
         wait_seconds=(wait_ns - trainer.startup_wait_ns) / 1e9,
         slots_in_use=sum(s.reader.held for s in sessions),
         skipped=tuple(skipped.items()),
+        left_out=tuple(
+            sorted({line for s in sessions if s.hello is not None for line in s.hello.left_out})
+        ),
         restarts=restarts,
         startup_seconds=ready - trainer.created,
         iteration_seconds=iterating,

@@ -124,6 +124,7 @@ class Worker:
                 self.sources.steps_per_epoch,
                 self.sources.sampling(),
                 self.sources.first_epoch_steps,
+                () if self.sources.sampled is None else self.sources.sampled.left_out,
             )
         )
 

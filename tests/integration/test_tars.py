@@ -211,6 +211,9 @@ def test_a_damaged_shard_is_left_out_under_skip_and_named(tmp_path: Path) -> Non
         assert len(loaders[0]) == len(loaders[1])
         for loader in loaders:
             seen += [i for batch in loader for i in real(batch, "id")]
+        left_out = loaders[1].stats().left_out  # (every rank's workers tell their trainer)
+        assert len(left_out) == 1 and "train-002.tar" in left_out[0], left_out
+        assert "samples are read" in left_out[0]
     finally:
         for loader in loaders:
             loader.close()

@@ -46,6 +46,7 @@ class _Kind:
             drop_last=drop_last,
             fingerprint=opened.fingerprint,
             parts=opened.parts,
+            left_out=opened.left_out,
             pass_epoch=opened.pass_epoch,
             orders=opened.orders,
         )

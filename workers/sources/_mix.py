@@ -328,6 +328,7 @@ def sharded_mix(
         drop_last=drop_last,
         fingerprint=f"mix:{digest.hexdigest()[:16]}",
         orders=functools.partial(MixOrder, mix),
+        left_out=tuple(line for source in opened for line in source.left_out),
     )
     return ShardedExternalSource(samples)
 

@@ -80,6 +80,7 @@ class BatchedSamples:
         pass_epoch: bool = False,
         orders: Orders | None = None,
         parts: str = "",
+        left_out: tuple[str, ...] = (),
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -90,6 +91,8 @@ class BatchedSamples:
         self.pass_epoch = pass_epoch
         self.num_outputs = num_outputs
         self.orders = orders
+        #: what the source leaves out of every epoch (``wire.Hello.left_out``)
+        self.left_out = left_out
         # the loader's seed: the same on every shard (a shard's own seed is seed + index)
         seed = shard.seed - shard.index
         self.sampling = Sampling(total, batch_size, seed, shuffle, drop_last, fingerprint, parts)
@@ -360,6 +363,8 @@ class OpenedSource:
     pass_epoch: bool = False
     #: what the dataset is, part by part (:mod:`sources._parts`; empty: not known)
     parts: str = ""
+    #: what it leaves out of every epoch, one line each (see ``wire.Hello.left_out``)
+    left_out: tuple[str, ...] = ()
 
 
 def sharded_source(

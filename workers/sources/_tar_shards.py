@@ -119,6 +119,13 @@ class TarShards:
             "shard", [(posixpath.basename(url), size, count) for url, (size, _v), count in rows]
         )
 
+    def left_out(self) -> tuple[str, ...]:
+        """A line per damaged shard (``on_error="skip"``): what is wrong, what of it is read."""
+        return tuple(
+            f"{damage} ({_read_of(index, self.identities[k][0])})"
+            for k, (index, damage) in sorted(self.damaged.items())
+        )
+
     def index(self, shard: int, indexer: Indexer) -> TarIndex:
         """The index of ``shard``, fetched now (a worker about to read it); ``StorageFailure``
         when it no longer matches what the epoch was planned with."""
@@ -331,16 +338,19 @@ def _after_walk(
     return shards
 
 
+def _read_of(index: TarIndex, size: int) -> str:
+    """What is read of a damaged shard whose whole samples ``index`` holds."""
+    if not index.samples:
+        return "none of its samples is read"
+    return f"its first {index.samples} samples are read (up to byte {index.data_end} of {size})"
+
+
 def _warn_damaged(url: str, index: TarIndex, damage: ValueError, size: int) -> None:
     """Say once per job (the lead worker) what a damaged shard gives under on_error="skip"."""
-    read = (
-        f"its first {index.samples} samples are read (up to byte {index.data_end} of {size})"
-        if index.samples
-        else "none of its samples is read"
-    )
     warnings.warn(
-        f"on_error='skip': {damage}. {read}; the rest of it is left out of every epoch until "
-        "the shard is rewritten (a state saved now is refused over the rewritten shard)",
+        f"on_error='skip': {damage}. {_read_of(index, size)}; the rest of it is left out of "
+        "every epoch until the shard is rewritten (a state saved now is refused over the "
+        "rewritten shard; loader.stats().left_out lists such shards)",
         stacklevel=3,
     )
 

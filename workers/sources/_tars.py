@@ -490,4 +490,5 @@ def open_tar_source(
         orders,
         load.describe,
         parts=shards.parts(),
+        left_out=shards.left_out(),
     )
