@@ -18,6 +18,11 @@ With ``--augment`` the step crops and flips at random (DALI's ``random_resized_c
 ``coin_flip`` mirror): a resume on the same layout gives the same bytes all the same, as the
 loader's state carries each worker's random generator states.
 
+With ``--tars 'DIR/train-{000000..000009}.tar'`` the data are WebDataset shards (local paths or
+``s3://`` URLs) whose samples have a ``.jpg`` and an ``.id`` member (the sample's number, which
+the records below name), read by ``sharded_tars``; ``--shuffle-window K`` shuffles them ``K``
+shards at a time, as remote shards are by default.
+
 With ``--out DIR`` each rank writes what it saw in this run (per epoch: sample ids without
 padding, a digest of each batch's images, steps) to ``DIR/rank<R>.json``, at every checkpoint and
 at the end.
@@ -42,7 +47,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loader import Loader, Shard, ensure_sample_dataset, list_images, sharded_source
+from loader import (
+    Loader,
+    Shard,
+    ensure_sample_dataset,
+    list_images,
+    sharded_source,
+    sharded_tars,
+)
 
 
 def read_sample(files: list[str], index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
@@ -53,6 +65,12 @@ def source(shard: Shard, root: str, batch_size: int) -> Any:
     files, _labels = list_images(root)
     load = functools.partial(read_sample, files)
     return sharded_source(shard, len(files), load, batch_size, num_outputs=2, shuffle=True)
+
+
+def tar_source(shard: Shard, urls: str, batch_size: int, window: int | None) -> Any:
+    return sharded_tars(
+        shard, urls, batch_size=batch_size, ext=("jpg", "id"), shuffle_window=window
+    )
 
 
 def step(jpegs: Any, ids: Any) -> dict[str, Any]:
@@ -94,6 +112,12 @@ def weights_digest(model: torch.nn.Module) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=None, help="ImageFolder; default: samples")
+    parser.add_argument(
+        "--tars", default=None, help="WebDataset shards (.jpg and .id members) instead of --data"
+    )
+    parser.add_argument(
+        "--shuffle-window", type=int, default=None, help="--tars: shards shuffled together"
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=2)
@@ -132,7 +156,7 @@ def main() -> None:
         odd_rank, odd_size = (int(v) for v in args.batch_size_on_rank.split("="))
         if rank == odd_rank:
             batch_size = odd_size
-    root = str(args.data or ensure_sample_dataset())
+    root = "" if args.tars is not None else str(args.data or ensure_sample_dataset())
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -166,8 +190,14 @@ def main() -> None:
             text = json.dumps(record).encode()
             write_atomically(args.out / f"rank{rank}.json", lambda file: file.write(text))
 
+    if args.tars is not None:
+        make_source = functools.partial(
+            tar_source, urls=args.tars, batch_size=batch_size, window=args.shuffle_window
+        )
+    else:
+        make_source = functools.partial(source, root=root, batch_size=batch_size)
     with Loader(
-        functools.partial(source, root=root, batch_size=batch_size),
+        make_source,
         augment_step if args.augment else step,
         batch_size=batch_size,
         num_workers=args.workers,

@@ -276,6 +276,68 @@ def test_killed_job_resumes_on_one_rank_and_covers_the_epoch_once(
     assert epoch1["steps"] == epoch1["len"] == 13  # 50 samples in 13 batches: 5, 4, 4
 
 
+def _id_tars(images: Path, out: Path, per_shard: int) -> str:
+    """The ImageFolder's images as shards of ``per_shard`` samples ``<k>.jpg`` and ``<k>.id``
+    (``k``: the image's number in the folder's order), their pattern."""
+    import io
+    import tarfile
+
+    from loader import list_images
+
+    files, _labels = list_images(str(images))
+    out.mkdir()
+    shards = -(-len(files) // per_shard)
+    for number in range(shards):
+        with tarfile.open(out / f"train-{number:03d}.tar", "w") as tar:
+            for k in range(number * per_shard, min(len(files), (number + 1) * per_shard)):
+                for name, data in (
+                    (f"{k:06d}.jpg", Path(files[k]).read_bytes()),
+                    (f"{k:06d}.id", str(k).encode()),
+                ):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return str(out / f"train-{{000..{shards - 1:03d}}}.tar")
+
+
+def test_tar_shards_read_in_groups_resume_on_another_layout_exactly_once(
+    ddp_data: Path, tmp_path: Path
+) -> None:
+    """The same kill and resume over 10 tar shards read 2 at a time (the remote order: each
+    worker reads its own piece of a shard, in the layout the epoch started with): 2 ranks x 2
+    workers save at step 4 and are killed at step 6; 1 rank x 3 workers finishes epoch 0 with
+    what was not received, exactly once, then runs epoch 1 in its own layout."""
+    urls = _id_tars(ddp_data, tmp_path / "tars", 5)
+    checkpoint = tmp_path / "checkpoint.pt"
+    common = ["--tars", urls, "--shuffle-window", "2", "--batch-size", "4", "--epochs", "2"]
+    common += ["--save-every", "4", "--checkpoint", str(checkpoint)]
+    output = _run_until_killed(
+        ["--standalone", "--nproc_per_node=2"],
+        [*common, "--workers", "2", "--out", str(tmp_path / "killed"), "--stop-after", "6"],
+        tmp_path / "killed.log",
+    )
+    assert "step 4: saved" in output and "stopped after step 6" in output, output
+    assert torch.load(checkpoint)["loader"]["sampling"]["fingerprint"].endswith("+window2")
+    killed = _records(tmp_path / "killed", world=2)
+    _run(
+        ["--standalone", "--nproc_per_node=1"],
+        [
+            *common,
+            "--workers",
+            "3",
+            "--out",
+            str(tmp_path / "resumed"),
+            "--resume",
+            str(checkpoint),
+        ],
+    )
+    [resumed] = _records(tmp_path / "resumed", world=1)
+    rest, epoch1 = resumed["epochs"]
+    seen = [i for rec in killed for i in rec["epochs"][0]["ids"]] + rest["ids"]
+    assert sorted(seen) == list(range(50)), "epoch 0 is not the dataset exactly once"
+    assert sorted(epoch1["ids"]) == list(range(50))
+
+
 def test_killed_job_resumes_on_the_same_layout_with_the_uninterrupted_stream(
     ddp_data: Path, tmp_path: Path
 ) -> None:
