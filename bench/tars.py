@@ -22,6 +22,9 @@ batch: without any index (the workers scan every shard), the ``python -m loader.
 run itself, and after it; and ``webdataset.WebDataset`` streaming the same shards over HTTP
 (one process, its first batch of 4), for reference.
 
+``--start-ratio N``: the first batch after the index command over ``--shards`` (48 and 1,024 by
+default) in turn, N times each, side by side (:func:`bench.tars_remote.start_ratio`).
+
 ``--remote-epoch``: the bytes an epoch serves (:func:`bench.tars_remote.epoch_bytes`), 20
 shards on 2 ranks of 1, 2 and 4 workers.
 """
@@ -114,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
         "--remote-scale", action="store_true", help="requests and bytes before the first batch"
     )
     parser.add_argument(
-        "--shards", default="64,1024", help="--remote-scale: the dataset sizes, in shards"
+        "--shards",
+        default=None,
+        help="the dataset sizes, in shards (--remote-scale: 64,1024; --start-ratio: 48,1024)",
     )
     parser.add_argument(
         "--no-scan-above",
@@ -125,7 +130,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--remote-epoch", action="store_true", help="bytes served per epoch, per layout"
     )
+    parser.add_argument(
+        "--start-ratio", type=int, default=0, help="rounds of first batches, sizes side by side"
+    )
     args = parser.parse_args(argv)
+    if args.start_ratio:
+        from bench import tars_remote
+
+        sizes = [int(n) for n in (args.shards or "48,1024").split(",")]
+        tars_remote.start_ratio(sizes, args.start_ratio)
+        return
     if args.remote_epoch:
         from bench import tars_remote
 
@@ -134,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.remote_scale:
         from bench import tars_remote
 
-        sizes = [int(n) for n in args.shards.split(",")]
+        sizes = [int(n) for n in (args.shards or "64,1024").split(",")]
         tars_remote.main(sizes, args.no_scan_above)
         return
     threads = args.threads or len(os.sched_getaffinity(0))

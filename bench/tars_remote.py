@@ -21,6 +21,7 @@ import functools
 import io
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -190,6 +191,41 @@ def _two_ranks(
 def _tar_reads(proxy: CountingProxy) -> tuple[int, int]:
     reads = [s for s in proxy.records() if s.name.endswith(".tar")]
     return sum(s.bytes for s in reads), len(reads)
+
+
+def start_ratio(sizes: list[int], rounds: int) -> None:
+    """Seconds from ``Loader(...)`` to the first batch after the index command, for each size
+    in turn, ``rounds`` times (each start with a cache directory of its own, as a new node's),
+    side by side: the medians and their ratio to the first size's."""
+    server = S3Server(threaded=False)
+    proxy = CountingProxy(server.endpoint)
+    options = server.options(proxy.endpoint)
+    times: dict[int, list[float]] = {count: [] for count in sizes}
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            os.environ["DALI_LOADER_CACHE_DIR"] = f"{directory}/cache-warm-up"
+            (Path(directory) / "warm-up").mkdir()
+            upload(server, "warm-up", write_shards(Path(directory) / "warm-up", 2))
+            first_batch(proxy, "s3://warm-up/train-{000000..000001}.tar", options)
+            urls = {}
+            for count in sizes:
+                (Path(directory) / str(count)).mkdir()
+                upload(server, f"ratio-{count}", write_shards(Path(directory) / str(count), count))
+                urls[count] = f"s3://ratio-{count}/train-{{000000..{count - 1:06d}}}.tar"
+                index_command(proxy, urls[count], options)
+            for round_ in range(rounds):
+                for count in sizes:
+                    os.environ["DALI_LOADER_CACHE_DIR"] = f"{directory}/cache-{round_}-{count}"
+                    times[count].append(first_batch(proxy, urls[count], options)[2])
+    finally:
+        proxy.close()
+        server.close()
+    base = statistics.median(times[sizes[0]])
+    print(f"{'shards':>6} {'median s':>8} {'ratio':>6}  runs")
+    for count in sizes:
+        median = statistics.median(times[count])
+        runs = " ".join(f"{t:.2f}" for t in times[count])
+        print(f"{count:>6} {median:>8.2f} {median / base:>6.2f}  {runs}")
 
 
 def main(sizes: list[int], no_scan_above: int) -> None:
