@@ -6,6 +6,7 @@ import functools
 import itertools
 import json
 import logging
+import re
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -190,13 +191,16 @@ def test_a_bad_shard_fails_before_the_first_batch_naming_it(
         loader_over(str(tmp_path / "train-{000..004}.tar"))
 
 
-def test_a_damaged_shard_is_left_out_under_skip_and_named(tmp_path: Path) -> None:
+def test_a_damaged_shard_is_left_out_under_skip_and_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A truncated shard fails the start (above), but under on_error="skip" the job starts: the
     shard's whole samples before the damage are read, the rest is left out, a warning names
-    it, every rank still has as many steps, and nothing vouches for the shard (no .idx, no
-    summary entry): once rewritten, it is read whole."""
+    it, every rank still has as many steps, the node scans it once, and nothing vouches for the
+    shard (no .idx, no summary entry): once rewritten, it is read whole."""
     import warnings
 
+    caplog.set_level(logging.INFO, logger="loader")  # (the workers' INFO lines, relayed)
     T.write_id_tars(tmp_path, TOTAL, 7)
     whole = (tmp_path / "train-002.tar").read_bytes()
     _truncated(tmp_path / "train-002.tar")
@@ -211,6 +215,8 @@ def test_a_damaged_shard_is_left_out_under_skip_and_named(tmp_path: Path) -> Non
         assert len(loaders[0]) == len(loaders[1])
         for loader in loaders:
             seen += [i for batch in loader for i in real(batch, "id")]
+        scans = [r for r in caplog.records if re.search(r"indexed \S*train-002\.tar", r.message)]
+        assert len(scans) == 1, [r.message for r in scans]  # (4 workers; the others read its copy)
         left_out = loaders[1].stats().left_out  # (every rank's workers tell their trainer)
         assert len(left_out) == 1 and "train-002.tar" in left_out[0], left_out
         assert "samples are read" in left_out[0]

@@ -64,6 +64,9 @@ class TarIndex:
     ext_counts: dict[str, int]
     keys_hash: str
     keep: object = None  # the mapping the arrays view
+    #: what is wrong with the shard, when this indexes only its samples before the damage
+    #: (:func:`scan_whole_samples`); such an index is kept in this node's cache only
+    damage: str = ""
 
     @property
     def samples(self) -> int:
@@ -215,7 +218,9 @@ def scan_whole_samples(
             return builder.build(), None
         except ValueError as error:
             damage = error
-    return _before(url, members, offset), damage
+    index = _before(url, members, offset)
+    index.damage = str(damage)
+    return index, damage
 
 
 def _members(
@@ -339,6 +344,7 @@ def load_cached(url: str, identity: Identity) -> TarIndex | None:
             {str(k): int(v) for k, v in header["ext_counts"].items()},
             str(header["keys_hash"]),
             keep=mapped,
+            damage=str(header.get("damage", "")),
         )
     except (KeyError, TypeError, ValueError) as error:
         logger.warning("ignored the cached tar index %s of %s (%s)", path, url, error)
@@ -355,6 +361,7 @@ def keep_cached(index: TarIndex, identity: Identity) -> bool:
         "exts": index.exts,
         "ext_counts": index.ext_counts,
         "keys_hash": index.keys_hash,
+        "damage": index.damage,
     }
     arrays: list[np.ndarray[Any, Any]] = [
         index.key_offsets,

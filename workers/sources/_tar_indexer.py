@@ -79,7 +79,10 @@ class Indexer:
                 found = None if force else self._found(url, identity, again, probe)
                 if found is None:
                     index = self._scan(url, identity)
-                    if url not in self.damaged:  # (a damaged shard's index is kept nowhere)
+                    if index.damage:  # (kept in this node's cache only: nothing vouches for it)
+                        keep_cached(index, identity)
+                        self._damaged(url, index, ValueError(index.damage))
+                    else:
                         self.publish(url, index, identity)
                     return index, "scan"
         if publish_cached and found[1] == "cache" and listed is False:
@@ -90,6 +93,9 @@ class Indexer:
         self, url: str, identity: Identity, listed: bool | None, probe: bool
     ) -> tuple[TarIndex, Source] | None:
         index = load_cached(url, identity)
+        if index is not None and index.damage:  # (this node scanned it: it is not whole)
+            self._damaged(url, index, ValueError(index.damage))
+            return index, "cache"
         if index is not None:
             return index, "cache"
         if listed is False or url in self._refused:
@@ -132,6 +138,12 @@ class Indexer:
                     "it again",
                 )
         return index
+
+    def _damaged(self, url: str, index: TarIndex, damage: ValueError) -> None:
+        """A shard that is not whole: raise what is wrong, or (``skip_damaged``) record it."""
+        if not self.skip_damaged:
+            raise damage
+        self.damaged[url] = (index, damage)
 
     def _refuse(self, url: str, message: str) -> TarIndex | None:
         """Log why the ``.idx`` of ``url`` is not used (once: it is not read again)."""
@@ -182,13 +194,9 @@ class Indexer:
     def _scan(self, url: str, identity: Identity) -> TarIndex:
         started = time.monotonic()
         with self.storage.open(local_path(url)) as stream:
-            index, damage = scan_whole_samples(
+            index, _damage = scan_whole_samples(
                 url, stream, seekable=self.storage.local, size=identity[0]
             )
-        if damage is not None:
-            if not self.skip_damaged:
-                raise damage
-            self.damaged[url] = (index, damage)
         self.scanned += 1
         self.scanned_bytes += identity[0]
         logger.info(
