@@ -224,6 +224,25 @@ def _run(launcher_args: list[str], script_args: list[str]) -> str:
     return output
 
 
+def _kill_at_6_resume_on_3_workers(
+    common: list[str], checkpoint: Path, tmp_path: Path
+) -> tuple[str, dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """Run ``train_ddp.py`` with ``common`` on 2 ranks x 2 workers until step 6 and kill it,
+    then resume its checkpoint on 1 rank x 3 workers. Returns the killed job's output, its
+    checkpoint as it was then, its ranks' records and the resumed run's record."""
+    output = _run_until_killed(
+        ["--standalone", "--nproc_per_node=2"],
+        [*common, "--workers", "2", "--out", str(tmp_path / "killed"), "--stop-after", "6"],
+        tmp_path / "killed.log",
+    )
+    saved = torch.load(checkpoint)
+    killed = _records(tmp_path / "killed", world=2)
+    resume = ["--workers", "3", "--out", str(tmp_path / "resumed"), "--resume", str(checkpoint)]
+    _run(["--standalone", "--nproc_per_node=1"], [*common, *resume])
+    [resumed] = _records(tmp_path / "resumed", world=1)
+    return output, saved, killed, resumed
+
+
 def test_killed_job_resumes_on_one_rank_and_covers_the_epoch_once(
     ddp_data: Path, tmp_path: Path
 ) -> None:
@@ -234,34 +253,14 @@ def test_killed_job_resumes_on_one_rank_and_covers_the_epoch_once(
     checkpoint = tmp_path / "checkpoint.pt"
     common = ["--data", str(ddp_data), "--batch-size", "4", "--epochs", "2"]
     common += ["--save-every", "4", "--checkpoint", str(checkpoint)]
-    output = _run_until_killed(
-        ["--standalone", "--nproc_per_node=2"],
-        [*common, "--workers", "2", "--out", str(tmp_path / "killed"), "--stop-after", "6"],
-        tmp_path / "killed.log",
-    )
+    output, saved, killed, resumed = _kill_at_6_resume_on_3_workers(common, checkpoint, tmp_path)
     assert "step 4: saved" in output and "stopped after step 6" in output, output
-    saved = torch.load(checkpoint)
     assert saved["step"] == 4
     # 7 steps per epoch and rank (25 samples each, batches of 4, shared 4 + 3 by its workers):
     # 2 batches per shard received
     assert saved["loader"]["epoch"] == 0
     assert saved["loader"]["received"] == [2, 2, 2, 2]
-    killed = _records(tmp_path / "killed", world=2)
     assert [rec["step"] for rec in killed] == [4, 4]  # the records stop at the checkpoint
-
-    _run(
-        ["--standalone", "--nproc_per_node=1"],
-        [
-            *common,
-            "--workers",
-            "3",
-            "--out",
-            str(tmp_path / "resumed"),
-            "--resume",
-            str(checkpoint),
-        ],
-    )
-    [resumed] = _records(tmp_path / "resumed", world=1)
     assert resumed["resumed_from"] == 4
     assert [e["epoch"] for e in resumed["epochs"]] == [0, 1]
     rest, epoch1 = resumed["epochs"]
@@ -311,27 +310,9 @@ def test_tar_shards_read_in_groups_resume_on_another_layout_exactly_once(
     checkpoint = tmp_path / "checkpoint.pt"
     common = ["--tars", urls, "--shuffle-window", "2", "--batch-size", "4", "--epochs", "2"]
     common += ["--save-every", "4", "--checkpoint", str(checkpoint)]
-    output = _run_until_killed(
-        ["--standalone", "--nproc_per_node=2"],
-        [*common, "--workers", "2", "--out", str(tmp_path / "killed"), "--stop-after", "6"],
-        tmp_path / "killed.log",
-    )
+    output, saved, killed, resumed = _kill_at_6_resume_on_3_workers(common, checkpoint, tmp_path)
     assert "step 4: saved" in output and "stopped after step 6" in output, output
-    assert torch.load(checkpoint)["loader"]["sampling"]["fingerprint"].endswith("+window2")
-    killed = _records(tmp_path / "killed", world=2)
-    _run(
-        ["--standalone", "--nproc_per_node=1"],
-        [
-            *common,
-            "--workers",
-            "3",
-            "--out",
-            str(tmp_path / "resumed"),
-            "--resume",
-            str(checkpoint),
-        ],
-    )
-    [resumed] = _records(tmp_path / "resumed", world=1)
+    assert saved["loader"]["sampling"]["fingerprint"].endswith("+window2")
     rest, epoch1 = resumed["epochs"]
     seen = [i for rec in killed for i in rec["epochs"][0]["ids"]] + rest["ids"]
     assert sorted(seen) == list(range(50)), "epoch 0 is not the dataset exactly once"
