@@ -95,7 +95,7 @@ class Healing:
         for index, name in new:
             described = f"sample {index}" if name == str(index) else f"sample {index} ({name})"
             logger.warning(
-                "skipped %s: worker %d (%s) fails on it at epoch %d, step %d (%s)",
+                "skipped %s: worker %d (%s) fails on it at epoch %d, its own step %d (%s)",
                 described,
                 session.index,
                 session.shard.describe(),
