@@ -18,13 +18,11 @@ requests served, bytes served (and their share of the dataset) and seconds.
 from __future__ import annotations
 
 import functools
-import io
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,21 +47,7 @@ def step(cls: Any, ids: Any) -> dict[str, Any]:
 
 
 def write_shards(directory: Path, count: int) -> list[Path]:
-    paths = []
-    for number in range(count):
-        path = directory / f"train-{number:06d}.tar"
-        with tarfile.open(path, "w") as tar:
-            for sample in range(number * SAMPLES, (number + 1) * SAMPLES):
-                for ext, data in (
-                    ("bin", bytes([sample % 256]) * PAYLOAD),
-                    ("cls", str(sample % 3).encode()),
-                    ("id", str(sample).encode()),
-                ):
-                    info = tarfile.TarInfo(f"s{sample:08d}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-        paths.append(path)
-    return paths
+    return write_payload_tars(directory, count, SAMPLES, PAYLOAD, digits=6)
 
 
 def upload(server: S3Server, bucket: str, paths: list[Path]) -> None:

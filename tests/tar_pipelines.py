@@ -42,16 +42,22 @@ def write_id_tars(
 
 
 def write_payload_tars(
-    directory: Path, shards: int, per_shard: int, payload: int, *, prefix: str = "train"
+    directory: Path,
+    shards: int,
+    per_shard: int,
+    payload: int,
+    *,
+    prefix: str = "train",
+    digits: int = 4,
 ) -> list[Path]:
     """``shards`` tar shards of ``per_shard`` samples each, sample ``i`` being ``<key>.bin``
     (``payload`` bytes), ``<key>.cls`` (``i % 3``) and ``<key>.id`` (``i``): read with
     ``id_tars``, a shard's byte range is nearly all of it."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
-    filler = bytes(range(256)) * (payload // 256 + 1)
+    filler = bytes(range(256)) * (payload // 256 + 2)  # (room for every offset below 256)
     for number in range(shards):
-        path = directory / f"{prefix}-{number:04d}.tar"
+        path = directory / f"{prefix}-{number:0{digits}d}.tar"
         with tarfile.open(path, "w") as tar:
             for sample in range(number * per_shard, (number + 1) * per_shard):
                 key = f"s{sample:07d}"

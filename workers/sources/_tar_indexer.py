@@ -40,11 +40,12 @@ class Indexer:
 
     def __init__(self, storage: Storage, *, skip_damaged: bool = False) -> None:
         self.storage = storage
-        #: a shard that is not whole gives the index of its samples before the damage (kept
-        #: nowhere but in ``damaged``) instead of raising (``on_error="skip"``)
+        #: a shard that is not whole gives the index of its samples before the damage (its
+        #: ``damage`` says what is wrong; kept in this node's cache only) instead of raising
+        #: (``on_error="skip"``)
         self.skip_damaged = skip_damaged
-        #: the shards found damaged: url -> (the index of their whole samples, what is wrong)
-        self.damaged: dict[str, tuple[TarIndex, ValueError]] = {}
+        #: the shards found damaged: url -> the index of their whole samples
+        self.damaged: dict[str, TarIndex] = {}
         self.writable = True  # until a write beside the shards is refused
         self._refused: set[str] = set()  # ``.idx`` files found not to fit their shard
         self.scanned = 0
@@ -81,7 +82,7 @@ class Indexer:
                     index = self._scan(url, identity)
                     if index.damage:  # (kept in this node's cache only: nothing vouches for it)
                         keep_cached(index, identity)
-                        self._damaged(url, index, ValueError(index.damage))
+                        self._damaged(url, index)
                     else:
                         self.publish(url, index, identity)
                     return index, "scan"
@@ -93,10 +94,9 @@ class Indexer:
         self, url: str, identity: Identity, listed: bool | None, probe: bool
     ) -> tuple[TarIndex, Source] | None:
         index = load_cached(url, identity)
-        if index is not None and index.damage:  # (this node scanned it: it is not whole)
-            self._damaged(url, index, ValueError(index.damage))
-            return index, "cache"
         if index is not None:
+            if index.damage:  # (this node scanned it: it is not whole)
+                self._damaged(url, index)
             return index, "cache"
         if listed is False or url in self._refused:
             return None
@@ -139,11 +139,11 @@ class Indexer:
                 )
         return index
 
-    def _damaged(self, url: str, index: TarIndex, damage: ValueError) -> None:
+    def _damaged(self, url: str, index: TarIndex) -> None:
         """A shard that is not whole: raise what is wrong, or (``skip_damaged``) record it."""
         if not self.skip_damaged:
-            raise damage
-        self.damaged[url] = (index, damage)
+            raise ValueError(index.damage)
+        self.damaged[url] = index
 
     def _refuse(self, url: str, message: str) -> TarIndex | None:
         """Log why the ``.idx`` of ``url`` is not used (once: it is not read again)."""

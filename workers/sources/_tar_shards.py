@@ -90,8 +90,8 @@ class TarShards:
     #: whether the listing showed an ``.idx`` beside each shard (None: not known)
     listed_idx: list[bool | None]
     #: shards that are not whole, under ``on_error="skip"``: the index of their samples before
-    #: the damage (what the job reads of them), and what is wrong
-    damaged: dict[int, tuple[TarIndex, ValueError]] = field(default_factory=dict)
+    #: the damage (what the job reads of them; its ``damage`` says what is wrong)
+    damaged: dict[int, TarIndex] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -122,8 +122,8 @@ class TarShards:
     def left_out(self) -> tuple[str, ...]:
         """A line per damaged shard (``on_error="skip"``): what is wrong, what of it is read."""
         return tuple(
-            f"{damage} ({_read_of(index, self.identities[k][0])})"
-            for k, (index, damage) in sorted(self.damaged.items())
+            f"{index.damage} ({_read_of(index, self.identities[k][0])})"
+            for k, index in sorted(self.damaged.items())
         )
 
     def index(self, shard: int, indexer: Indexer) -> TarIndex:
@@ -131,7 +131,7 @@ class TarShards:
         when it no longer matches what the epoch was planned with."""
         url = self.urls[shard]
         if shard in self.damaged:
-            return self.damaged[shard][0]
+            return self.damaged[shard]
         found = indexer.get(url, self.identities[shard], listed=self.listed_idx[shard], probe=False)
         assert found is not None  # (wait=True)
         index, source = found
@@ -329,8 +329,8 @@ def _after_walk(
     number = {url: k for k, url in enumerate(urls)}
     damaged = {number[url]: found for url, found in indexer.damaged.items()}
     if lead:
-        for k, (index, damage) in sorted(damaged.items()):
-            _warn_damaged(urls[k], index, damage, listed.identities[k][0])
+        for k, index in sorted(damaged.items()):
+            _warn_damaged(index, listed.identities[k][0])
         kept = [k for k in range(len(urls)) if k not in damaged]  # (no summary vouches for those)
         _write_summaries(storage, urls, counts, hashes, listed, summaries, kept)
     shards = _opened(urls, storage, counts, hashes, listed)
@@ -345,10 +345,10 @@ def _read_of(index: TarIndex, size: int) -> str:
     return f"its first {index.samples} samples are read (up to byte {index.data_end} of {size})"
 
 
-def _warn_damaged(url: str, index: TarIndex, damage: ValueError, size: int) -> None:
+def _warn_damaged(index: TarIndex, size: int) -> None:
     """Say once per job (the lead worker) what a damaged shard gives under on_error="skip"."""
     warnings.warn(
-        f"on_error='skip': {damage}. {_read_of(index, size)}; the rest of it is left out of "
+        f"on_error='skip': {index.damage}. {_read_of(index, size)}; the rest of it is left out of "
         "every epoch until the shard is rewritten (a state saved now is refused over the "
         "rewritten shard; loader.stats().left_out lists such shards)",
         stacklevel=3,

@@ -112,8 +112,8 @@ class TarOrder:
             [np.zeros(1, np.int64), np.cumsum(shards.counts[self.permuted])]
         )
         total = int(self.runs[-1])
-        cuts = np.array([0, total], np.int64) if parts is None else np.asarray(parts, np.int64)
-        cuts = np.unique(np.clip(np.concatenate([cuts, [0, total]]), 0, total))
+        given = np.empty(0, np.int64) if parts is None else np.asarray(parts, np.int64)
+        cuts = np.unique(np.clip(np.concatenate([given, [0, total]]), 0, total))
         # pieces: the sequence cut at every shard's start and every part's edge
         pieces = np.unique(np.concatenate([self.runs, cuts]))[:-1]
         part = np.searchsorted(cuts, pieces, side="right") - 1
