@@ -19,9 +19,10 @@ With ``--augment`` the step crops and flips at random (DALI's ``random_resized_c
 loader's state carries each worker's random generator states.
 
 With ``--tars 'DIR/train-{000000..000009}.tar'`` the data are WebDataset shards (local paths or
-``s3://`` URLs) whose samples have a ``.jpg`` and an ``.id`` member (the sample's number, which
-the records below name), read by ``sharded_tars``; ``--shuffle-window K`` shuffles them ``K``
-shards at a time, as remote shards are by default.
+``s3://`` URLs), read by ``sharded_tars``: each sample's ``.jpg``, and its ``.id`` member (the
+sample's number, which the records below name) or, where it has none (shards written by
+``python -m loader.tars write``), its ``.cls`` label in its place. ``--shuffle-window K``
+shuffles them ``K`` shards at a time, as remote shards are by default.
 
 With ``--out DIR`` each rank writes what it saw in this run (per epoch: sample ids without
 padding, a digest of each batch's images, steps) to ``DIR/rank<R>.json``, at every checkpoint and
@@ -69,7 +70,7 @@ def source(shard: Shard, root: str, batch_size: int) -> Any:
 
 def tar_source(shard: Shard, urls: str, batch_size: int, window: int | None) -> Any:
     return sharded_tars(
-        shard, urls, batch_size=batch_size, ext=("jpg", "id"), shuffle_window=window
+        shard, urls, batch_size=batch_size, ext=("jpg", "id;cls"), shuffle_window=window
     )
 
 
@@ -113,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=None, help="ImageFolder; default: samples")
     parser.add_argument(
-        "--tars", default=None, help="WebDataset shards (.jpg and .id members) instead of --data"
+        "--tars", default=None, help="WebDataset shards (.jpg, .id or .cls) instead of --data"
     )
     parser.add_argument(
         "--shuffle-window", type=int, default=None, help="--tars: shards shuffled together"

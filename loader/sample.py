@@ -26,11 +26,15 @@ def default_cache_dir() -> Path:
 
 
 def write_sample_dataset(
-    root: Path, count: int = DEFAULT_COUNT, classes: int = DEFAULT_CLASSES, seed: int = 0
+    root: str | os.PathLike[str],
+    count: int = DEFAULT_COUNT,
+    classes: int = DEFAULT_CLASSES,
+    seed: int = 0,
 ) -> Path:
     """Write ``count`` JPEGs into ``root/class_XX/`` (ImageFolder layout). Returns ``root``."""
     from PIL import Image
 
+    root = Path(root)
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     for index in range(count):
