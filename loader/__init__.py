@@ -35,11 +35,24 @@ from ._errors import (
     WorkerTimeoutError,
 )
 from ._loader import Loader, LoaderStats, WorkerStats
+from ._server import server_pid as worker_server_pid
+from ._server import shutdown as shutdown_worker_server
 from ._stats import Timeline
 from ._views import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple
 from .sample import ensure_sample_dataset, list_images
 
-__version__ = "0.2.0"
+
+def _metadata_version() -> str:
+    """The installed distribution's version (``pyproject.toml`` states it, once)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("dali-capture-loader")
+    except metadata.PackageNotFoundError:  # a checkout on sys.path, never installed
+        return "0+unknown"
+
+
+__version__ = _metadata_version()
 
 __all__ = [
     "AgreementError",
@@ -78,6 +91,8 @@ __all__ = [
     "sharded_mix",
     "sharded_source",
     "sharded_tars",
+    "shutdown_worker_server",
     "steps_per_epoch",
+    "worker_server_pid",
     "write_tars",
 ]

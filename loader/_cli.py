@@ -32,10 +32,19 @@ def build_parser() -> argparse.ArgumentParser:
         "processes, and report throughput. 'python -m loader doctor [flags]' measures the same "
         "job for a few seconds and says whether the input pipeline holds the loop back.",
     )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s (dali-capture-loader) {_version()}"
+    )
     _job_flags(parser)
     parser.add_argument("--epochs", type=int, default=3, help="epochs (default 3)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _job_flags(parser: argparse.ArgumentParser) -> None:

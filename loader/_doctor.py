@@ -39,9 +39,10 @@ def build_doctor_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loader doctor",
         description="Run a job for a few seconds, then print the loader's verdict "
-        "(loader.diagnose()) and the headspace: how fast the loop goes over batches replayed "
-        "from memory, without the loader. The job: the main job's pipeline over --data, or your "
-        "own --source and --step. Under torchrun every rank runs it and rank 0 prints.",
+        "(loader.diagnose()) and, given --train-ms, the headspace: how fast the loop goes over "
+        "batches replayed from memory, without the loader. The job: the main job's pipeline over "
+        "--data, or your own --source and --step. Under torchrun every rank runs it and rank 0 "
+        "prints.",
     )
     _job_flags(parser)
     parser.add_argument(
@@ -64,14 +65,17 @@ def build_doctor_parser() -> argparse.ArgumentParser:
         "--train-ms",
         type=float,
         default=0.0,
-        help="milliseconds of a stand-in training step per batch (default 0: none)",
+        metavar="MS",
+        help="milliseconds your training step takes: a stand-in step that long runs per batch, "
+        "and the headspace is timed with it (default 0: no step, no headspace)",
     )
     parser.add_argument(
         "--headspace",
         type=int,
         default=4,
         metavar="N",
-        help="batches kept in memory and replayed to time the loop alone (default 4; 0: skip)",
+        help="batches kept in memory and replayed to time the loop alone, with --train-ms "
+        "(default 4; 0: skip)",
     )
     parser.add_argument(
         "--trace",
@@ -224,16 +228,30 @@ def _kept(batch: Any) -> Any:
     return np.array(batch)
 
 
+def _headspace_batches(args: argparse.Namespace) -> int:
+    """The batches to keep for the headspace: ``--headspace``, but none without a training step
+    (``--train-ms``): timed alone, a loop body that does nothing runs at a meaningless rate."""
+    return args.headspace if args.train_ms > 0 else 0
+
+
+NO_HEADSPACE = (
+    "  headspace: not computed, the loop body has no training step to time; give one with "
+    "--train-ms MS (the milliseconds your training step takes)"
+)
+
+
 def _measure(
     loader: Loader, args: argparse.Namespace, train_step: Callable[[Any], None], kept: list[Any]
 ) -> int:
     """Iterate for ``--seconds`` after the traced first batch (every rank stops at the same
-    step), keeping the first ``--headspace`` batches; the batches taken."""
+    step), keeping the first ``--headspace`` batches when there is a headspace to time
+    (``--train-ms``); the batches taken."""
+    keep = _headspace_batches(args)
     batches, until = 0, None
     while True:
         taken = batches
         for batch in loader:
-            if len(kept) < args.headspace:
+            if len(kept) < keep:
                 kept.append(_kept(batch))
             train_step(batch)
             del batch
@@ -303,7 +321,8 @@ def _doctor(args: argparse.Namespace, rank: int, world: int) -> int:
     mine = {"rate": rate, "batches": batches, "alone": alone}
     gathered = _distributed.gather(mine) or [mine]
     if rank == 0:
-        _print_report(report, gathered, len(kept), args.trace, world)
+        no_step = args.headspace > 0 and not _headspace_batches(args)
+        _print_report(report, gathered, len(kept), args.trace, world, no_step=no_step)
     return 0
 
 
@@ -313,7 +332,11 @@ def _print_report(
     kept: int,
     trace: Path | None,
     world: int,
+    *,
+    no_step: bool = False,
 ) -> None:
+    """The report, each rank's rate and headspace (or, ``no_step``, the line saying why there is
+    none and how to give a training step), and the trace files."""
     print()
     print(report)
     for index, figures in enumerate(ranks):
@@ -327,6 +350,8 @@ def _print_report(
                 f"{alone:.1f} batches/s"
                 + (f"; with the loader it runs at {rate / alone:.2%} of that" if alone > 0 else "")
             )
+    if no_step:
+        print(NO_HEADSPACE)
     if trace is not None:
         paths = [str(_trace.rank_path(trace, r, world)) for r in range(world)]
         print(f"  trace: {', '.join(paths)} (open it in https://ui.perfetto.dev)")

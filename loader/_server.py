@@ -27,7 +27,9 @@ When it starts: at the first loader that needs it (inside a test session: a fres
 since a fork would carry that test's state into later tests), or earlier: the pytest plugin starts
 it at a session's start, and :func:`start_early` is meant for the end of the loader package's
 import (not called there yet). It lives until the trainer exits (it ends at end of stream on its
-socket), and every later loader uses it.
+socket, after the workers it forked), or until :func:`shutdown`; every later loader uses it.
+It shows as ``dali-loader-server (trainer PID)`` in ``ps``, its workers as
+``dali-loader-worker-K (trainer PID)``.
 
 Each worker is a :class:`loader._server_worker.ServerWorker`, which the pool uses as it uses a
 ``multiprocessing`` process.
@@ -43,13 +45,17 @@ import inspect
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 from multiprocessing import spawn
 from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from ipc import server_wire as sw
 from workers import server as worker_server
@@ -67,6 +73,8 @@ REPLY_TIMEOUT = 300.0
 
 _lock = threading.Lock()
 _running: WorkerServer | None = None
+#: Servers told to stop while their workers ran: reaped once they exit.
+_retired: list[WorkerServer] = []
 
 
 def _native_threads() -> int:
@@ -112,9 +120,44 @@ def fork_refusal() -> str | None:
 
 
 def server_pid() -> int | None:
-    """The pid of this process's running worker server, or None."""
+    """The pid of this process's running worker server, or None (public as
+    ``loader.worker_server_pid``)."""
     server = _running
     return server.pid if server is not None and server.alive() else None
+
+
+def shutdown(timeout: float = 10.0) -> int | None:
+    """Stop this process's worker server (public as ``loader.shutdown_worker_server``): it
+    stops serving at once and exits when the workers it forked have exited, so loaders still
+    open keep theirs. Waits up to ``timeout`` seconds for a server with no workers left (then
+    kills it). Returns the stopped server's pid, or None when none ran; safe to call again, and
+    the next loader that needs a server starts a new one."""
+    global _running
+    with _lock:
+        server, _running = _running, None
+        _reap_retired()
+    if server is None:
+        return None
+    server.forget()
+    if not server.alive():
+        return server.pid
+    try:
+        busy = bool(psutil.Process(server.pid).children())
+    except psutil.Error:
+        busy = False
+    if busy:  # it exits after its workers; reaped by a later call or at exit
+        _retired.append(server)
+        logger.debug("worker server %d stops after its running workers", server.pid)
+    elif not server.wait(timeout):
+        logger.warning(
+            "the worker server (pid %d) did not exit within %g s; killed", server.pid, timeout
+        )
+        server.kill()
+    return server.pid
+
+
+def _reap_retired() -> None:
+    _retired[:] = [server for server in _retired if server.alive()]
 
 
 def server_fds() -> set[int]:
@@ -144,6 +187,7 @@ def running(files: Sequence[str] = (), *, by_loader: bool = False) -> WorkerServ
     server is then a fresh interpreter (the pytest plugin starts it before the first test)."""
     global _running
     with _lock:
+        _reap_retired()
         server = _running
         if server is None or not server.alive():
             if server is not None:
@@ -263,8 +307,22 @@ class WorkerServer:
         return not self._exited
 
     def forget(self) -> None:
-        """Close the socket to a server that has exited."""
+        """Close the socket: a server that still runs stops serving (module docstring)."""
         self._sock.close()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the server to exit; True once it has."""
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.wait(5.0)
 
     def send(self, request: sw.Request, fds: list[int] | None = None) -> None:
         with self._send_lock:
@@ -343,6 +401,7 @@ def _close_at_exit() -> None:
     server = _running
     if server is not None:
         server.forget()
+    _reap_retired()
 
 
 def modules_of(*functions: Any) -> list[tuple[str, str | None]]:

@@ -25,6 +25,7 @@ from ipc import ChannelClosed, ControlChannel, wire
 
 from ._loop import ShutdownRequested, Stop, Worker
 from ._spec import WorkerSpec
+from ._title import set_title, worker_title
 
 _PR_SET_PDEATHSIG = 1
 
@@ -77,6 +78,7 @@ def _add_load_in_progress(worker: Worker, stack: Connection, signum: int, frame:
 
 def run_worker(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connection) -> None:
     """Process entry point. Never returns normally: the process exits when serving ends."""
+    set_title(worker_title(spec.shard.worker, spec.parent_pid))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     channel = ControlChannel(conn)
     worker = Worker(spec, channel)

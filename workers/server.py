@@ -16,9 +16,12 @@ copy: DALI imported, the main module and the loaders' modules imported, DALI's s
 their files cached (:mod:`workers._imports`), nothing running. Its children share those pages
 (``gc.freeze()`` keeps the garbage collector from writing to them).
 
-It exits when the trainer is gone (end of stream on its socket); workers it forked then exit on
-their own liveness pipes. A worker whose main module the server could not import imports it
-itself, as a spawned worker does, so its error reaches the trainer the same way.
+It stops serving at the end of stream on its socket (the trainer exited, or called
+``loader.shutdown_worker_server()``) and exits once the workers it forked have exited (those
+of a trainer that is gone exit on their own liveness pipes, and are waited for at most
+:data:`ORPHANED_WAIT` seconds). Its title is ``dali-loader-server`` (:mod:`workers._title`).
+A worker whose main module the server could not import imports it itself, as a spawned worker
+does, so its error reaches the trainer the same way.
 
 Everything here goes through public APIs (``os.fork``, ``socket.recv_fds``, ``signal``,
 ``runpy``), none of ``multiprocessing``'s internals.
@@ -36,6 +39,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 import traceback
 import types
 from collections.abc import Iterable
@@ -44,9 +48,14 @@ from typing import NoReturn
 
 from ipc import server_wire as sw
 
+from ._title import server_title, set_title
+
 logger = logging.getLogger("loader")
 
 _serving = False
+
+#: Seconds a server whose trainer is gone waits for that trainer's workers to exit.
+ORPHANED_WAIT = 30.0
 
 
 def serving() -> bool:
@@ -76,6 +85,7 @@ def _run(sock: socket.socket, *, fresh: bool) -> NoReturn:
     code = 0
     try:
         _reset_signals()
+        set_title(server_title(os.getppid()))
         first = sw.receive_request(sock)
         if first is None:
             _exit(0)
@@ -176,24 +186,38 @@ class Server:
         gc.freeze()
 
     def serve(self) -> None:
-        """Serve until the trainer is gone."""
+        """Serve until the trainer closes its socket (it exited, or asked the server to stop),
+        then wait for the workers forked so far: each one's exit code still reaches its
+        trainer, so a loader open when the server was stopped keeps its workers. When the
+        trainer itself is gone, its workers follow it at once; the server waits for them at most
+        :data:`ORPHANED_WAIT` seconds."""
+        trainer = os.getppid()
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
         signal.set_wakeup_fd(self._wake_write)
+        orphaned_since: float | None = None
         with selectors.DefaultSelector() as selector:
             selector.register(self._sock, selectors.EVENT_READ)
             selector.register(self._wake_read, selectors.EVENT_READ)
-            while True:
-                for key, _events in selector.select():
+            serving = True
+            while serving or self._statuses:
+                for key, _events in selector.select(None if serving else 1.0):
                     if key.fileobj is self._sock:
                         received = sw.receive_request(self._sock)
                         if received is None:
-                            return
+                            serving = False
+                            selector.unregister(self._sock)
+                            continue
                         self._handle(*received)
                     else:
                         with contextlib.suppress(BlockingIOError):
                             while os.read(self._wake_read, 4096):
                                 pass
                 self._reap()
+                if not serving and os.getppid() != trainer:
+                    now = time.monotonic()
+                    orphaned_since = orphaned_since or now
+                    if now - orphaned_since > ORPHANED_WAIT:
+                        return
 
     def _handle(self, request: sw.Request, fds: list[int]) -> None:
         if isinstance(request, sw.Fork):

@@ -33,8 +33,37 @@ def test_doctor_measures_and_prints_a_verdict_the_headspace_and_a_trace(
     alone = re.search(r"headspace: the loop alone, over 3 batches .*: ([\d.]+) batches/s", out)
     assert alone is not None, out
     assert float(alone.group(1)) < 1000 / 2  # the 2 ms stand-in step bounds the loop alone
+    assert "headspace: not computed" not in out, out
     spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["name"] for e in spans} >= {"next", "train", "dali", "publish"}
+
+
+HEADSPACE = re.compile(
+    r"(?m)^  headspace: the loop alone, over 2 batches replayed from memory: [\d.]+ batches/s"
+)
+NO_STEP = re.compile(r"(?m)^  headspace: not computed, .*training step.*--train-ms MS \(.*\)$")
+
+
+@pytest.mark.parametrize("train_ms", [None, "1"], ids=["no-train-ms", "train-ms"])
+def test_doctor_prints_the_headspace_only_with_a_training_step(train_ms: str | None) -> None:
+    """Without --train-ms the loop body does nothing, and the loop alone runs at a rate that
+    compares with nothing: no headspace then, but a line naming the flag that gives one."""
+    step = () if train_ms is None else ("--train-ms", train_ms)
+    result = run_cli(
+        "doctor",
+        *("--source", "tests.pipelines:sample_source", "--step", "tests.pipelines:cast_step"),
+        *("--batch-size", "4", "--seconds", "0.5", "--headspace", "2", *step),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert re.search(r"(?m)^  with the loader: [\d.]+ batches/s", out), out
+    if train_ms is None:
+        assert "headspace: the loop alone" not in out, out
+        assert "with the loader it runs at" not in out, out
+        assert len(NO_STEP.findall(out)) == 1, out
+    else:
+        assert HEADSPACE.search(out), out
+        assert "headspace: not computed" not in out, out
 
 
 def test_doctor_refuses_a_negative_headspace(image_root: Path) -> None:
@@ -138,6 +167,8 @@ def test_doctor_under_torchrun_runs_every_rank_and_rank_0_prints(tmp_path: Path)
     assert len(re.findall(r"(?m)^  every rank: ", out)) == 1, out
     assert re.search(r"(?m)^  rank 1: with the loader: [\d.]+ batches/s", out), out
     assert "(this rank's share of" in out  # the CPUs split between the 2 local ranks
+    assert "headspace: the loop alone" not in out, out  # no --train-ms: no headspace
+    assert len(NO_STEP.findall(out)) == 1, out  # but the line saying so, once
     for rank in (0, 1):
         path = tmp_path / f"doctor-{rank}.json"
         assert str(path) in out

@@ -348,3 +348,112 @@ def test_the_server_ends_with_its_trainer(tmp_path: Path) -> None:
     while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the worker server outlived its trainer"
         time.sleep(0.05)
+
+
+STOP_SCRIPT = """
+import functools
+import json
+import psutil
+import loader
+from loader import Loader
+from tests import pipelines as P
+
+SOURCE = functools.partial(P.sample_source, total=16)
+
+
+def titles(pid):
+    server = psutil.Process(pid)
+    def title(process):  # the words of its command line (setproctitle may pad it with spaces)
+        return " ".join(" ".join(process.cmdline()).split())
+
+    return [title(server)] + sorted(title(c) for c in server.children())
+
+if __name__ == "__main__":
+    found = {}
+    with Loader(SOURCE, P.cast_step, batch_size=4, num_workers=2) as first:
+        batches = iter(first)
+        xs = [int(v) for v in next(batches)["id"].ravel()]
+        pid = loader.worker_server_pid()
+        found["titles"] = titles(pid)
+        found["stopped"] = loader.shutdown_worker_server() == pid
+        found["again"] = loader.shutdown_worker_server()
+        found["none_after_stop"] = loader.worker_server_pid()
+        xs += [int(v) for batch in batches for v in batch["id"].ravel()]
+        found["first_epoch"] = sorted(xs)
+        found["server_waited_for_its_workers"] = psutil.pid_exists(pid)
+    with Loader(SOURCE, P.cast_step, batch_size=4, num_workers=2) as second:
+        found["second_epoch"] = sorted(int(v) for b in second for v in b["id"].ravel())
+        found["new_server"] = loader.worker_server_pid() not in (None, pid)
+    found["stopped_second"] = loader.shutdown_worker_server() is not None
+    found["children_left"] = [
+        c.pid for c in psutil.Process().children(recursive=True)
+        if c.status() != psutil.STATUS_ZOMBIE
+    ]
+    print(json.dumps(found))
+"""
+
+
+def test_the_worker_server_is_named_stopped_and_started_again(tmp_path: Path) -> None:
+    """``worker_server_pid()`` names the server; ``ps`` tells it from the workers by title;
+    ``shutdown_worker_server()`` stops it (a loader that is open keeps its workers to the end of
+    its epoch), is safe to call twice, and the next loader starts a new server."""
+    script = tmp_path / "main.py"
+    script.write_text(STOP_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=clean_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    trainer = found["titles"][0].split(" ", 1)[1]
+    assert found["titles"][0].startswith("dali-loader-server (trainer ")
+    assert found["titles"][1:] == [
+        f"dali-loader-worker-0 {trainer}",
+        f"dali-loader-worker-1 {trainer}",
+    ]
+    everything = list(range(16))
+    assert found["first_epoch"] == everything, "the open loader lost its workers at the stop"
+    assert found["second_epoch"] == everything
+    assert found["stopped"] and found["again"] is None and found["none_after_stop"] is None
+    assert found["new_server"] and found["stopped_second"]
+    assert found["children_left"] == []
+
+
+def test_the_server_and_its_workers_end_with_a_killed_trainer(tmp_path: Path) -> None:
+    """A trainer killed by SIGKILL while its loader's workers run: the workers follow it, and the
+    server exits after them (it waits for the workers it forked)."""
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import sys, time\n"
+        "import loader\n"
+        "from loader import Loader\n"
+        "from tests import pipelines as P\n"
+        "if __name__ == '__main__':\n"
+        "    with Loader(P.sample_source, P.cast_step, batch_size=4, num_workers=2) as l:\n"
+        "        next(iter(l))\n"
+        "        print(loader.worker_server_pid(), *l.worker_pids(), flush=True)\n"
+        "        time.sleep(60)\n"
+    )
+    trainer = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    try:
+        assert trainer.stdout is not None
+        processes = [psutil.Process(int(pid)) for pid in trainer.stdout.readline().split()]
+        assert len(processes) == 3
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+        if trainer.stdout is not None:
+            trainer.stdout.close()
+    deadline = time.monotonic() + 20
+    for process in processes:
+        while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"{process.cmdline()} outlived its trainer"
+            time.sleep(0.05)

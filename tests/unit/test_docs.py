@@ -167,11 +167,10 @@ def test_no_reference_to_a_missing_design_file() -> None:
         assert "DESIGN.md" not in path.read_text(encoding="utf-8"), _name(path)
 
 
-def _ci_command() -> str:
-    """The last command of ``.ci/run``: the test command the README's Quickstart shows."""
+def _ci_commands() -> list[str]:
+    """The commands of ``.ci/run``, in order."""
     lines = [line.strip() for line in CI_SCRIPT.read_text(encoding="utf-8").splitlines()]
-    commands = [line for line in lines if line and not line.startswith("#")]
-    return commands[-1]
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def test_the_quickstart_is_two_commands_and_the_second_is_the_ci_s() -> None:
@@ -185,8 +184,13 @@ def test_the_quickstart_is_two_commands_and_the_second_is_the_ci_s() -> None:
     assert inside, "the Quickstart section has no code block"
     commands = [line.strip() for line in inside[0].code.splitlines() if line.strip()]
     assert len(commands) == 2, commands
-    assert commands[1] == _ci_command()
+    ci = _ci_commands()
+    assert commands[0] in ci and commands[1] in ci, "CI runs the Quickstart's commands as written"
+    assert ci.index(commands[0]) + 1 == ci.index(commands[1])
     assert "python -m loader" in commands[0]
+    assert any("wheel_smoke.sh" in line for line in ci[ci.index(commands[1]) :]), (
+        "CI also installs the built wheel and runs it outside the checkout"
+    )
 
 
 def test_the_design_pages_lifecycle_is_the_worker_state_docstring() -> None:
