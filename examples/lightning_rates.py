@@ -14,6 +14,11 @@ for data; see ``loader.diagnose()`` for what to change when it does not.
 The data is synthetic (a float vector per sample id, made in ``load``); the model is a linear
 classifier. torch and Lightning are imported inside the functions that need them: every loader
 worker imports this script (workers are spawned) and needs neither.
+
+Lightning is imported as its docs do, ``import lightning as L``; with ``pytorch_lightning`` (the
+same Lightning under its standalone package name) the callback is the same, made from
+``pytorch_lightning.Callback`` and given to a ``pytorch_lightning.Trainer`` (a Trainer takes the
+callbacks of its own package only).
 """
 
 from __future__ import annotations
@@ -46,15 +51,15 @@ def step(features: Any, labels: Any) -> dict[str, Any]:
 
 
 def rates_callback(loader: Loader, every_n_steps: int = 50, window: float = 10.0) -> Any:
-    """A ``pytorch_lightning.Callback`` that logs the loader's rates every ``every_n_steps``
-    batches of an epoch (made by a function: Lightning is imported only in the trainer)."""
-    import pytorch_lightning as pl
+    """A Lightning ``Callback`` that logs the loader's rates every ``every_n_steps`` batches of
+    an epoch (made by a function: Lightning is imported only in the trainer)."""
+    import lightning as L
 
-    class LoaderRates(pl.Callback):
+    class LoaderRates(L.Callback):
         def on_train_batch_end(
             self,
-            trainer: pl.Trainer,
-            pl_module: pl.LightningModule,
+            trainer: L.Trainer,
+            pl_module: L.LightningModule,
             outputs: Any,
             batch: Any,
             batch_idx: int,
@@ -68,10 +73,10 @@ def rates_callback(loader: Loader, every_n_steps: int = 50, window: float = 10.0
 
 
 def build_module() -> Any:
-    import pytorch_lightning as pl
+    import lightning as L
     import torch
 
-    class Classifier(pl.LightningModule):
+    class Classifier(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.layer = torch.nn.Linear(FEATURES, CLASSES)
@@ -98,11 +103,11 @@ def train(
     logger: Any,
 ) -> Loader:
     """Fit the classifier with the callback; returns the (closed) loader."""
-    import pytorch_lightning as pl
+    import lightning as L
 
     data = functools.partial(source, samples=samples, batch_size=batch_size)
     with Loader(data, step, batch_size=batch_size, num_workers=workers, output="torch") as loader:
-        trainer = pl.Trainer(
+        trainer = L.Trainer(
             max_epochs=epochs,
             accelerator="cpu",
             devices=1,
@@ -128,7 +133,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=20)
     args = parser.parse_args()
 
-    from pytorch_lightning.loggers import CSVLogger
+    from lightning.pytorch.loggers import CSVLogger
 
     train(
         samples=args.samples,

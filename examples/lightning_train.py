@@ -1,8 +1,13 @@
-"""PyTorch Lightning training fed by a dali-capture-loader, with checkpoints that resume mid-epoch.
+"""Lightning training fed by a dali-capture-loader, with checkpoints that resume mid-epoch.
 
     python examples/lightning_train.py --epochs 3 --every 6 --ckpt-dir ckpts
     python examples/lightning_train.py --devices 2 --strategy ddp --every 6 --ckpt-dir ckpts
     python examples/lightning_train.py --resume ckpts/step-030.ckpt --ckpt-dir ckpts
+
+Lightning is imported as its docs do, ``import lightning as L`` (``L.Trainer`` is
+``lightning.pytorch.Trainer``). ``pytorch_lightning``, the same Lightning under its standalone
+package name, works the same: ``--lightning-package pytorch_lightning`` runs this script with it
+(one package end to end: a Trainer of one does not take the modules or callbacks of the other).
 
 The Loader goes to ``trainer.fit`` as it is, like a DataLoader. Lightning keeps its state in every
 checkpoint by itself (the Loader has ``state_dict``/``load_state_dict``, so Lightning's
@@ -24,7 +29,8 @@ with ``--data DIR`` the images of an ImageFolder, decoded by DALI to 16x16.
 ``--log FILE`` appends one JSON line per event: ``step`` (per ``training_step``: rank, epoch,
 ``global_step`` = optimizer steps taken before this batch, ``len(loader)``, the batch's real
 sample ids and its ``batch.info``), ``epoch_start`` (``len(loader)``), ``killed`` and, when
-``fit`` returns, ``end`` (per-worker traces, rebuilds and restarts, and a digest of the weights).
+``fit`` returns, ``end`` (per-worker traces, rebuilds and restarts, a digest of the weights, and
+the module of the Trainer class that ran).
 A checkpoint written at global step K (``step-K.ckpt``) holds every batch logged with
 ``global_step < K``. ``--kill-at-step K`` SIGKILLs every rank right after the checkpoint of step K
 is written, as a crash.
@@ -144,12 +150,17 @@ def weights_digest(module: Any) -> str:
 
 
 def fit(args: argparse.Namespace, loader: Loader, log: JsonLog) -> None:
-    import pytorch_lightning as pl
     import torch
     import torch.nn.functional as F
-    from pytorch_lightning.callbacks import ModelCheckpoint
 
-    class TinyModel(pl.LightningModule):
+    if args.lightning_package == "lightning":
+        import lightning as L
+        from lightning.pytorch.callbacks import ModelCheckpoint
+    else:  # the same classes under Lightning's standalone package name
+        import pytorch_lightning as L  # type: ignore[no-redef]
+        from pytorch_lightning.callbacks import ModelCheckpoint  # type: ignore[no-redef]
+
+    class TinyModel(L.LightningModule):
         """A linear model on the synthetic features, or a tiny CNN on the images."""
 
         def __init__(self, images: bool) -> None:
@@ -232,7 +243,7 @@ def fit(args: argparse.Namespace, loader: Loader, log: JsonLog) -> None:
                 save_top_k=-1,
             )
         )
-    trainer = pl.Trainer(
+    trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=args.strategy,
@@ -265,6 +276,7 @@ def fit(args: argparse.Namespace, loader: Loader, log: JsonLog) -> None:
             for w in loader.stats().workers
         ],
         weights=weights_digest(model),
+        trainer=type(trainer).__module__,  # lightning.pytorch.* or pytorch_lightning.*
     )
 
 
@@ -283,6 +295,12 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints"))
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume from")
     parser.add_argument("--log", type=Path, default=None, help="append JSON lines here")
+    parser.add_argument(
+        "--lightning-package",
+        choices=["lightning", "pytorch_lightning"],
+        default="lightning",
+        help="the package to import Lightning from (the same Lightning under either name)",
+    )
     parser.add_argument(
         "--kill-at-step",
         type=int,

@@ -24,9 +24,18 @@ sample's number, which the records below name) or, where it has none (shards wri
 ``python -m loader.tars write``), its ``.cls`` label in its place. ``--shuffle-window K``
 shuffles them ``K`` shards at a time, as remote shards are by default.
 
+Under ``torchrun --max-restarts N``, ``--resume auto`` resumes every restarted attempt from the
+newest checkpoint (``--checkpoint``, written atomically) and starts the first afresh;
+``--die-at K`` makes the last rank crash at step ``K`` in the first attempt. Set
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it torch hangs or fails in gloo's
+``connectFullMesh`` when it restarts the ranks (with or without the loader)::
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 \
+        --max-restarts 1 examples/train_ddp.py --save-every 5 --resume auto
+
 With ``--out DIR`` each rank writes what it saw in this run (per epoch: sample ids without
-padding, a digest of each batch's images, steps) to ``DIR/rank<R>.json``, at every checkpoint and
-at the end.
+padding, a digest of each batch's images, steps) to ``DIR/rank<R>.json`` (a restarted attempt
+``K``: ``DIR/rank<R>.restart<K>.json``), at every checkpoint and at the end.
 """
 
 from __future__ import annotations
@@ -126,7 +135,19 @@ def main() -> None:
     parser.add_argument("--augment", action="store_true", help="random crops and flips")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--checkpoint", type=Path, default=Path("checkpoint.pt"))
-    parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume from")
+    parser.add_argument(
+        "--resume",
+        default=None,
+        help="a checkpoint to resume from, or 'auto': --checkpoint if it exists (the newest "
+        "complete one: it is written atomically), else a fresh start (for torchrun restarts)",
+    )
+    parser.add_argument(
+        "--die-at",
+        type=int,
+        default=None,
+        help="at this step the last rank exits with code 1, in torchrun's first attempt only "
+        "(TORCHELASTIC_RESTART_COUNT 0): a crash for --max-restarts to restart",
+    )
     parser.add_argument(
         "--stop-after",
         type=int,
@@ -170,8 +191,12 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     checkpoint = None
     global_step = 0  # steps taken since the start of training, over all runs
-    if args.resume is not None:
-        checkpoint = torch.load(args.resume, map_location="cpu")
+    resume = args.resume
+    if resume == "auto":
+        resume = args.checkpoint if args.checkpoint.exists() else None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if resume is not None:
+        checkpoint = torch.load(resume, map_location="cpu")
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         global_step = checkpoint["step"]
@@ -182,6 +207,7 @@ def main() -> None:
         "world_size": world,
         "workers": args.workers,
         "resumed_from": global_step if checkpoint is not None else None,
+        "attempt": attempt,
         "epochs": [],
     }
 
@@ -189,7 +215,8 @@ def main() -> None:
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             text = json.dumps(record).encode()
-            write_atomically(args.out / f"rank{rank}.json", lambda file: file.write(text))
+            name = f"rank{rank}.json" if attempt == 0 else f"rank{rank}.restart{attempt}.json"
+            write_atomically(args.out / name, lambda file: file.write(text))
 
     if args.tars is not None:
         make_source = functools.partial(
@@ -246,6 +273,9 @@ def main() -> None:
                 if global_step == args.kill_worker_at and rank == world - 1:
                     # the last worker: it has the most batches of the epoch still to make
                     os.kill(loader.worker_pids()[-1], signal.SIGKILL)
+                if global_step == args.die_at and rank == world - 1 and attempt == 0:
+                    print(f"rank {rank} dies at step {global_step}", flush=True)
+                    os._exit(1)  # a crash: no cleanup, the loader's workers follow
                 if global_step == args.stop_after:
                     dist.barrier()  # every rank is done with its steps (and checkpoint) so far
                     if rank == 0:

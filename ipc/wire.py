@@ -44,7 +44,8 @@ A record that breaks this contract (an unknown kind, a slot or arena that does n
 placement outside its slot, a duplicated fill) raises :class:`ProtocolError` on the receiving side.
 
 Besides the channel, a worker's stack pipe carries faulthandler's text, and, when the trainer asks
-for the stack (SIGUSR1) while a sample's ``load`` runs, one :class:`LoadRunning` line after it.
+for the stack (``signals.STACK_SIGNAL``) while a sample's ``load`` runs, one :class:`LoadRunning`
+line after it.
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ import json
 import pickle
 import re
 import struct
+from collections import namedtuple
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
 Shape = tuple[int, ...]
 
@@ -315,28 +318,60 @@ class OutputPlacement:
     layout: str
 
 
-class StageTimes(NamedTuple):
-    """Where a worker's time went around one batch, in nanoseconds, as its main thread saw it.
+#: A worker's stages, in the order a batch goes through them, as its main thread sees them:
+#: ``load`` waiting for the source's samples (a ``sharded_source``/``sharded_files`` root: its
+#: prefetch thread's ``load``), ``dali`` running DALI (the pipeline's outputs, ``step``),
+#: ``blocked`` waiting for a free slot, ``publish`` copying into the slot, ``idle`` waiting for a
+#: command (between epochs) since the previous batch. The one list of them: a batch's
+#: :class:`StageTimes` and its wire format (:data:`TIMING`), the trainer's running totals and
+#: windows, and ``loader.stats()``'s ``Stages`` are made from it (and :data:`MEASURES`).
+STAGES = ("load", "dali", "blocked", "publish", "idle")
+#: The other times of a batch, beside the stages (they overlap them), since the previous batch:
+#: ``read`` and ``read_cpu`` the prefetch thread's wall and CPU time in ``load``, ``cpu`` the
+#: process's CPU time (every thread).
+MEASURES = ("read", "read_cpu", "cpu")
+#: The stages that a batch's time line lays before its ``started_ns``; the others follow it, in
+#: :data:`STAGES` order, and the batch is in its slot when they end.
+BEFORE_START = ("idle",)
+#: The stages a :class:`BatchReady` carries in a field of its own (``<stage>_ns``), not in its
+#: :class:`StageTimes`.
+IN_BATCH = ("blocked",)
+#: :class:`StageTimes`'s fields, in order: ``started_ns``, then ``<name>_ns`` of each stage (but
+#: those of :data:`IN_BATCH`) and each measure.
+TIME_FIELDS = ("started_ns", *(f"{n}_ns" for n in (*STAGES, *MEASURES) if n not in IN_BATCH))
 
-    ``started_ns`` is ``time.perf_counter_ns()`` when the batch's step began: on Linux that clock
-    is ``CLOCK_MONOTONIC``, the same in every process of the machine, so a trainer can lay the
-    spans of its workers on one time line. In order from ``started_ns``: ``load_ns`` waiting for
-    the source's samples (a ``sharded_source``/``sharded_files`` root: its prefetch thread's
-    ``load``), ``dali_ns`` running DALI (the pipeline's outputs, ``step``), then the batch's
-    ``blocked_ns`` (waiting for a free slot) and ``publish_ns`` (copying into the slot).
-    ``idle_ns``: waiting for a command (between epochs) since the previous batch. ``read_ns`` and
-    ``read_cpu_ns``: the prefetch thread's time in ``load``, wall and CPU, since the previous
-    batch; ``cpu_ns``: the process's CPU time (every thread) since the previous batch.
-    (A named tuple: it is made and read on every batch, at a fraction of a dataclass's cost.)"""
+_STAGE_TIMES_DOC = """Where a worker's time went around one batch, in nanoseconds, as its main
+thread saw it: a named tuple of :data:`TIME_FIELDS` (made from :data:`STAGES` and
+:data:`MEASURES`), every field 0 by default.
 
-    started_ns: int = 0
-    load_ns: int = 0
-    dali_ns: int = 0
-    publish_ns: int = 0
-    idle_ns: int = 0
-    read_ns: int = 0
-    read_cpu_ns: int = 0
-    cpu_ns: int = 0
+``started_ns`` is ``time.perf_counter_ns()`` when the batch's step began: on Linux that clock is
+``CLOCK_MONOTONIC``, the same in every process of the machine, so a trainer can lay the spans of
+its workers on one time line. In order from ``started_ns``: ``load_ns``, ``dali_ns``, then the
+batch's ``blocked_ns`` (in its ``BatchReady``) and ``publish_ns``; ``idle_ns`` lies before
+``started_ns``. ``read_ns``, ``read_cpu_ns`` and ``cpu_ns``: the measures (see :data:`MEASURES`).
+(A named tuple: it is made and read on every batch, at a fraction of a dataclass's cost.)"""
+
+if TYPE_CHECKING:
+
+    class StageTimes(tuple[int, ...]):
+        """What type checkers see of the named tuple made below from :data:`TIME_FIELDS`."""
+
+        _fields: ClassVar[tuple[str, ...]]
+
+        def __new__(cls, *times: int, **named: int) -> StageTimes: ...
+
+        @classmethod
+        def _make(cls, iterable: Iterable[int]) -> StageTimes: ...
+
+        def _asdict(self) -> dict[str, int]: ...
+
+        def __getattr__(self, name: str) -> int: ...
+
+else:
+    StageTimes = namedtuple(
+        "StageTimes", TIME_FIELDS, defaults=(0,) * len(TIME_FIELDS), module=__name__
+    )
+    StageTimes.__doc__ = _STAGE_TIMES_DOC
 
 
 NO_STAGE_TIMES = StageTimes()
@@ -524,8 +559,8 @@ FRAME_RELEASE = 2  #: payload: ``(slot, generation)`` pairs as little-endian int
 #: epoch, step, arena_id, slot, generation, nbytes, padded, blocked_ns, busy_ns, layout bytes,
 #: random state bytes
 _BATCH = struct.Struct("<qqiiqqiqqIH")
-#: a batch's StageTimes, its fields in order
-TIMING = struct.Struct("<8q")
+#: a batch's StageTimes, its fields in order (an int64 each)
+TIMING = struct.Struct(f"<{len(TIME_FIELDS)}q")
 #: per output: offset, nbytes, dense, ndim, samples, then the byte lengths of name, dtype, layout
 _OUTPUT = struct.Struct("<qqBBIHHH")
 #: layouts a codec remembers (a ragged output makes a new one per batch; the cache then resets)

@@ -1,6 +1,18 @@
 """dali-capture-loader: a multiprocess sharded loader over NVIDIA DALI capture mode.
 
-Runs in the trainer. Everything public is re-exported here; other modules are private.
+Runs in the trainer. Everything public is re-exported here; other modules are private. The
+trainer side is in layers, each a sub-package that imports only those below it (a test checks
+the direction and that no import circle exists)::
+
+    cli/         the command line: python -m loader [doctor]      (prints)
+    ---------    the public face: Loader (_loader), sample, tars, testing, _errors
+    run/         the run's lifecycle: Run, epochs, checkpoint, ranks, tuning
+    observe/     trace, diagnose, advice (reads the engine's snapshots)
+    engine/      coordinator, sessions, order, healing, failures, releases, views, stats
+    processes/   the pool, the worker server
+    config/      settings, autotune policy, environment, validation, torch.distributed
+
+``run`` and ``observe`` are siblings: neither imports the other.
 """
 
 from workers import (
@@ -20,7 +32,6 @@ from workers import (
     write_tars,
 )
 
-from ._config import LoaderConfig
 from ._errors import (
     AgreementError,
     LoaderClosedError,
@@ -35,24 +46,15 @@ from ._errors import (
     WorkerTimeoutError,
 )
 from ._loader import Loader, LoaderStats, WorkerStats
-from ._server import server_pid as worker_server_pid
-from ._server import shutdown as shutdown_worker_server
-from ._stats import Timeline
-from ._views import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple
+from .config._config import LoaderConfig
+from .config._env import package_version
+from .engine._stats import Timeline
+from .engine._views import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple
+from .processes._server import server_pid as worker_server_pid
+from .processes._server import shutdown as shutdown_worker_server
 from .sample import ensure_sample_dataset, list_images
 
-
-def _metadata_version() -> str:
-    """The installed distribution's version (``pyproject.toml`` states it, once)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("dali-capture-loader")
-    except metadata.PackageNotFoundError:  # a checkout on sys.path, never installed
-        return "0+unknown"
-
-
-__version__ = _metadata_version()
+__version__ = package_version()
 
 __all__ = [
     "AgreementError",

@@ -1,5 +1,5 @@
 """``python -m loader``: run the image pipeline over a dataset and print a summary."""
 
-from loader._cli import main
+from loader.cli import main
 
 raise SystemExit(main())

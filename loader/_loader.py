@@ -15,13 +15,11 @@ rebuilds its source and feeders for the next epoch (so DALI re-traces), and ackn
 ``loader.sampler``) makes the next epoch ``e``: when the workers are ready for another one, they
 rebuild their sources at ``e``'s start (a seek) before it starts.
 
-Lifetime: the loader owns its epochs' state (:mod:`loader._epochs`) and nothing it holds refers
+Lifetime: the loader owns its epochs' state (:mod:`loader.run._epochs`) and nothing it holds refers
 back to it, so dropping the last reference closes it at once (its finalizer), iterated or not.
 
-This module is a facade: the parameters and the public methods, each delegating. What changes
-per epoch and per layout (the pool, the epochs, the progress a state encodes) is the run's
-(:mod:`loader._run`, which says who may start or stop processes); workers are driven by the
-coordinator (:mod:`loader._coordinator`); the state arithmetic is :mod:`loader._checkpoint`'s.
+A facade: the parameters and the public methods, each delegating. What changes per epoch and
+layout is the run's (:mod:`loader.run`, which says who may start or stop processes).
 """
 
 from __future__ import annotations
@@ -38,15 +36,16 @@ from typing import Any
 
 from workers import Shard
 
-from . import _distributed, _trace
-from ._autotune import Autotuner, AutotuneReport
-from ._config import LoaderConfig
-from ._diagnose import Diagnosis, diagnose
-from ._epochs import EpochIterator, EpochSampler
 from ._errors import LoaderClosedError
-from ._run import Run
-from ._stats import LoaderStats, Timeline, TrainerCounters, WorkerStats
-from ._validate import check_not_importing_main
+from .config import _distributed
+from .config._autotune import Autotuner, AutotuneReport
+from .config._config import LoaderConfig
+from .config._validate import check_not_importing_main
+from .engine._stats import LoaderStats, Timeline, TrainerCounters, WorkerStats
+from .observe import _trace
+from .observe._diagnose import Diagnosis, diagnose
+from .run._epochs import EpochIterator, EpochSampler
+from .run._run import Run
 
 logger = logging.getLogger("loader")
 
@@ -64,8 +63,7 @@ class Loader:
     for that shard; ``step(*source_outputs, **feeders)`` is the loop body, traced by DALI on the
     first step and replayed after; it returns a dict, a tuple or one DALI batch. Both must be
     module-level functions: workers are spawned and import them by name. Every setting is in
-    ``loader.config`` (a frozen :class:`LoaderConfig`, with the rank, world size and thread
-    count as settled).
+    ``loader.config`` (a frozen :class:`LoaderConfig`, rank, world size and threads settled).
     """
 
     def __init__(
@@ -94,6 +92,7 @@ class Loader:
         on_error: str = "raise",
         max_skipped: int | None = None,
         in_order: bool = True,
+        cut_padding: bool = False,
         trace: str | os.PathLike[str] | None = None,
         memory_limit: int | float | None = None,
     ) -> None:
@@ -140,6 +139,11 @@ class Loader:
     def num_workers(self) -> int:
         """Workers of this rank (as torch's ``DataLoader.num_workers``)."""
         return self.config.num_workers
+
+    @property
+    def dataset_size(self) -> int:
+        """The real samples of an epoch over every rank (padding not counted). A query."""
+        return self._require().sampling().total
 
     # ------------------------------------------------------------------------------ epochs
     @property
@@ -279,14 +283,11 @@ class Loader:
 
     def diagnose(self, window: float = 30.0) -> Diagnosis:
         """Is the input pipeline the bottleneck? Over the last ``window`` seconds of iteration
-        (the traced first batch left out): the fraction of the training loop's time spent
-        waiting for data, the stage that dominates in the workers, whether they are
-        CPU-saturated, waiting on I/O or blocked on full slots, and one suggestion with the
-        figure it rests on. ``print(loader.diagnose())`` shows it. Costs no message to the
-        workers. The settings every rank shares (``num_workers``...) are advised within the
-        host's CPUs split among its local ranks, from every rank's figures: with a
-        ``torch.distributed`` group up this is a collective, call it on every rank (see
-        docs/diagnosis.md)."""
+        (the traced first batch left out): the loop's time waiting for data, the workers'
+        dominant stage, whether they are CPU-saturated, waiting on I/O or blocked on full slots,
+        and one suggestion with its figure (``print(loader.diagnose())``). No message to the
+        workers. With a ``torch.distributed`` group up a collective: call it on every rank
+        (the shared settings are advised from every rank's figures; docs/diagnosis.md)."""
         run = self._run
         assert run is not None and run.coordinator is not None
         config = run.config
@@ -302,11 +303,9 @@ class Loader:
         )
 
     def save_trace(self, path: str | os.PathLike[str], seconds: float = 60.0) -> Path:
-        """Write the last ``seconds`` of per-worker and trainer spans to ``path`` as Chrome
-        trace-event JSON (open it in Perfetto or ``chrome://tracing``); returns the path. At
-        most the last 8,192 batches of each worker are kept (see docs/diagnosis.md). With more
-        than one rank each writes its own file: ``{rank}`` in the file name is the rank, else
-        ``.rank<k>`` goes before the extension (``trace.json`` -> ``trace.rank1.json``)."""
+        """Write the last ``seconds`` of per-worker and trainer spans (the last 8,192 batches
+        of each worker at most) to ``path`` as Chrome trace-event JSON (Perfetto); returns the
+        path. Per rank: ``{rank}`` in the name, else ``trace.json`` -> ``trace.rank1.json``."""
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ValueError(f"seconds must be a positive number, got {seconds!r}")
         run = self._run

@@ -16,7 +16,7 @@ from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
 from ._timing import BatchClock
 from .sources._datasets import FilesDataset, SamplesDataset, TarsDataset
-from .sources._files import list_files, sharded_files
+from .sources._files import list_files
 from .sources._mix import sharded_mix
 from .sources._parts import describe_difference
 from .sources._positions import (
@@ -29,11 +29,12 @@ from .sources._positions import (
     steps_left,
     steps_per_epoch,
 )
-from .sources._sampling import BatchedSamples, sharded_source
+from .sources._sampling import BatchedSamples
+from .sources._sharded import sharded_files, sharded_source, sharded_tars
 from .sources._storage import StorageFailure
 from .sources._tar_tool import Progress as IndexProgress
 from .sources._tar_tool import index_dataset
-from .sources._tars import sharded_tars, write_tars
+from .sources._tars import write_tars
 
 #: DALI-facing helpers shared with in-process measurements; importing them imports DALI.
 _DALI_HELPERS = ("epoch_iterator", "make_context")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from multiprocessing.connection import Connection
 
+from ipc.signals import leave_to_trainer
+
 from ._spec import WorkerSpec
 
 
@@ -18,6 +20,7 @@ def run_worker(
     """Start a worker: imports DALI here, in the child, never in the trainer (without torch on
     the way: :mod:`workers._imports`). A worker forked from a server that imported DALI already
     gets ``environ``, the trainer's environment when it was started, in place of the server's."""
+    leave_to_trainer()  # first: a cluster's signal to the job during the imports is the trainer's
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ipc import ChannelClosed, ControlChannel, wire
+from ipc.signals import STACK_SIGNAL, leave_to_trainer
 
 from ._loop import ShutdownRequested, Stop, Worker
 from ._spec import WorkerSpec
@@ -79,14 +80,14 @@ def _add_load_in_progress(worker: Worker, stack: Connection, signum: int, frame:
 def run_worker(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connection) -> None:
     """Process entry point. Never returns normally: the process exits when serving ends."""
     set_title(worker_title(spec.shard.worker, spec.parent_pid))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    leave_to_trainer()  # a cluster's SIGTERM, Ctrl-C's SIGINT: the trainer's to handle
     channel = ControlChannel(conn)
     worker = Worker(spec, channel)
     faulthandler.enable(file=stack.fileno(), all_threads=True)
-    # SIGUSR1 (the trainer waited in vain): faulthandler writes every thread's stack at once;
-    # chained after it, the main thread adds the sample a ``load`` is stuck on, if any
-    signal.signal(signal.SIGUSR1, functools.partial(_add_load_in_progress, worker, stack))
-    faulthandler.register(signal.SIGUSR1, file=stack.fileno(), all_threads=True, chain=True)
+    # STACK_SIGNAL (the trainer waited in vain): faulthandler writes every thread's stack at
+    # once; chained after it, the main thread adds the sample a ``load`` is stuck on, if any
+    signal.signal(STACK_SIGNAL, functools.partial(_add_load_in_progress, worker, stack))
+    faulthandler.register(STACK_SIGNAL, file=stack.fileno(), all_threads=True, chain=True)
     if spec.parent_death_signal:
         _set_parent_death_signal(spec.parent_pid)
     threading.Thread(

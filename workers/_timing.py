@@ -89,15 +89,15 @@ class BatchClock:
             )
             self._wait, self._load, self._load_cpu = total_wait, total_load, total_load_cpu
         started, evaluated = self._started, self._evaluated or now
-        times = StageTimes(
-            started,
-            wait,
-            max(0, evaluated - started - wait),
-            max(0, now - evaluated - blocked_ns),
-            self._idle,
-            read,
-            read_cpu,
-            cpu - self._cpu,
+        times = StageTimes(  # (by name: the fields' order is ``ipc.wire.TIME_FIELDS``'s)
+            started_ns=started,
+            load_ns=wait,
+            dali_ns=max(0, evaluated - started - wait),
+            publish_ns=max(0, now - evaluated - blocked_ns),
+            idle_ns=self._idle,
+            read_ns=read,
+            read_cpu_ns=read_cpu,
+            cpu_ns=cpu - self._cpu,
         )
         self._cpu = cpu
         self._idle = 0

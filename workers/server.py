@@ -47,6 +47,7 @@ from multiprocessing.connection import Connection
 from typing import NoReturn
 
 from ipc import server_wire as sw
+from ipc.signals import leave_to_trainer
 
 from ._title import server_title, set_title
 
@@ -116,13 +117,15 @@ def _exit(code: int) -> NoReturn:
 
 
 def _reset_signals() -> None:
-    """No handler of the trainer's runs here: Ctrl-C is the trainer's to handle (the server
-    ends with it), every other Python-level handler goes back to the default."""
+    """No handler of the trainer's runs here: every Python-level handler goes back to the
+    default, and the signals a cluster or a terminal sends to the whole job are ignored
+    (:mod:`ipc.signals`: the trainer's to handle; the server ends with the trainer). The
+    workers it forks start with the same."""
     for signum in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError):
             if callable(signal.getsignal(signum)):
                 signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    leave_to_trainer()
 
 
 def _release_inherited(keep: set[int]) -> None:
@@ -247,6 +250,7 @@ class Server:
             except BaseException:  # the worker that needs it reports it
                 logger.debug("worker server: %s did not import", name, exc_info=True)
         warm_source_analysis(request.files)
+        leave_to_trainer()  # again: a main module may install its handlers at its top level
         gc.freeze()
 
     def _fork(self, request: sw.Fork, fds: list[int]) -> None:

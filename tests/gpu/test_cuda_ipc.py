@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:
-    HAVE_GPU = False
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs an NVIDIA GPU")]
+from tests.gpu._device import gpu_marks
+
+pytest.importorskip("cupy")
+# skipped without a GPU; a GPU whose CUDA fails fails them (tests/gpu/_device.py)
+pytestmark = gpu_marks()
 
 from tests.gpu._exporter import run_ring  # noqa: E402
 

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 
-cupy = pytest.importorskip("cupy")
+from tests.gpu._device import gpu_marks
+
+pytest.importorskip("cupy")
 pytest.importorskip("nvidia.dali")
-try:
-    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:
-    HAVE_GPU = False
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs an NVIDIA GPU")]
+# skipped without a GPU; a GPU whose CUDA fails fails them (tests/gpu/_device.py)
+pytestmark = gpu_marks()
 
 from loader import Loader  # noqa: E402
 from tests import pipelines as P  # noqa: E402

@@ -105,6 +105,19 @@ def run_job(command: list[str], folder: Path, timeout: float = 180) -> dict[str,
     return {"returncode": proc.returncode, "output": text[-12000:], "folder": str(folder)}
 
 
+#: How making a run fails, which :func:`shared` keeps as the run's result: :func:`run_job`'s
+#: asserts (the job ran past its timeout, or its processes outlived it), the job that cannot start
+#: or whose files cannot be written (OSError), a launcher that does not end once killed
+#: (subprocess.TimeoutExpired), and pytest.fail -- pytest-timeout's, when a test's time runs out
+#: while it makes the run.
+JOB_FAILURES: tuple[type[BaseException], ...] = (
+    AssertionError,
+    OSError,
+    subprocess.SubprocessError,
+    pytest.fail.Exception,
+)
+
+
 def shared(
     name: str, factory: pytest.TempPathFactory, make: Callable[[Path], dict[str, Any]]
 ) -> dict[str, Any]:
@@ -120,7 +133,11 @@ def shared(
             folder.mkdir(parents=True, exist_ok=True)
             try:
                 made = make(folder)
-            except BaseException as error:
+            except JOB_FAILURES as error:
+                # the run failed: kept, so that the other tests that need it (in this process or
+                # another xdist worker, waiting on the lock) fail with it instead of running it
+                # again. Anything else -- Ctrl-C (KeyboardInterrupt), SystemExit, a skip, a bug in
+                # ``make`` (TypeError, KeyError...) -- propagates as it is, and nothing is kept.
                 made = {"error": f"{type(error).__name__}: {error}"}
             result.write_text(json.dumps(made))
     made = json.loads(result.read_text())

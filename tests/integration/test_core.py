@@ -83,14 +83,22 @@ def test_round_robin_order_is_deterministic(image_root: Path) -> None:
 
 def test_ragged_outputs_are_lists_of_samples(image_root: Path) -> None:
     files = sorted(image_root.glob("*/*.jpg"))
+    assert len(files) == 48
+    seen: list[int] = []
+    batches = 0
     with Loader(reader(image_root), P.raw_step, batch_size=4, num_workers=2) as loader:
         for batch in loader:
             jpegs = batch["jpeg"]
             assert isinstance(jpegs, list) and len(jpegs) == 4
-            for sample_id, data in zip(ids_of(batch), jpegs, strict=False):
+            for sample_id, data in zip(ids_of(batch), jpegs, strict=True):
                 assert data.tobytes() == files[sample_id].read_bytes()
+                seen.append(sample_id)
             assert batch["shape"].shape == (4, 3)
+            batches += 1
             del batch, jpegs
+    # the loop saw the whole epoch: 12 batches of 4, every file once
+    assert batches == 12
+    assert sorted(seen) == list(range(48))
 
 
 def test_tuple_step_gives_tuples(image_root: Path) -> None:

@@ -1,7 +1,12 @@
-"""Real PyTorch Lightning runs (CPU; DDP over gloo) of examples/lightning_train.py: batch.info in
+"""Real Lightning runs (CPU; DDP over gloo) of examples/lightning_train.py: batch.info in
 training_step, one trace per worker over three epochs, and jobs SIGKILLed after one of Lightning's
 own checkpoints that resume from it, mid-epoch or at an epoch's end, on the same or another
 number of devices, with every sample of every epoch exactly once.
+
+The checkpoint cases (the kills and resumes) run under both of Lightning's package names,
+``lightning.pytorch`` (the example's default, ``import lightning as L``) and ``pytorch_lightning``:
+each job uses one of them end to end (``--lightning-package``), and says which Trainer it ran. The
+others run under ``lightning.pytorch`` only.
 
 Each run is made once per test session (under pytest-xdist too: the first test to need a run makes
 it, under a file lock, and the others read its result)."""
@@ -15,11 +20,16 @@ from typing import Any
 
 import pytest
 
+from loader.sample import write_sample_dataset
 from tests.integration import _jobs as job
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("pytorch_lightning")
 pytestmark = pytest.mark.timeout(420)
+
+#: Lightning's package names, as imported: ``import lightning as L`` gives lightning.pytorch's
+#: Trainer; pytorch_lightning is the same Lightning under its standalone name.
+PACKAGES = ["lightning.pytorch", "pytorch_lightning"]
+DEFAULT = "lightning.pytorch"
 
 ROOT = job.ROOT
 SCRIPT = ROOT / "examples" / "lightning_train.py"
@@ -27,15 +37,21 @@ SCRIPT = ROOT / "examples" / "lightning_train.py"
 SAMPLES = 93  # 1 device x 2 workers, batches of 4: 24 steps/epoch, shared 12 + 12
 STEPS = 24
 EPOCHS = 3
-IMAGES = 48  # conftest's image_root; 2 ranks x 1 worker: 2 shards of 24 -> 6 steps/epoch/rank
+IMAGES = 48  # ddp_images; 2 ranks x 1 worker: 2 shards of 24 -> 6 steps/epoch/rank
 DDP_STEPS = 6
 
 # ------------------------------------------------------------------------------ running jobs
 
 
-def _train(folder: Path, *args: str) -> dict[str, Any]:
-    command = [sys.executable, str(SCRIPT), "--log", str(folder / "log.jsonl"), *args]
-    return job.run_job(command, folder)
+def _train(folder: Path, package: str, *args: str) -> dict[str, Any]:
+    """The example under ``package`` (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    name = package.split(".")[0]  # the example's --lightning-package: lightning, pytorch_lightning
+    log = ["--log", str(folder / "log.jsonl"), "--lightning-package", name]
+    return job.run_job([sys.executable, str(SCRIPT), *log, *args], folder)
+
+
+def _run_name(name: str, package: str) -> str:
+    return f"lightning-{name}" if package == DEFAULT else f"lightning-{name}-{package}"
 
 
 def _synthetic(*args: str) -> list[str]:
@@ -47,6 +63,13 @@ def _images(root: Path, *args: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ reading runs
+
+
+def _assert_ran_under(run: dict[str, Any], package: str) -> None:
+    """The job's Trainer came from ``package``, on every rank that finished."""
+    trainers = {r["trainer"] for r in job.records(run, "end")}
+    assert trainers, job.why(run)
+    assert all(t.startswith(f"{package}.") for t in trainers), (package, trainers)
 
 
 def _assert_killed(run: dict[str, Any], step: int, ranks: int) -> None:
@@ -68,52 +91,89 @@ def _loader_state(checkpoint: Path) -> dict[str, Any]:
 
 
 @pytest.fixture
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def package(request: pytest.FixtureRequest) -> str:
+    """The package a test's jobs import Lightning from: ``lightning.pytorch`` unless the test is
+    parametrized over ``PACKAGES`` (indirectly, through this fixture)."""
+    name: str = getattr(request, "param", DEFAULT)
+    pytest.importorskip(name)
+    return name
+
+
+#: the checkpoint cases: once per package
+per_package = pytest.mark.parametrize("package", PACKAGES, indirect=True)
+
+
+@pytest.fixture
+def reference(tmp_path_factory: pytest.TempPathFactory, package: str) -> dict[str, Any]:
     """1 device x 2 workers, 3 epochs, uninterrupted."""
-    run = job.shared("lightning-reference", tmp_path_factory, lambda d: _train(d, *_synthetic()))
+    run = job.shared(
+        _run_name("reference", package),
+        tmp_path_factory,
+        lambda d: _train(d, package, *_synthetic()),
+    )
     job.assert_finished(run)
+    _assert_ran_under(run, package)
     return run
 
 
 @pytest.fixture
-def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def killed(tmp_path_factory: pytest.TempPathFactory, package: str) -> dict[str, Any]:
     """The same job, checkpointed every 6 steps and SIGKILLed after step 30's checkpoint: 6
     batches into epoch 1, 3 per worker."""
 
     def make(folder: Path) -> dict[str, Any]:
         ckpt = ["--ckpt-dir", str(folder / "checkpoints"), "--every", "6"]
-        return _train(folder, *_synthetic(*ckpt, "--kill-at-step", "30"))
+        return _train(folder, package, *_synthetic(*ckpt, "--kill-at-step", "30"))
 
-    run = job.shared("lightning-killed", tmp_path_factory, make)
+    run = job.shared(_run_name("killed", package), tmp_path_factory, make)
     _assert_killed(run, 30, ranks=1)
     return run
 
 
-def _resumed(name: str, factory: pytest.TempPathFactory, killed: dict[str, Any], step: int) -> Any:
+def _resumed(
+    name: str, factory: pytest.TempPathFactory, killed: dict[str, Any], step: int, package: str
+) -> Any:
     checkpoint = Path(killed["folder"]) / "checkpoints" / f"step-{step:03d}.ckpt"
     run = job.shared(
-        f"lightning-{name}", factory, lambda d: _train(d, *_synthetic("--resume", str(checkpoint)))
+        _run_name(name, package),
+        factory,
+        lambda d: _train(d, package, *_synthetic("--resume", str(checkpoint))),
     )
     job.assert_finished(run)
+    _assert_ran_under(run, package)
     return run
 
 
 @pytest.fixture
 def resumed_mid_epoch(
-    tmp_path_factory: pytest.TempPathFactory, killed: dict[str, Any]
+    tmp_path_factory: pytest.TempPathFactory, killed: dict[str, Any], package: str
 ) -> dict[str, Any]:
-    return _resumed("resumed-30", tmp_path_factory, killed, 30)
+    return _resumed("resumed-30", tmp_path_factory, killed, 30, package)
 
 
 @pytest.fixture
 def resumed_at_epoch_end(
-    tmp_path_factory: pytest.TempPathFactory, killed: dict[str, Any]
+    tmp_path_factory: pytest.TempPathFactory, killed: dict[str, Any], package: str
 ) -> dict[str, Any]:
-    return _resumed("resumed-24", tmp_path_factory, killed, 24)
+    return _resumed("resumed-24", tmp_path_factory, killed, 24, package)
 
 
 @pytest.fixture
-def ddp_killed(tmp_path_factory: pytest.TempPathFactory, image_root: Path) -> dict[str, Any]:
+def ddp_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """48 small JPEGs in 3 classes, as conftest's image_root, but one folder for the session under
+    pytest-xdist too: a checkpoint holds the list of files it read, so the job that resumes (which
+    may be another xdist worker's) must read the same paths."""
+
+    def make(folder: Path) -> dict[str, Any]:
+        return {"root": str(write_sample_dataset(folder / "images", count=48, classes=3, seed=1))}
+
+    return Path(job.shared("lightning-images", tmp_path_factory, make)["root"])
+
+
+@pytest.fixture
+def ddp_killed(
+    tmp_path_factory: pytest.TempPathFactory, ddp_images: Path, package: str
+) -> dict[str, Any]:
     """2 ranks (DDP, gloo) x 1 worker over 48 images, a checkpoint every 2 steps, every rank
     SIGKILLed after step 4's: 4 of 6 batches of epoch 0 taken on each rank. The loader is built
     before trainer.fit, before Lightning's launcher has set up the ranks."""
@@ -121,23 +181,29 @@ def ddp_killed(tmp_path_factory: pytest.TempPathFactory, image_root: Path) -> di
     def make(folder: Path) -> dict[str, Any]:
         ckpt = ["--ckpt-dir", str(folder / "checkpoints"), "--every", "2"]
         ddp = ["--devices", "2", "--strategy", "ddp", "--workers", "1"]
-        return _train(folder, *_images(image_root, *ddp, *ckpt, "--kill-at-step", "4"))
+        return _train(folder, package, *_images(ddp_images, *ddp, *ckpt, "--kill-at-step", "4"))
 
-    run = job.shared("lightning-ddp-killed", tmp_path_factory, make)
+    run = job.shared(_run_name("ddp-killed", package), tmp_path_factory, make)
     _assert_killed(run, 4, ranks=2)
     return run
 
 
 def _ddp_resumed(
-    factory: pytest.TempPathFactory, killed: dict[str, Any], image_root: Path, devices: int
+    factory: pytest.TempPathFactory,
+    killed: dict[str, Any],
+    images: Path,
+    devices: int,
+    package: str,
 ) -> dict[str, Any]:
     checkpoint = Path(killed["folder"]) / "checkpoints" / "step-004.ckpt"
     layout = ["--devices", str(devices), "--workers", "1"]
     if devices > 1:
         layout += ["--strategy", "ddp"]
-    args = _images(image_root, *layout, "--resume", str(checkpoint))
-    run = job.shared(f"lightning-ddp-resumed-on-{devices}", factory, lambda d: _train(d, *args))
+    args = _images(images, *layout, "--resume", str(checkpoint))
+    name = _run_name(f"ddp-resumed-on-{devices}", package)
+    run = job.shared(name, factory, lambda d: _train(d, package, *args))
     job.assert_finished(run)
+    _assert_ran_under(run, package)
     return run
 
 
@@ -175,10 +241,14 @@ def test_batch_info_reaches_training_step(reference: dict[str, Any]) -> None:
     assert {s["padded"] for s in steps if s["batch_idx"] < STEPS - 1} == {0}
 
 
+@per_package
 def test_ddp_killed_job_resumes_on_two_devices(
-    tmp_path_factory: pytest.TempPathFactory, ddp_killed: dict[str, Any], image_root: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    ddp_killed: dict[str, Any],
+    ddp_images: Path,
+    package: str,
 ) -> None:
-    resumed = _ddp_resumed(tmp_path_factory, ddp_killed, image_root, devices=2)
+    resumed = _ddp_resumed(tmp_path_factory, ddp_killed, ddp_images, 2, package)
     before, after = job.steps(ddp_killed, before=4), job.steps(resumed)
     job.exactly_once(job.ids(before, 0) + job.ids(after, 0), IMAGES, "the interrupted epoch 0")
     for epoch in range(1, EPOCHS):
@@ -196,15 +266,19 @@ def test_ddp_killed_job_resumes_on_two_devices(
     assert (state["epoch"], state["layout"]["world_size"], state["received"]) == (0, 2, [4, 4])
 
 
+@per_package
 def test_ddp_killed_job_resumes_on_one_device(
-    tmp_path_factory: pytest.TempPathFactory, ddp_killed: dict[str, Any], image_root: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    ddp_killed: dict[str, Any],
+    ddp_images: Path,
+    package: str,
 ) -> None:
     """48 - 2 ranks x 4 batches x 4 = 16 samples left of epoch 0: 4 batches on one device. 4
     received + 4 left is shorter than this layout's epochs of 12 batches, and Lightning keeps
     the length it reads after the resume for every later epoch: len(loader) is 12 throughout,
     and the resumed epoch ends after its 4 batches (Lightning stops cleanly at the iterator's
     end). With len() = 8 epochs 1 and 2 lost 16 of their 48 samples each."""
-    resumed = _ddp_resumed(tmp_path_factory, ddp_killed, image_root, devices=1)
+    resumed = _ddp_resumed(tmp_path_factory, ddp_killed, ddp_images, 1, package)
     before, after = job.steps(ddp_killed, before=4), job.steps(resumed)
     job.exactly_once(job.ids(before, 0) + job.ids(after, 0), IMAGES, "the interrupted epoch 0")
     for epoch in range(1, EPOCHS):
@@ -230,6 +304,7 @@ def test_every_epoch_is_the_dataset_once_and_len_is_the_epoch(reference: dict[st
     ]
 
 
+@per_package
 def test_killed_mid_epoch_resumes_from_lightnings_checkpoint_exactly_once(
     reference: dict[str, Any], killed: dict[str, Any], resumed_mid_epoch: dict[str, Any]
 ) -> None:
@@ -254,6 +329,7 @@ def test_killed_mid_epoch_resumes_from_lightnings_checkpoint_exactly_once(
     assert job.end(resumed_mid_epoch)["weights"] == job.end(reference)["weights"]
 
 
+@per_package
 def test_checkpoint_at_an_epochs_last_batch_resumes_with_the_next_epoch(
     reference: dict[str, Any], killed: dict[str, Any], resumed_at_epoch_end: dict[str, Any]
 ) -> None:

@@ -4,12 +4,18 @@
 the dataset once, ``batch.info.epoch``), a remade loader of an earlier epoch is closed (its
 workers gone) when the next epoch starts, and validation follows the trainer's epoch too, sanity
 check included. Lightning calls ``loader.sampler.set_epoch`` at every epoch; it must not take the
-loader for a DataLoader to re-make."""
+loader for a DataLoader to re-make.
+
+Every case runs under both of Lightning's package names, ``lightning.pytorch`` (``import lightning
+as L``) and ``pytorch_lightning``: each fit uses one of them end to end (its Trainer, and a
+LightningModule made from the same package)."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import weakref
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -20,8 +26,10 @@ from tests import pipelines as P
 from tests.integration._jobs import alive
 
 torch = pytest.importorskip("torch")
-pl = pytest.importorskip("pytorch_lightning")
 pytestmark = pytest.mark.timeout(240)
+
+#: Lightning's package names, as imported (``import lightning as L`` is lightning.pytorch's)
+PACKAGES = ["lightning.pytorch", "pytorch_lightning"]
 
 TRAIN = 30  # ids, batches of 4 over 2 workers
 VALIDATION = 12  # ids, batches of 4 over 1 worker: 3 batches
@@ -33,62 +41,77 @@ def ids(batch: Any) -> list[int]:
     return values[: len(values) - batch.info.padded]
 
 
-class Recorder(pl.LightningModule):  # type: ignore[misc]
-    """Builds the loaders where Lightning asks for them and writes down what it sees; it keeps
-    no loader (only weak references), as a LightningModule need not."""
+@functools.cache
+def recorder_class(pl: ModuleType) -> Any:
+    """The Recorder of package ``pl``: a Trainer takes a LightningModule of its own package only."""
 
-    def __init__(self, reload: bool) -> None:
-        super().__init__()
-        self.reload = reload
-        self.layer = torch.nn.Linear(1, 1)
-        self.train_loaders: list[weakref.ref[Loader]] = []
-        self.val_loaders: list[weakref.ref[Loader]] = []
-        self.train_pids: list[list[int]] = []
-        #: at each epoch's start: (epoch, workers alive of each train loader built so far)
-        self.starts: list[tuple[int, list[list[int]]]] = []
-        #: (trainer's epoch, batch_idx, info.epoch, info.step, ids)
-        self.train_batches: list[tuple[int, int, int, int, list[int]]] = []
-        #: (trainer's epoch, sanity checking, batch_idx, info.epoch, info.step, ids)
-        self.val_batches: list[tuple[int, bool, int, int, int, list[int]]] = []
+    class Recorder(pl.LightningModule):  # type: ignore[misc,name-defined]
+        """Builds the loaders where Lightning asks for them and writes down what it sees; it keeps
+        no loader (only weak references), as a LightningModule need not."""
 
-    def train_dataloader(self) -> Loader:
-        loader = Loader(P.sample_source, P.cast_step, batch_size=4, num_workers=2, output="torch")
-        self.train_loaders.append(weakref.ref(loader))
-        self.train_pids.append(loader.worker_pids())
-        return loader
+        def __init__(self, reload: bool) -> None:
+            super().__init__()
+            self.reload = reload
+            self.layer = torch.nn.Linear(1, 1)
+            self.train_loaders: list[weakref.ref[Loader]] = []
+            self.val_loaders: list[weakref.ref[Loader]] = []
+            self.train_pids: list[list[int]] = []
+            #: at each epoch's start: (epoch, workers alive of each train loader built so far)
+            self.starts: list[tuple[int, list[list[int]]]] = []
+            #: (trainer's epoch, batch_idx, info.epoch, info.step, ids)
+            self.train_batches: list[tuple[int, int, int, int, list[int]]] = []
+            #: (trainer's epoch, sanity checking, batch_idx, info.epoch, info.step, ids)
+            self.val_batches: list[tuple[int, bool, int, int, int, list[int]]] = []
 
-    def val_dataloader(self) -> Loader:
-        source = functools.partial(P.sample_source, total=VALIDATION)
-        loader = Loader(source, P.cast_step, batch_size=4, num_workers=1, output="torch")
-        self.val_loaders.append(weakref.ref(loader))
-        return loader
+        def train_dataloader(self) -> Loader:
+            loader = Loader(
+                P.sample_source, P.cast_step, batch_size=4, num_workers=2, output="torch"
+            )
+            self.train_loaders.append(weakref.ref(loader))
+            self.train_pids.append(loader.worker_pids())
+            return loader
 
-    def on_train_epoch_start(self) -> None:
-        self.starts.append((self.current_epoch, [alive(pids) for pids in self.train_pids]))
+        def val_dataloader(self) -> Loader:
+            source = functools.partial(P.sample_source, total=VALIDATION)
+            loader = Loader(source, P.cast_step, batch_size=4, num_workers=1, output="torch")
+            self.val_loaders.append(weakref.ref(loader))
+            return loader
 
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        info = batch.info
-        self.train_batches.append(
-            (self.current_epoch, batch_idx, info.epoch, info.step, ids(batch))
-        )
-        return self.layer(batch["id"].float()).sum()
+        def on_train_epoch_start(self) -> None:
+            self.starts.append((self.current_epoch, [alive(pids) for pids in self.train_pids]))
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        info = batch.info
-        sanity = self.trainer.sanity_checking
-        self.val_batches.append(
-            (self.current_epoch, sanity, batch_idx, info.epoch, info.step, ids(batch))
-        )
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            info = batch.info
+            self.train_batches.append(
+                (self.current_epoch, batch_idx, info.epoch, info.step, ids(batch))
+            )
+            return self.layer(batch["id"].float()).sum()
 
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            info = batch.info
+            sanity = self.trainer.sanity_checking
+            self.val_batches.append(
+                (self.current_epoch, sanity, batch_idx, info.epoch, info.step, ids(batch))
+            )
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Recorder
+
+
+@pytest.fixture(scope="module", params=PACKAGES)
+def pl(request: pytest.FixtureRequest) -> ModuleType:
+    """Lightning, under one of its package names."""
+    pytest.importorskip(request.param)
+    return importlib.import_module(request.param)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["reloaded", "built-once"])
-def fitted(request: pytest.FixtureRequest) -> tuple[Recorder, dict[str, Any]]:
+def fitted(request: pytest.FixtureRequest, pl: ModuleType) -> tuple[Any, dict[str, Any]]:
     """One fit of 3 epochs, validated at every epoch; the loaders remade at every epoch, or
     built once."""
-    model = Recorder(request.param)
+    model = recorder_class(pl)(request.param)
     trainer = pl.Trainer(
         max_epochs=EPOCHS,
         reload_dataloaders_every_n_epochs=1 if model.reload else 0,
@@ -110,6 +133,7 @@ def fitted(request: pytest.FixtureRequest) -> tuple[Recorder, dict[str, Any]]:
             "samplers": tuple(
                 type(getattr(x, "sampler", None)).__name__ for x in (train, validation)
             ),
+            "trainer": type(trainer).__module__,
         }
     finally:
         # Lightning keeps the last loaders (the trainer's own reference cycles keep it, until
@@ -121,7 +145,7 @@ def fitted(request: pytest.FixtureRequest) -> tuple[Recorder, dict[str, Any]]:
 
 
 def test_each_epoch_is_the_trainers_a_new_order_and_the_dataset_once(
-    fitted: tuple[Recorder, dict[str, Any]],
+    fitted: tuple[Any, dict[str, Any]],
 ) -> None:
     model, _seen = fitted
     assert len(model.train_loaders) == (EPOCHS if model.reload else 1)
@@ -138,7 +162,7 @@ def test_each_epoch_is_the_trainers_a_new_order_and_the_dataset_once(
 
 
 def test_an_earlier_epochs_loader_is_closed_when_the_next_epoch_starts(
-    fitted: tuple[Recorder, dict[str, Any]],
+    fitted: tuple[Any, dict[str, Any]],
 ) -> None:
     """Lightning drops the loader of the last epoch when it makes the next one: nothing else
     refers to it, so it closes then (no garbage collection needed). A loader built once keeps
@@ -153,7 +177,7 @@ def test_an_earlier_epochs_loader_is_closed_when_the_next_epoch_starts(
 
 
 def test_a_validation_loader_built_once_follows_the_trainers_epoch(
-    fitted: tuple[Recorder, dict[str, Any]],
+    fitted: tuple[Any, dict[str, Any]],
 ) -> None:
     """The sanity check takes epoch 0's first 2 batches; epoch 0's validation then runs epoch 0
     whole from its start (the half-delivered epoch is left, set_epoch(0) applies at the next
@@ -171,9 +195,12 @@ def test_a_validation_loader_built_once_follows_the_trainers_epoch(
     assert [v[5] for v in sanity] == first[:2]  # the sanity check saw epoch 0's first batches
 
 
-def test_lightning_takes_the_loader_as_it_is(fitted: tuple[Recorder, dict[str, Any]]) -> None:
+def test_lightning_takes_the_loader_as_it_is(
+    fitted: tuple[Any, dict[str, Any]], pl: ModuleType
+) -> None:
     """Not a DataLoader: Lightning neither re-makes it nor puts its own sampler in."""
     _model, seen = fitted
+    assert seen["trainer"].startswith(f"{pl.__name__}."), "the fit ran another package's Trainer"
     assert seen["train_is_last_built"] and seen["validation_is_built"]
     assert seen["samplers"] == ("EpochSampler", "EpochSampler")
     assert seen["train"].closed and seen["validation"].closed

@@ -379,7 +379,7 @@ def test_each_rank_writes_its_trace_and_every_rank_gets_the_same_advice(tmp_path
     with its own rank's trainer and worker tracks; diagnose() on every rank: the verdicts are
     each rank's, the advice for the settings every rank shares is the same on both and within
     the host's CPUs split between them."""
-    from loader._env import OVERSUBSCRIBE, usable_cpus
+    from loader.config._env import OVERSUBSCRIBE, usable_cpus
 
     job = ROOT / "tests" / "integration" / "observability_job.py"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -429,3 +429,45 @@ def test_each_rank_writes_its_trace_and_every_rank_gets_the_same_advice(tmp_path
     for report in reports:
         named = {int(n) for n in re.findall(r"num_workers=(\d+)", report["text"])}
         assert named <= ({workers} if workers is not None else set()), report["text"]
+
+
+def test_a_rank_that_dies_is_restarted_by_torchrun_and_resumes_exactly_once(
+    ddp_data: Path, tmp_path: Path
+) -> None:
+    """``torchrun --max-restarts 1``: the last rank crashes mid-epoch after a checkpoint, torchrun
+    stops the other and restarts both, ``--resume auto`` goes on from the checkpoint; over the
+    two attempts every epoch is delivered exactly once (what the first attempt saw up to its
+    checkpoint, then the restarted attempt)."""
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint.pt"
+    env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    script = ["--data", str(ddp_data), "--out", str(out), "--batch-size", "4", "--workers", "1"]
+    script += ["--save-every", "3", "--checkpoint", str(checkpoint), "--resume", "auto"]
+    launcher = ["--standalone", "--nproc_per_node=2", "--max-restarts", "1"]
+    proc = subprocess.Popen(
+        _command(launcher, [*script, "--die-at", "5"]),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    code, output = _finish(proc, timeout=300)
+    assert code == 0, output[-4000:]
+    assert "rank 1 dies at step 5" in output
+    first = _records(out, 2)  # as of the checkpoint at step 3
+    again = [json.loads((out / f"rank{r}.restart1.json").read_text()) for r in range(2)]
+    assert {rec["step"] for rec in first} == {3}
+    assert {rec["resumed_from"] for rec in again} == {3} and {rec["attempt"] for rec in again} == {
+        1
+    }
+    steps = first[0]["epochs"][0]["len"]  # 50 images, 2 ranks, batches of 4: 7 per epoch
+    for epoch in range(2):
+        ids = [
+            i
+            for rec in [*first, *again]
+            for part in rec["epochs"]
+            if part["epoch"] == epoch
+            for i in part["ids"]
+        ]
+        assert sorted(ids) == list(range(50)), f"epoch {epoch} not exactly once"
+    assert again[0]["step"] == 2 * steps

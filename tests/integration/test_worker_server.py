@@ -15,7 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from loader import Loader, WorkerDiedError, _config, _server
+from loader import Loader, WorkerDiedError
+from loader.config import _config
+from loader.processes import _server
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -45,7 +47,9 @@ if __name__ != "__main__":
 
 import numpy as np
 
-from loader import Loader, _server
+from loader import Loader
+
+from loader.processes import _server
 
 
 class Ids:
@@ -274,7 +278,7 @@ def test_a_worker_killed_by_a_signal_is_reported_through_the_server() -> None:
 
 
 EARLY_PACKAGE = """
-from loader import _server
+from loader.processes import _server
 
 HOW = _server.start_early()  # what the loader package's import does at its end
 
@@ -294,7 +298,8 @@ def step(batch):
 EARLY_SCRIPT = """
 import json
 import mylib
-from loader import Loader, _server
+from loader import Loader
+from loader.processes import _server
 
 if __name__ == "__main__":
     server = _server.server_pid()
@@ -329,7 +334,7 @@ def test_the_server_ends_with_its_trainer(tmp_path: Path) -> None:
     script = tmp_path / "main.py"
     script.write_text(
         "import sys, time\n"
-        "from loader import _server\n"
+        "from loader.processes import _server\n"
         "print(_server.ensure_running(), _server.server_pid(), flush=True)\n"
         "time.sleep(60)\n"
     )

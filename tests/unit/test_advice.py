@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from loader._advice import JobAdvice, RankFacts, agree, source_kind, wish
-from loader._diagnose import report
-from loader._env import local_ranks, node_shares, worker_budget
-from loader._stats import LoaderStats, TrainerTimes
+from loader.config._env import local_ranks, node_shares, worker_budget
+from loader.engine._stats import LoaderStats, TrainerTimes
+from loader.observe._advice import JobAdvice, RankFacts, agree, source_kind, wish
+from loader.observe._diagnose import report
 
 
 def facts(

@@ -10,8 +10,8 @@ import pytest
 
 import loader
 from loader import Shard
-from loader._env import default_num_threads, discover_placement
-from loader._validate import check_importable
+from loader.config._env import default_num_threads, discover_placement
+from loader.config._validate import check_importable
 from tests import pipelines as P
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def test_placement_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_thread_budget_splits_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
-    monkeypatch.setattr("loader._env.usable_cpus", lambda: 8)
+    monkeypatch.setattr("loader.config._env.usable_cpus", lambda: 8)
     assert default_num_threads(2) == 4
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
     assert default_num_threads(2) == 1
@@ -70,7 +70,7 @@ PACKAGES = ("ipc", "workers", "loader", "bench")
 def _imports(package: str) -> set[str]:
     """Every absolute module name imported anywhere in ``package`` (functions included)."""
     found = set()
-    for path in (ROOT / package).glob("*.py"):
+    for path in (ROOT / package).rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -86,6 +86,8 @@ def _roots(package: str) -> set[str]:
 
 
 def test_imports_go_one_way() -> None:
+    # the sub-packages are read too (only loader/processes imports the server's wire format)
+    assert "ipc.server_wire" in _imports("loader")
     assert not _roots("ipc") & {"loader", "workers"}
     assert "loader" not in _roots("workers")
 
@@ -139,7 +141,7 @@ def test_shard_indices_are_deterministic_per_seed_and_epoch() -> None:
 
 
 def test_default_gpu_under_xdist_and_launchers(monkeypatch: pytest.MonkeyPatch) -> None:
-    from loader._env import default_device_id
+    from loader.config._env import default_device_id
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PYTEST_XDIST_WORKER"):
         monkeypatch.delenv(name, raising=False)

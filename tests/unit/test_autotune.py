@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from loader import Loader
-from loader._autotune import Autotuner, Layout, Measurement, combine, first_layout
-from loader._config import LoaderConfig
-from loader._env import memory_budget
 from loader._loader import _make_autotuner
+from loader.config._autotune import Autotuner, Layout, Measurement, combine, first_layout
+from loader.config._config import LoaderConfig
+from loader.config._env import memory_budget
 from tests import timing_pipelines as T
 
 MiB = 2**20

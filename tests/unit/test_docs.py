@@ -194,7 +194,7 @@ def test_the_quickstart_is_two_commands_and_the_second_is_the_ci_s() -> None:
 
 
 def test_the_design_pages_lifecycle_is_the_worker_state_docstring() -> None:
-    from loader._session import WorkerState
+    from loader.engine._session import WorkerState
 
     docstring = WorkerState.__doc__ or ""
     table = textwrap.dedent(docstring.split("::", 1)[1]).strip()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loader._env import Placement, discover_placement, settle_placement
+from loader.config._env import Placement, discover_placement, settle_placement
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
 

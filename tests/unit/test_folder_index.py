@@ -269,11 +269,19 @@ def test_a_root_that_is_no_image_folder_raises(root: Path, tmp_path: Path, cache
 def test_a_folder_and_its_list_load_the_same(root: Path, cache: Path) -> None:
     (root / "b" / "2.jpg").write_bytes(b"\xff\xd8 bytes")
     files, labels = list_files(root)
+    # the listing of the root fixture (see test_the_index_lists_what_list_files_lists)
+    assert len(files) == 8 and labels == [0, 0, 0, 1, 1, 1, 1, 1]
     from_folder = FileLoader(open_folder(str(root)))
     from_list = FileLoader(ListedFiles(files, labels))
+    loaded: dict[str, bytes] = {}
     for index, path in enumerate(files):
         assert from_folder.describe(index) == from_list.describe(index) == path
         if not os.path.isdir(path):
             (data, label), (expected, expected_label) = from_folder(index), from_list(index)
             assert data.tobytes() == expected.tobytes()
             assert label.tolist() == expected_label.tolist() == [labels[index]]
+            loaded[os.path.relpath(path, root)] = data.tobytes()
+    # every file but the folder a/nested.jpg was loaded, with its own bytes
+    assert len(loaded) == 7 and "a/nested.jpg" not in loaded
+    assert loaded["b/2.jpg"] == b"\xff\xd8 bytes"
+    assert loaded["a/a.bmp"] == b""

@@ -186,7 +186,8 @@ SERVER_SUITE = {
         import os
         import psutil
         import pytest
-        from loader import Loader, _server
+        from loader import Loader
+        from loader.processes import _server
         import steps
 
         SERVERS = []

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from ipc import place_outputs, wire
-from loader._checkpoint import make_state, parse_state
+from loader.run._checkpoint import make_state, parse_state
 from workers import _dali
 from workers._random import RandomGenerators
 from workers.sources._files import ListedFiles
@@ -203,6 +204,12 @@ def test_a_folders_fingerprint_is_made_with_its_index_and_read_back(
 
 def test_a_lists_fingerprint_follows_its_paths_and_labels() -> None:
     files = ["/d/a.jpg", "/d/b.jpg"]
-    assert ListedFiles(files, [0, 1]).fingerprint == ListedFiles(files, [0, 1]).fingerprint
+    # ``files:`` and 16 hex digits of the SHA-256 of the paths joined by NUL, then the labels as
+    # little-endian int32: computed here from the paths and labels, not from a ListedFiles (a
+    # state saved by another run, or another version, is checked against it)
+    digest = hashlib.sha256(
+        b"/d/a.jpg\0/d/b.jpg" + (0).to_bytes(4, "little") + (1).to_bytes(4, "little")
+    )
+    assert ListedFiles(files, [0, 1]).fingerprint == f"files:{digest.hexdigest()[:16]}"
     assert ListedFiles(files, [0, 1]).fingerprint != ListedFiles(files, [1, 0]).fingerprint
     assert ListedFiles(files, [0, 1]).fingerprint != ListedFiles(files[::-1], [0, 1]).fingerprint

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loader._order import choose_worker
-from loader._session import Aborting, Idle, Running, Stopped, WorkerState
+from loader.engine._order import choose_worker
+from loader.engine._session import Aborting, Idle, Running, Stopped, WorkerState
 from workers import Shard
 
 
@@ -55,7 +55,7 @@ class _Handle:
 
 
 def test_lifecycle_allows_only_the_documented_transitions() -> None:
-    from loader._session import WorkerSession
+    from loader.engine._session import WorkerSession
 
     session = WorkerSession(_Handle())  # type: ignore[arg-type]
     assert session.state == WorkerState.STARTING
@@ -91,7 +91,7 @@ def test_the_epoch_a_worker_starts_next_without_a_seek() -> None:
     (a new layout's, later than 0); one that runs, ended or aborts an epoch, the next; one that
     seeks, the position's."""
     from ipc.wire import Position
-    from loader._session import Seeking, WorkerSession
+    from loader.engine._session import Seeking, WorkerSession
 
     class Later(_Handle):
         shard = _Handle.shard.for_epoch(3)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from loader._checkpoint import FORMAT, parse_state
+from loader.run._checkpoint import FORMAT, parse_state
 from workers import Sampling, plan_epoch
 
 SAMPLING = Sampling(80, 16, 0, True, False)

@@ -6,8 +6,8 @@ import pickle
 from typing import Any
 
 from ipc.wire import FRAME, BatchCodec, BatchReady, OutputPlacement, StageTimes
-from loader._diagnose import diagnose
-from loader._stats import LoaderStats, Stages, Timeline, TrainerTimes, WorkerStats
+from loader.engine._stats import LoaderStats, Stages, Timeline, TrainerTimes, WorkerStats
+from loader.observe._diagnose import diagnose
 
 PLACEMENT = OutputPlacement("id", "<i8", 0, 64, ((8,),), True, "")
 

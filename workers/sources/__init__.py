@@ -6,10 +6,13 @@ One family over one planning core:
 * ``_positions`` (layouts, positions, the batches a shard owes) and ``_epoch_order`` (an epoch's
   seeded order): pure arithmetic, no DALI, no I/O; the trainer uses them too.
 * ``_sampling``: ``BatchedSamples`` (full batches of a shard, padding flagged, a saved position
-  resumed) and ``sharded_source`` over any ``load(index)``.
-* ``_files`` (``sharded_files``, with ``_folder_index``), ``_tars`` (``sharded_tars`` and the tar
-  index, summary, writer and indexer modules ``_tar_*``, ``_wds_idx``), ``_mix`` (``sharded_mix``
-  and the dataset definitions ``FilesDataset``, ``TarsDataset``, ``SamplesDataset`` it mixes).
+  resumed) over any ``load(index)``.
+* ``_files`` (files and ImageFolders, with ``_folder_index``), ``_tars`` (tar shards, with the
+  tar index, summary, writer and indexer modules ``_tar_*``, ``_wds_idx``).
+* ``_datasets``: the dataset definitions ``FilesDataset``, ``TarsDataset``, ``SamplesDataset``
+  (what a mixture takes); ``_mix`` (``sharded_mix``); ``_sharded``: ``sharded_source``,
+  ``sharded_files``, ``sharded_tars``, one call each over a dataset definition. Each module imports
+  only those listed before it (no import circle).
 * ``_storage`` (local ``pread`` or fsspec, identities, retries) and ``_index_file`` (mapped index
   files): the one storage layer they share.
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._shard import Shard
-from ._sampling import BatchedSamples, OpenedSource
+from ._sampling import BatchedSamples, Batching, OpenedSource
 from ._storage import RETRIES
 
 
@@ -33,17 +33,19 @@ class _Kind:
     ) -> Any:
         """The ``ndd.ExternalSource`` root of ``shard``'s part of this dataset: exactly once
         per epoch, full batches, padding flagged, a resumable position."""
+        return self._batched(shard, Batching.pick(locals()))
+
+    def _batched(self, shard: Shard, batching: Batching) -> Any:
+        """:meth:`source`, its options (those of every ``sharded_*`` function) as one."""
         from .._dali import ShardedExternalSource
 
-        opened = self.open(shard, shard.seed - shard.index, shuffle=shuffle)
+        opened = self.open(shard, shard.seed - shard.index, shuffle=batching.shuffle)
         samples = BatchedSamples(
             shard,
             opened.total,
             opened.load,
-            batch_size,
+            batching,
             num_outputs=opened.num_outputs,
-            shuffle=shuffle,
-            drop_last=drop_last,
             fingerprint=opened.fingerprint,
             parts=opened.parts,
             left_out=opened.left_out,

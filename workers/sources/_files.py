@@ -16,7 +16,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .._shard import Shard
 from ._folder_index import open_folder, scan_folder
 
 
@@ -131,30 +130,3 @@ def open_files(
     if len(found) != len(paths):
         raise ValueError(f"{len(paths)} files but {len(found)} labels: give one per file")
     return ListedFiles(paths, found)
-
-
-def sharded_files(
-    shard: Shard,
-    root_or_files: str | os.PathLike[str] | Sequence[str],
-    *,
-    batch_size: int,
-    shuffle: bool = True,
-    drop_last: bool = False,
-    labels: Sequence[int] | None = None,
-) -> Any:
-    """An ``ndd.ExternalSource`` root yielding ``(encoded bytes, label)`` batches of files.
-
-    ``root_or_files``: an ImageFolder directory (sorted class folders give the labels) or an
-    explicit list of files (``labels`` then gives one int per file; 0 when omitted). The same
-    guarantees as :func:`sharded_source`: exactly once per epoch, full batches, padding flagged,
-    a resumable position. Decode with ``ndd.decoders.image(jpegs)`` in ``step``. A directory is
-    listed once and indexed in the loader's cache directory (``DALI_LOADER_CACHE_DIR``); later
-    builds, in any worker, read the index. The list's fingerprint (a hash of the relative paths
-    and sizes of a directory's files, read once with its listing; of the paths and labels of a
-    list, whose files are not opened before they are read) goes into the loader's state: a
-    state saved over other files is refused, naming the class folders that differ.
-    """
-    from ._datasets import FilesDataset
-
-    dataset = FilesDataset(root_or_files, labels)
-    return dataset.source(shard, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)

@@ -32,7 +32,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,7 @@ from .._shard import Shard
 from ._datasets import Dataset, FilesDataset, SamplesDataset, TarsDataset
 from ._epoch_order import EpochOrder
 from ._positions import Order
-from ._sampling import BatchedSamples, OpenedSource
+from ._sampling import BatchedSamples, Batching, OpenedSource
 
 logger = logging.getLogger("workers")
 
@@ -296,6 +296,7 @@ def sharded_mix(
     ``round(weight * epoch_size)`` of each source, without replacement from that source's running
     permutation (see the module docstring). The same guarantees as :func:`sharded_source`.
     """
+    batching = Batching.pick(locals())
     from .._dali import ShardedExternalSource
 
     names = _check_sources(sources)
@@ -322,10 +323,9 @@ def sharded_mix(
         shard,
         mix.plan.total,
         MixLoader(mix, source_output),
-        batch_size,
+        # (the order is the mix's: ``shuffle`` is applied there)
+        replace(batching, shuffle=True),
         num_outputs=opened[0].num_outputs + int(source_output),
-        shuffle=True,  # (the order is the mix's: ``shuffle`` is applied there)
-        drop_last=drop_last,
         fingerprint=f"mix:{digest.hexdigest()[:16]}",
         orders=functools.partial(MixOrder, mix),
         left_out=tuple(line for source in opened for line in source.left_out),

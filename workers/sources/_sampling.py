@@ -27,9 +27,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,23 @@ _KEEP_ALIVE = 4
 _STACK_BYTES = 1024
 
 
+@dataclass(frozen=True, slots=True)
+class Batching:
+    """How a shard's samples become batches: the options of every ``sharded_*`` function and of
+    a dataset's ``source``, declared once here. Their public signatures name each of these
+    fields, with its default; their bodies pass them on as one object (:meth:`pick`), down to
+    :class:`BatchedSamples`. A new option: a field here, and a keyword in those signatures."""
+
+    batch_size: int
+    shuffle: bool = True
+    drop_last: bool = False
+
+    @classmethod
+    def pick(cls, arguments: Mapping[str, Any]) -> Batching:
+        """The options among a function's ``arguments`` (its ``locals()``), by their names."""
+        return cls(**{option.name: arguments[option.name] for option in fields(cls)})
+
+
 class BatchedSamples:
     """Re-iterable: each ``iter()`` is one epoch of full batches over this shard's samples.
 
@@ -58,7 +75,9 @@ class BatchedSamples:
     ``parts``: what they are part by part (:mod:`sources._parts`: a refused state names the
     parts that differ).
     ``orders``: the source's own epoch orders (see :data:`sources._positions.Orders`), else the
-    seeded permutation of ``[0, total)``.
+    seeded permutation of ``[0, total)``. ``batching``: :class:`Batching`, or a batch size and
+    the other options of :class:`Batching` by name (``BatchedSamples(shard, 16, load, 4,
+    drop_last=True)``).
 
     A ``load`` that reads ahead (tar shards in an object store) is told what is coming: when it
     has an ``expect(epoch, ids)`` method, that is called with the sample ids of every batch of an
@@ -71,17 +90,21 @@ class BatchedSamples:
         shard: Shard,
         total: int,
         load: Callable[..., Any],
-        batch_size: int,
+        batching: Batching | int,
         *,
         num_outputs: int = 1,
-        shuffle: bool = True,
-        drop_last: bool = False,
         fingerprint: str = "",
         pass_epoch: bool = False,
         orders: Orders | None = None,
         parts: str = "",
         left_out: tuple[str, ...] = (),
+        **options: Any,
     ) -> None:
+        if not isinstance(batching, Batching):
+            batching = Batching(batching, **options)
+        elif options:
+            raise TypeError(f"options {sorted(options)} given besides a Batching")
+        batch_size = batching.batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if isinstance(total, bool) or not isinstance(total, int) or total < 1:
@@ -91,11 +114,14 @@ class BatchedSamples:
         self.pass_epoch = pass_epoch
         self.num_outputs = num_outputs
         self.orders = orders
+        self.batching = batching
         #: what the source leaves out of every epoch (``wire.Hello.left_out``)
         self.left_out = left_out
         # the loader's seed: the same on every shard (a shard's own seed is seed + index)
         seed = shard.seed - shard.index
-        self.sampling = Sampling(total, batch_size, seed, shuffle, drop_last, fingerprint, parts)
+        self.sampling = Sampling(
+            total, batch_size, seed, batching.shuffle, batching.drop_last, fingerprint, parts
+        )
         self.epoch = shard.epoch
         self.position = shard.position
         # the worker's, handed over by ``bind``; until then, a control state of its own
@@ -113,7 +139,7 @@ class BatchedSamples:
         self.load_cpu_ns = 0
         #: batches of this shard in a whole epoch (a worker may have one more than another)
         self.steps = shard_steps(
-            total, shard.index, shard.count, batch_size, drop_last, shard.world_size
+            total, shard.index, shard.count, batch_size, batching.drop_last, shard.world_size
         )
         #: batches of the first epoch these sources run (fewer when resumed mid-epoch)
         self.first_epoch_steps = len(self.batches_for_epoch(self.epoch))
@@ -365,34 +391,3 @@ class OpenedSource:
     parts: str = ""
     #: what it leaves out of every epoch, one line each (see ``wire.Hello.left_out``)
     left_out: tuple[str, ...] = ()
-
-
-def sharded_source(
-    shard: Shard,
-    total: int,
-    load: Callable[..., Any],
-    batch_size: int,
-    *,
-    num_outputs: int = 1,
-    shuffle: bool = True,
-    drop_last: bool = False,
-    fingerprint: str | None = None,
-    pass_epoch: bool = False,
-) -> Any:
-    """An ``ndd.ExternalSource`` root over this shard's part of ``total`` samples.
-
-    Every epoch covers the dataset exactly once across all shards (``drop_last=True`` drops the
-    remainder instead of padding), batches are always full, and padded rows are reported in the
-    delivered batch's ``info.padded``. The loader can save and resume its position.
-
-    ``fingerprint``: a string that names what ``load`` reads (a dataset version, a manifest's
-    hash); a state saved over one fingerprint is refused by a loader over another. With
-    ``pass_epoch=True``, ``load`` is called as ``load(index, epoch)``: random draws made from
-    ``(seed, epoch, index)`` there are the same on any layout.
-    """
-    from ._datasets import SamplesDataset
-
-    dataset = SamplesDataset(
-        total, load, num_outputs, fingerprint=fingerprint, pass_epoch=pass_epoch
-    )
-    return dataset.source(shard, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)

@@ -45,7 +45,7 @@ from .._control import SKIP_DAMAGED
 from .._shard import Shard
 from ._epoch_order import EpochOrder
 from ._sampling import OpenedSource
-from ._storage import RETRIES, StorageFailure, storage_failure
+from ._storage import StorageFailure, storage_failure
 from ._tar_index import TarIndex
 from ._tar_indexer import Indexer
 from ._tar_shards import TarShards, open_shards
@@ -61,7 +61,6 @@ __all__ = [
     "open_shards",
     "open_tar_source",
     "parse_ext",
-    "sharded_tars",
     "write_tars",
 ]
 
@@ -405,38 +404,6 @@ def parse_ext(ext: str | Sequence[str]) -> list[list[str]]:
             raise ValueError(f"ext entries must be extension names like 'jpg', got {item!r}")
         parsed.append([part.lstrip(".") for part in item.split(";") if part])
     return parsed
-
-
-def sharded_tars(
-    shard: Shard,
-    urls: str | Sequence[str],
-    *,
-    batch_size: int,
-    ext: str | Sequence[str] = ("jpg", "cls"),
-    shuffle: bool = True,
-    drop_last: bool = False,
-    storage_options: dict[str, Any] | None = None,
-    shuffle_window: int | None = None,
-    ahead: int = 2,
-    retries: int = RETRIES,
-) -> Any:
-    """An ``ndd.ExternalSource`` root over WebDataset tar shards: one output per ``ext``.
-
-    ``urls``: a list of paths or fsspec URLs, or one string with brace patterns
-    (``"s3://bucket/train-{000000..000127}.tar"``); ``storage_options`` go to the filesystem
-    (``s3fs``: ``key``, ``secret``, ``endpoint_url``...). ``ext``: the members each sample gives,
-    in output order (``"jpg;png"``: either); ``cls``-like members are parsed as integers.
-    ``shuffle_window``: how many shards' samples an epoch shuffles together (None: all for local
-    shards, :data:`REMOTE_WINDOW` for remote ones; see the module docstring); ``ahead``: remote
-    shards fetched ahead of the one being read; ``retries``: how many times a remote read that
-    failed for a transient reason (a connection reset, a timeout, throttling) is tried again,
-    with backoff, each logged (a missing object or denied access is raised at once). The same
-    guarantees as :func:`sharded_source`.
-    """
-    from ._datasets import TarsDataset
-
-    dataset = TarsDataset(urls, ext, storage_options, shuffle_window, ahead, retries)
-    return dataset.source(shard, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
 
 
 def open_tar_source(

@@ -1,0 +1,23 @@
+"""The command line: ``python -m loader`` (the main job, :mod:`._job`) and ``python -m loader
+doctor`` (:mod:`._doctor`), over the job's flags they share (:mod:`._flags`). The only layer that
+prints.
+
+May import: the public face (``loader._loader``, ``loader.sample``), observation
+(``loader.observe``) and configuration (``loader.config``); nothing imports it but
+``loader.__main__``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ._doctor import doctor
+from ._job import run_job
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loader [doctor] ...``: the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["doctor"]:
+        return doctor(argv[1:])
+    return run_job(argv)

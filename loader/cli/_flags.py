@@ -1,0 +1,117 @@
+"""The job's flags, shared by the main job (:mod:`loader.cli._job`) and ``doctor``
+(:mod:`loader.cli._doctor`): what the job is (its data, workers, batch size, capture, threads,
+seed), their checks, the dataset they name and the loader they build. Prints only errors."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from .._loader import Loader
+from ..sample import (
+    ensure_sample_dataset,
+    image_source,
+    image_step,
+    list_images,
+    sample_dataset_ready,
+)
+
+
+def job_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the job itself, the same for the main job and ``doctor``."""
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="an ImageFolder (root/<class>/<image>.jpg); default: a built-in sample dataset, "
+        "generated into ~/.cache/dali-capture-loader on first use",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_workers,
+        default=2,
+        help="worker processes (default 2), or auto: tuned between epochs (num_workers='auto')",
+    )
+    parser.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
+    parser.add_argument(
+        "--capture",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="trace the loop body once and replay it (default), or run it eagerly",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="DALI threads per worker")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the loader does")
+
+
+def _workers(text: str) -> int | str:
+    """``--workers``: a count, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
+def check_flags(args: argparse.Namespace, counts: list[tuple[str, Any]]) -> bool:
+    """Logging, and the flags' checks: False after printing why not."""
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    for name, value in counts:
+        if value == "auto":
+            continue
+        if not value >= 1:
+            print(f"error: {name} must be at least 1, got {value}", file=sys.stderr)
+            return False
+    return True
+
+
+def setup(
+    args: argparse.Namespace, counts: list[tuple[str, Any]], *, quiet: bool = False
+) -> Path | None:
+    """Logging, the flags' checks and the dataset: its root, or None after printing why not.
+    ``quiet``: say nothing unless something is wrong (a rank other than 0)."""
+    if not check_flags(args, counts):
+        return None
+    if args.data is None:
+        if not sample_dataset_ready() and not quiet:
+            print("generating the sample dataset (first run only)...", file=sys.stderr)
+        root: Path = ensure_sample_dataset()
+    else:
+        root = args.data
+    try:
+        files, _ = list_images(root)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return None
+    if not quiet:
+        print(f"{len(files)} images in {root}; {layout(args)}")
+    return root
+
+
+def layout(args: argparse.Namespace) -> str:
+    return (
+        f"{args.workers} workers, batch {args.batch_size}, "
+        f"capture={'on' if args.capture else 'off'}"
+    )
+
+
+def make_loader(args: argparse.Namespace, root: Path, trace: Path | None = None) -> Loader:
+    source = functools.partial(image_source, root=str(root), batch_size=args.batch_size)
+    return Loader(
+        source,
+        image_step,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        num_threads=args.threads,
+        capture=args.capture,
+        seed=args.seed,
+        trace=trace,
+    )

@@ -1,0 +1,464 @@
+"""``LoaderConfig``: the Loader's arguments, validated once. Runs in the trainer.
+
+Everything derived from the constructor's arguments is computed here, once: the worker specs and
+the payload every rank must agree on come from this object, never from copied fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from workers import Shard, WorkerSpec
+
+from . import _env
+from ._autotune import Layout, first_layout
+from ._validate import check_choice, check_importable, check_positive_int
+
+OUTPUTS = ("numpy", "torch", "cupy")
+DEVICES = ("cpu", "gpu")
+START_METHODS = ("spawn", "forkserver")
+#: The start method of a Loader made without ``start_method``, when set ("forkserver" when unset).
+START_METHOD_ENV = "DALI_LOADER_START_METHOD"
+#: Workers forked from this process's worker server (loader.processes._server); "spawn" starts each
+#: worker
+#: as a fresh interpreter that imports DALI and the main module itself.
+DEFAULT_START_METHOD = "forkserver"
+#: This process's default, set by :func:`set_default_start_method` (the pytest plugin's worker
+#: server: unlike the environment variable, subprocesses a test starts do not inherit it).
+_process_default: str | None = None
+
+_REQUIRED = object()
+#: The Loader's keyword arguments and their defaults (``batch_size`` has none).
+_ARGUMENTS: dict[str, Any] = {
+    "batch_size": _REQUIRED,
+    "num_workers": 2,
+    "feeders": None,
+    "device": "cpu",
+    "device_id": None,
+    "num_threads": None,
+    "prefetch": 2,
+    "output": "numpy",
+    "copy": False,
+    "capture": True,
+    "seed": 0,
+    "timeout": None,
+    "start_method": None,
+    "rank": None,
+    "world_size": None,
+    "startup_timeout": 300.0,
+    "shm_limit": None,
+    "max_restarts": 0,
+    "on_error": "raise",
+    "max_skipped": None,
+    "in_order": True,
+    "cut_padding": False,
+    "trace": None,
+    "memory_limit": None,
+}
+#: Those checked on their own (:func:`_checked`), without the placement or the machine.
+_PLAIN = (
+    "batch_size",
+    "num_workers",
+    "num_threads",
+    "prefetch",
+    "output",
+    "device",
+    "seed",
+    "timeout",
+    "startup_timeout",
+    "shm_limit",
+    "max_restarts",
+    "on_error",
+    "max_skipped",
+    "trace",
+    "copy",
+    "capture",
+    "in_order",
+    "cut_padding",
+)
+
+
+def set_default_start_method(method: str | None) -> str | None:
+    """Make ``method`` the start method of Loaders this process makes without ``start_method``
+    (None: back to :data:`START_METHOD_ENV` or "forkserver"); returns the previous setting."""
+    global _process_default
+    if method is not None:
+        check_choice(method, "start_method", START_METHODS)
+    previous, _process_default = _process_default, method
+    return previous
+
+
+def check_seconds(value: Any, name: str, *, optional: bool) -> float | None:
+    """A positive, finite number of seconds (or None when ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not (value > 0 and math.isfinite(value)):
+        hint = " or None" if optional else ""
+        raise ValueError(f"{name} must be a positive number of seconds{hint}, got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """Every argument of :class:`loader.Loader`, checked, plus what follows from them."""
+
+    source: Callable[[Shard], Any]
+    step: Callable[..., Any]
+    feeders: Callable[[Shard], Mapping[str, Any]] | None
+    batch_size: int
+    num_workers: int
+    device: str
+    device_id: int | None
+    num_threads: int
+    prefetch: int
+    output: str
+    copy: bool
+    capture: bool
+    seed: int
+    timeout: float | None
+    start_method: str
+    rank: int
+    world_size: int
+    local_world_size: int
+    startup_timeout: float
+    shm_limit: int | None
+    max_restarts: int = 0
+    on_error: str = "raise"
+    max_skipped: int | None = None
+    in_order: bool = True
+    #: the batches that end a rank's epoch come cut to their real rows (no padding)
+    cut_padding: bool = False
+    #: how rank and world size were found (see ``_env.Placement.source``)
+    placement_source: str = "arguments"
+    num_threads_given: bool = True  # False: num_threads follows the placement
+    trace: str | None = None  # where close() writes the trace (Chrome trace-event JSON)
+    #: num_workers="auto" / num_threads="auto": the loader chooses them (see
+    #: loader.config._autotune)
+    workers_auto: bool = False
+    threads_auto: bool = False
+    memory_limit: int | None = None  # bytes this rank's workers may hold (with "auto")
+    cpus: int = 1  # the CPUs this rank's workers share (affinity / local ranks and xdist peers)
+    first_epoch: int = 0  # workers started later (a new layout) build their sources for it
+
+    @classmethod
+    def build(
+        cls, source: Callable[[Shard], Any], step: Callable[..., Any], **given: Any
+    ) -> LoaderConfig:
+        """Validate the constructor's arguments (``TypeError``/``ValueError`` that say what to
+        change) and discover rank, GPU and thread budget. ``given``: the Loader's keyword
+        arguments (those after ``source`` and ``step``), by name."""
+        unknown = sorted(set(given) - set(_ARGUMENTS))
+        if unknown:
+            raise TypeError(f"unexpected arguments {unknown}; the Loader takes {list(_ARGUMENTS)}")
+        a = {**_ARGUMENTS, **given}
+        if a["batch_size"] is _REQUIRED:
+            raise TypeError("batch_size is required")
+        num_workers, num_threads = a["num_workers"], a["num_threads"]
+        feeders, device_id, memory_limit = a["feeders"], a["device_id"], a["memory_limit"]
+        rank, world_size, start_method = a["rank"], a["world_size"], a["start_method"]
+        checked = _checked(**{name: a[name] for name in _PLAIN})
+        _check_functions(source, step, feeders)
+        placement = _env.discover_placement(rank, world_size)
+        device_id = _check_device(checked["device"], checked["output"], device_id, placement)
+        cpus = _env.cpu_budget(placement.local_world_size)
+        workers_auto, threads_auto = _is_auto(num_workers), _is_auto(num_threads)
+        threads_given = num_threads is not None and not threads_auto
+        if workers_auto or threads_auto:
+            memory_limit = _env.memory_budget(memory_limit, placement.local_world_size)
+            guess = first_layout(
+                cpus,
+                None if workers_auto else checked["num_workers"],
+                None if threads_auto else num_threads,
+            )
+            checked["num_workers"], num_threads = guess.workers, guess.threads
+        elif memory_limit is not None:
+            raise ValueError(
+                "memory_limit= is the memory budget of num_workers='auto' or "
+                "num_threads='auto'; drop it, or pass num_workers='auto'"
+            )
+        return cls(
+            source=source,
+            step=step,
+            feeders=feeders,
+            device_id=device_id,
+            num_threads=num_threads
+            or _env.default_num_threads(checked["num_workers"], placement.local_world_size),
+            start_method=_check_start_method(start_method),
+            rank=placement.rank,
+            world_size=placement.world_size,
+            local_world_size=placement.local_world_size,
+            placement_source=placement.source,
+            num_threads_given=threads_given,
+            workers_auto=workers_auto,
+            threads_auto=threads_auto,
+            memory_limit=memory_limit,
+            cpus=cpus,
+            **checked,
+        )
+
+    @property
+    def placement(self) -> _env.Placement:
+        return _env.Placement(
+            self.rank, self.world_size, 0, self.local_world_size, self.placement_source
+        )
+
+    def placed(self, placement: _env.Placement) -> LoaderConfig:
+        """This configuration at another rank and world size (a settled placement)."""
+        num_threads = self.num_threads
+        if not (self.num_threads_given or self.workers_auto or self.threads_auto):
+            num_threads = _env.default_num_threads(self.num_workers, placement.local_world_size)
+        return dataclasses.replace(
+            self,
+            rank=placement.rank,
+            world_size=placement.world_size,
+            local_world_size=placement.local_world_size,
+            placement_source=placement.source,
+            num_threads=num_threads,
+            cpus=_env.cpu_budget(placement.local_world_size),
+        )
+
+    def with_layout(self, layout: Layout, first_epoch: int = 0) -> LoaderConfig:
+        """This configuration with another number of workers and DALI threads each, whose
+        workers start with ``first_epoch`` (not epoch 0's order)."""
+        return dataclasses.replace(
+            self, num_workers=layout.workers, num_threads=layout.threads, first_epoch=first_epoch
+        )
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.num_workers, self.num_threads)
+
+    @property
+    def num_slots(self) -> int:
+        """Slots per worker: ``prefetch`` ahead, one in the user's hands, one spare."""
+        return self.prefetch + 2
+
+    @functools.cached_property
+    def shards(self) -> tuple[Shard, ...]:
+        """This rank's shards, one per worker."""
+        return tuple(
+            Shard.make(
+                rank=self.rank,
+                world_size=self.world_size,
+                worker=worker,
+                num_workers=self.num_workers,
+                seed=self.seed,
+            ).for_epoch(self.first_epoch)
+            for worker in range(self.num_workers)
+        )
+
+    def worker_specs(self) -> list[WorkerSpec]:
+        """What each worker is told at spawn time."""
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        together = uuid.uuid4().hex
+        return [
+            WorkerSpec(
+                source=self.source,
+                step=self.step,
+                feeders=self.feeders,
+                shard=shard,
+                batch_size=self.batch_size,
+                capture=self.capture,
+                device=self.device,
+                device_id=self.device_id,
+                num_threads=self.num_threads,
+                num_slots=self.num_slots,
+                parent_pid=os.getpid(),
+                parent_death_signal=on_main_thread,
+                log_level=logging.getLogger("loader").getEffectiveLevel(),
+                shm_limit=self.shm_limit,
+                on_error=self.on_error,
+                started_together=together,
+            )
+            for shard in self.shards
+        ]
+
+    def agreement_payload(self) -> dict[str, Any]:
+        """What every rank must have in common (rank, world size and the GPU are per rank)."""
+        # a default thread count follows each machine's CPUs: only a given one must agree
+        return {
+            "batch_size": self.batch_size,
+            "num_workers": "auto" if self.workers_auto else self.num_workers,
+            "seed": self.seed,
+            "capture": self.capture,
+            "device": self.device,
+            "num_threads": "auto"
+            if self.threads_auto
+            else self.num_threads
+            if self.num_threads_given
+            else "default",
+            "prefetch": self.prefetch,
+            "output": self.output,
+            "on_error": self.on_error,
+        }
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def _check_count(value: Any, name: str) -> int:
+    """A positive int, or a clear error that also names "auto"."""
+    if isinstance(value, str):
+        raise ValueError(f"{name} must be a positive int or 'auto', got {value!r}")
+    try:
+        return check_positive_int(value, name)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a positive int or 'auto', got {type(value).__name__} ({value!r})"
+        ) from None
+
+
+def check_trace_path(path: Any) -> str | None:
+    """A file path whose folder exists (or None)."""
+    if path is None:
+        return None
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"trace must be a file path (str or Path), got {type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text:
+        raise ValueError("trace must name a file, for example trace='loader-trace.json'")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise ValueError(f"trace={text!r}: the folder {folder!r} does not exist; create it first")
+    if os.path.isdir(text):
+        raise ValueError(f"trace={text!r} is a folder; name a file in it")
+    return text
+
+
+def _require_module(name: str, message: str) -> None:
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except ImportError as error:
+        raise ImportError(message) from error
+
+
+def _checked(**arguments: Any) -> dict[str, Any]:
+    """The constructor's plain settings, validated and normalised (``TypeError`` for a value
+    of the wrong type, ``ValueError`` for one out of range: each says what to change)."""
+    a = arguments
+    out: dict[str, Any] = {"batch_size": check_positive_int(a["batch_size"], "batch_size")}
+    out["num_workers"] = a["num_workers"]
+    if not _is_auto(a["num_workers"]):
+        out["num_workers"] = _check_count(a["num_workers"], "num_workers")
+    if a["num_threads"] is not None and not _is_auto(a["num_threads"]):
+        _check_count(a["num_threads"], "num_threads")
+    out["prefetch"] = check_positive_int(a["prefetch"], "prefetch")
+    out["output"] = check_choice(a["output"], "output", OUTPUTS)
+    out["device"] = check_choice(a["device"], "device", DEVICES)
+    if isinstance(a["seed"], bool) or not isinstance(a["seed"], int):
+        raise TypeError(f"seed must be an int, got {type(a['seed']).__name__}")
+    out["seed"] = a["seed"]
+    out["timeout"] = check_seconds(a["timeout"], "timeout", optional=True)
+    startup = check_seconds(a["startup_timeout"], "startup_timeout", optional=False)
+    assert startup is not None
+    out["startup_timeout"] = float(startup)
+    if a["shm_limit"] is not None:
+        check_positive_int(a["shm_limit"], "shm_limit")
+    out["shm_limit"] = a["shm_limit"]
+    out["max_restarts"] = check_positive_int(a["max_restarts"], "max_restarts", minimum=0)
+    out["on_error"] = check_choice(a["on_error"], "on_error", ("raise", "skip"))
+    out["max_skipped"] = a["max_skipped"]
+    if a["max_skipped"] is not None:
+        out["max_skipped"] = check_positive_int(a["max_skipped"], "max_skipped", minimum=0)
+    out["trace"] = check_trace_path(a["trace"])
+    for flag in ("copy", "capture", "in_order", "cut_padding"):
+        if not isinstance(a[flag], bool):
+            raise TypeError(f"{flag} must be True or False, got {a[flag]!r}")
+        out[flag] = a[flag]
+    if out["device"] == "gpu" and out["output"] == "numpy":
+        raise ValueError(
+            "device='gpu' delivers batches in GPU memory: pass output='torch' or "
+            "output='cupy' (or use device='cpu' for numpy arrays)"
+        )
+    if out["device"] == "cpu" and out["output"] == "cupy":
+        raise ValueError("output='cupy' needs device='gpu'")
+    return out
+
+
+def _check_start_method(start_method: Any) -> str:
+    if start_method is None:
+        if _process_default is not None:
+            return _process_default
+        chosen = os.environ.get(START_METHOD_ENV, "") or DEFAULT_START_METHOD
+        if chosen not in START_METHODS:
+            raise ValueError(
+                f"{START_METHOD_ENV}={chosen!r}: set it to 'spawn' or 'forkserver' (or unset "
+                "it), or pass start_method= to the Loader"
+            )
+        return chosen
+    if start_method == "fork":
+        raise ValueError(
+            "start_method='fork' is refused: a process forked after DALI ran hangs on its "
+            "first operator. Use 'forkserver' (the default: workers forked from a worker server "
+            "that never ran DALI) or 'spawn'"
+        )
+    return check_choice(start_method, "start_method", START_METHODS)
+
+
+def require_gpu() -> int:
+    """The number of GPUs CUDA can see; raises a clear error when there is none."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        count = ctypes.c_int(0)
+        if libcuda.cuInit(0) != 0 or libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            raise OSError("cuInit failed")
+    except OSError:
+        raise RuntimeError(
+            "device='gpu' needs an NVIDIA GPU and its driver, and none was found "
+            "(check nvidia-smi and CUDA_VISIBLE_DEVICES); use device='cpu'"
+        ) from None
+    if count.value < 1:
+        raise RuntimeError(
+            "device='gpu' needs an NVIDIA GPU, but CUDA sees none "
+            "(check CUDA_VISIBLE_DEVICES); use device='cpu'"
+        )
+    return int(count.value)
+
+
+def _check_functions(source: Any, step: Any, feeders: Any) -> None:
+    """``source``, ``step`` and ``feeders`` must be importable by name in a spawned worker."""
+    check_importable(source, "source")
+    check_importable(step, "step")
+    if feeders is not None:
+        if isinstance(feeders, Mapping):
+            raise TypeError(
+                "feeders must be a module-level function feeders(shard) -> {name: "
+                "ndd.ExternalSource}, not a dict of instances: every worker loop needs its "
+                "own feeders (rule 4c), so the loader builds them in each worker"
+            )
+        check_importable(feeders, "feeders")
+
+
+def _check_device(device: str, output: str, device_id: Any, placement: _env.Placement) -> Any:
+    """The libraries ``device`` and ``output`` need, and the GPU (``device_id``) to use."""
+    if output == "torch":
+        _require_module(
+            "torch", "output='torch' needs PyTorch: pip install 'dali-capture-loader[torch]'"
+        )
+    if output == "cupy":
+        _require_module("cupy", "output='cupy' needs CuPy: pip install 'dali-capture-loader[gpu]'")
+    if device == "gpu":
+        visible = require_gpu()
+        # the CUDA slot ring is CuPy's, whatever the output library
+        _require_module("cupy", "device='gpu' needs CuPy: pip install 'dali-capture-loader[gpu]'")
+        if device_id is None:
+            device_id = _env.default_device_id(placement, visible)
+    elif device_id is not None:
+        raise ValueError("device_id= is only meaningful with device='gpu'")
+    return device_id

@@ -1,0 +1,12 @@
+"""The engine: one layout's event loop and its policies.
+
+Owns: the :class:`~loader.engine._coordinator.Coordinator` (the event loop: the only code that
+sends to workers, raises their failures or closes the pool), each worker's
+:class:`~loader.engine._session.WorkerSession` (one state machine), and the policies that return
+decisions and never call back: order (:mod:`._order`), healing (:mod:`._healing`), releases
+(:mod:`._releases`), failures (:mod:`._failures`); the batches users hold (:mod:`._views`) and
+the counters and timeline that stats read (:mod:`._stats`).
+
+May import: ``loader._errors``, :mod:`loader.config`, :mod:`loader.processes`, ``workers``,
+``ipc``.
+"""

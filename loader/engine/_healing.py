@@ -1,0 +1,295 @@
+"""Healing: when a worker's process is replaced, where its replacement starts, which samples
+are skipped, and how long the trainer waits for a worker. Runs in the trainer.
+
+:class:`Healing` holds the restart budget, the registry of samples that fail (``on_error=
+"skip"``) and the skip limit. It answers with decisions -- :class:`Replace` (a new process, its
+spec and what it does once up) or :class:`Fail` (the error to raise) -- and never sends, spawns
+or raises itself; the coordinator acts on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+
+from ipc import wire
+from ipc.wire import Position
+from workers import WorkerSpec, continue_from
+
+from .._errors import SkipLimitError
+from ..config._config import LoaderConfig
+from ..processes._pool import WorkerHandle
+from ._session import Aborting, Idle, Running, Seeking, Stopped, Target, WorkerSession
+
+logger = logging.getLogger("loader")
+
+#: With ``timeout`` set, the longest a replacement process may take to start (spawn, imports,
+#: sources) before its Hello, unless ``startup_timeout`` or ``timeout`` says otherwise.
+REPLACEMENT_START = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Replace:
+    """Start a new process for the worker with ``spec``; once up it does ``target``; its step 0
+    is the epoch's ``first_step``. ``budgeted``: it counts against ``max_restarts``."""
+
+    spec: WorkerSpec
+    target: Target
+    first_step: int
+    budgeted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """``timeout``: per batch once a worker's loop runs (None: wait forever); ``trace``: for a
+    worker's traced first batch and after a rebuild; ``startup``: a process's start."""
+
+    timeout: float | None
+    trace: float | None
+    startup: float
+
+
+class Healing:
+    """The restart budget, the failing samples, and the limits of each wait."""
+
+    def __init__(
+        self, *, max_restarts: int, on_error: str, max_skipped: int | None, timeouts: Timeouts
+    ) -> None:
+        self.max_restarts = max_restarts
+        self.on_error = on_error
+        self.max_skipped = max_skipped
+        self.timeouts = timeouts
+        self.restarts = 0
+        self.bad_samples: set[int] = set()  # on_error="skip": samples that fail inside DALI
+        self.skipped: dict[int, str] = {}  # sample id -> name, every sample skipped so far
+        self._epoch_skips = (0, 0)  # (epoch, samples skipped in it so far)
+        self._exiting: set[int] = set()  # workers that said they exit (SamplesFailed)
+        #: worker -> its replacement process, and the traces counted before it started
+        self._replacements: dict[int, tuple[WorkerHandle, int]] = {}
+
+    # ------------------------------------------------------------------------ samples
+    def samples_failed(
+        self, session: WorkerSession, message: wire.SamplesFailed
+    ) -> wire.BadSamples | None:
+        """on_error="skip": remember the samples; returns what to tell the other workers (each
+        would otherwise fail on them in a later epoch, and be replaced for it, or log them
+        again). The worker's exit that follows is expected, unless it goes on (``exits=False``:
+        their ``load`` raised, or hung). Each sample is logged once, by whoever reported it."""
+        new = [
+            (index, name)
+            for index, name in zip(message.ids, message.names, strict=True)
+            if index not in self.bad_samples
+        ]
+        # the step counted in this process's epoch (a replacement's, or a resumed one's, starts
+        # at 0); a batch of the next epoch (prefetched across the epoch's end) counts from 0
+        step = message.step
+        if message.epoch == session.epoch:
+            step = session.epoch_step(step)
+        for index, name in new:
+            described = f"sample {index}" if name == str(index) else f"sample {index} ({name})"
+            logger.warning(
+                "skipped %s: worker %d (%s) fails on it at epoch %d, its own step %d (%s)",
+                described,
+                session.index,
+                session.shard.describe(),
+                message.epoch,
+                step,
+                message.reason,
+            )
+        self.bad_samples.update(message.ids)
+        if message.exits:
+            self._exiting.add(session.index)
+        return wire.BadSamples(tuple(index for index, _ in new)) if new else None
+
+    def delivered(self, info: wire.BatchReady, total: int) -> SkipLimitError | None:
+        """Count a delivered batch's skipped samples; more than ``max_skipped`` in an epoch is
+        a pipeline bug, not bad data (the error to raise)."""
+        for index, name in zip(info.skipped, info.skipped_names, strict=True):
+            self.skipped.setdefault(index, name)
+        epoch, count = self._epoch_skips
+        count = (count if epoch == info.epoch else 0) + len(info.skipped)
+        self._epoch_skips = (info.epoch, count)
+        limit = self.max_skipped
+        if limit is None:  # by default 1% of an epoch's samples (at least 8)
+            limit = max(8, math.ceil(0.01 * total))
+        if count <= limit:
+            return None
+        return SkipLimitError(
+            f"{count} samples were skipped in epoch {info.epoch}, more than "
+            f"max_skipped={limit}: that is a pipeline bug, not bad data (last: "
+            f"{info.skipped_names[-1]}). Fix step() or the data, or raise max_skipped="
+        )
+
+    # ------------------------------------------------------------------------ restarts
+    def decide(
+        self, session: WorkerSession, error: BaseException, cause: str
+    ) -> tuple[Replace | Fail, wire.BadSamples | None]:
+        """A dead or stuck worker: replace it when allowed, else fail with ``error`` (saying
+        why not). Also returns what to tell the other workers of a sample whose load hangs."""
+        if session.index in self._exiting:
+            self._exiting.discard(session.index)
+            return self._replace(session, "skipped samples that fail inside DALI", False), None
+        reason = self._no_restart_reason(session)
+        if reason is not None:
+            if reason:
+                error.args = (f"{error.args[0]} ({reason})", *error.args[1:])
+            return Fail(error), None
+        found = None
+        hung: wire.LoadRunning | None = getattr(error, "hung_load", None)
+        if hung is not None and self.on_error == "skip":
+            # a sample whose load hangs is skipped like one whose load raises: logged once, the
+            # other workers told, and the replacement (the stuck process is killed) makes its
+            # batch without it
+            found = self.samples_failed(
+                session,
+                wire.SamplesFailed(
+                    hung.epoch,
+                    hung.step,
+                    (hung.index,),
+                    (hung.name,),
+                    f"its load() hangs: still running after {hung.seconds:.1f} s",
+                    exits=False,
+                ),
+            )
+        return self._replace(session, cause, True), found
+
+    def _no_restart_reason(self, session: WorkerSession) -> str | None:
+        if self.max_restarts == 0:
+            return ""  # the default: fail fast, with the plain message
+        if self.restarts >= self.max_restarts:
+            return f"no restart: the restart budget (max_restarts={self.max_restarts}) is spent"
+        if session.hello is None:
+            return "no restart: the worker never started, so its source is unknown"
+        if session.hello.sampling is None:
+            return (
+                "no restart: the source cannot start mid-shard (a DALI reader or a plain "
+                "ExternalSource); use sharded_files() or sharded_source() to heal"
+            )
+        if isinstance(session.target, Stopped):
+            return "no restart: the loader is closing"
+        return None
+
+    def _replace(self, session: WorkerSession, cause: str, budgeted: bool) -> Replace:
+        """A new process for ``session``'s shard, starting at the first batch the trainer has
+        not received; batches the old one published and the trainer did not hand out are
+        dropped (the new process makes them again), so every sample still arrives once, in
+        the same order."""
+        if budgeted:
+            self.restarts += 1
+        target, shard = session.target, session.shard
+        first = session.first_step
+        new: Target
+        position: Position | None
+        # a worker that ended its epoch but whose batches the trainer has not all handed out
+        # is replaced like a running one: the new process makes the rest of them again
+        if isinstance(target, Running) and (not target.ended or session.queue):
+            new = Running(target.epoch, target.start)
+            epoch = target.epoch
+            position = continue_from(
+                target.start,
+                epoch,
+                shard.count,
+                shard.index,
+                session.delivered,
+                ranks=shard.world_size,
+            )
+            first = session.base_step + session.delivered
+            where = f"goes on at batch {first} of epoch {epoch}"
+        elif isinstance(target, Seeking):
+            new = Seeking(target.position, sent=False)
+            epoch, position = target.position.epoch, target.position
+            where = f"resumes epoch {epoch}"
+        else:  # idle between epochs
+            if isinstance(target, Idle):
+                new = target
+            else:
+                assert isinstance(target, (Running, Aborting))
+                new = Idle(target.epoch + 1)
+            epoch, position = new.epoch, new.position
+            where = f"is ready for epoch {epoch}"
+        if budgeted:
+            logger.warning(
+                "worker %d (%s) %s; replaced it with a new process (restart %d of "
+                "max_restarts=%d), which %s",
+                session.index,
+                shard.describe(),
+                cause,
+                self.restarts,
+                self.max_restarts,
+                where,
+            )
+        else:  # a DALI error leaves a process unable to trace again: a fresh one goes on
+            logger.info(
+                "worker %d (%s) %s; a new process %s", session.index, shard.describe(), cause, where
+            )
+        spec = dataclasses.replace(
+            session.handle.spec,
+            shard=shard.for_epoch(epoch, position),
+            bad_samples=frozenset(self.bad_samples),
+            random=session.random,  # those of the first batch it makes: the same bytes again
+        )
+        return Replace(spec, new, first, budgeted)
+
+    def started(self, session: WorkerSession) -> None:
+        """``session`` has a replacement process (its first trace is bounded apart)."""
+        self._replacements[session.index] = (session.handle, len(session.counters.trace_seconds))
+
+    # ------------------------------------------------------------------------ waits
+    def wait_limit(self, session: WorkerSession) -> tuple[float | None, str]:
+        """How long the trainer waits for ``session``'s next record, and the setting it comes
+        from (for messages): ``startup_timeout`` while a process starts or traces its first
+        batch, else ``timeout``.
+
+        A replacement (``timeout`` set) must not wait ``startup_timeout`` (300 s by default) for
+        a worker that hangs again, e.g. on the same sample: its start (spawn, imports, sources;
+        nothing loaded yet) gets :data:`REPLACEMENT_START` at most, and its traced first batch
+        ``timeout`` plus twice the longest trace this worker took before (what tracing costs
+        here, measured: a replacement traces the same loop again), so a hang is seen after
+        about ``timeout`` per restart."""
+        timeout, startup = self.timeouts.timeout, self.timeouts.startup
+        starting = not session.up
+        tracing = session.signature_pending and session.received == 0
+        traced = session.counters.trace_seconds
+        # a replacement process that has not traced yet (a later trace, after a rebuild, is
+        # bounded like any worker's)
+        replacement = self._replacements.get(session.index) == (session.handle, len(traced))
+        if timeout is not None and replacement and (starting or tracing):
+            if not starting and traced:
+                extra = round(2 * max(traced), 1)
+                return timeout + extra, (
+                    f"timeout={timeout:g}, plus {extra:g} s for a replacement to trace again: "
+                    "twice its first trace"
+                )
+            start = min(startup, max(timeout, REPLACEMENT_START))
+            return start, f"a replacement's start: at most {start:g} s"
+        if starting:
+            return startup, f"startup_timeout={startup:g}"
+        if tracing:
+            limit = self.timeouts.trace
+            return limit, "" if limit is None else f"startup_timeout={limit:g}"
+        return timeout, "" if timeout is None else f"timeout={timeout:g}"
+
+
+def check_healable(config: LoaderConfig, positional: bool) -> None:
+    """on_error="skip" and max_restarts need a source that knows its sample ids (``positional``:
+    a sharded_source/sharded_files root): ``ValueError`` for a skip, a warning for restarts."""
+    if config.on_error == "skip" and not positional:
+        raise ValueError(
+            "on_error='skip' needs a source that knows its sample ids: sharded_files() or "
+            "sharded_source(); a DALI reader cannot leave a sample out (its pipeline is "
+            "disabled by any error)"
+        )
+    if config.max_restarts and not positional:
+        logger.warning(
+            "max_restarts=%d, but the source is a DALI reader (or a plain ExternalSource), "
+            "which cannot start mid-shard: a dead worker will raise, not be replaced. Use "
+            "sharded_files() or sharded_source() to heal",
+            config.max_restarts,
+        )

@@ -1,0 +1,358 @@
+"""A worker's session as the trainer sees it: what the worker is to do, its queue, its counters.
+
+Runs in the trainer. The coordinator owns one :class:`WorkerSession` per worker. A session holds
+one *target* -- what its worker is doing or, while a process starts, will do once it said Hello
+(:class:`Idle`, :class:`Running`, :class:`Aborting`, :class:`Seeking`, :class:`Stopped`) -- and
+whether its current process is up. Every change goes through :meth:`WorkerSession.go` or
+:meth:`WorkerSession.replaced`, checked against the lifecycle table of :class:`WorkerState`. The
+session handles its own worker's records (``on_*``); each returns the record the coordinator must
+send, if any. It never sends, raises for a failure of the job, or closes anything itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ipc import ProtocolError, SlotReader, wire
+from ipc.wire import Position
+
+from ..processes._pool import WorkerHandle
+from ._views import BatchInfo
+
+
+class WorkerState(enum.IntEnum):
+    """Where one worker is in its life, as the trainer knows it (derived from the session's
+    target and whether its process said Hello).
+
+    Legal transitions (anything else is a bug, and :meth:`WorkerSession.go` asserts it)::
+
+        STARTING --Hello--> READY
+        READY    --start_epoch(e)--> RUNNING(e)
+        RUNNING  --EpochEnd(e)--> ENDED(e)            (queued batches may still wait)
+        ENDED    --start_epoch(e+1)--> RUNNING(e+1)
+        RUNNING | ENDED --abort_epoch(e)--> ABORTING(e)
+        ABORTING --EpochAborted(e)--> READY            (sources rebuilt for the next epoch)
+        READY | ENDED --seek(e)--> REBUILDING(e)       (load_state_dict: sources at a position)
+        REBUILDING --Sought(e)--> READY
+        any live --died or stuck, restart budget left--> STARTING (a new process)
+        STARTING --a command--> STARTING               (the target changes; sent in order)
+        STARTING --Hello--> RUNNING(e)                 (a replacement goes on with its epoch)
+        STARTING --Hello--> ABORTING | REBUILDING      (a command it was sent is answered next)
+        any      --failure, death, timeout--> FAILED
+        any      --close--> CLOSED
+    """
+
+    STARTING = 0
+    READY = 1
+    RUNNING = 2
+    ENDED = 3
+    ABORTING = 4
+    REBUILDING = 5
+    FAILED = 6
+    CLOSED = 7
+
+
+_S = WorkerState
+_LIVE = frozenset({_S.STARTING, _S.READY, _S.RUNNING, _S.ENDED, _S.ABORTING, _S.REBUILDING})
+_LEGAL: dict[WorkerState, frozenset[WorkerState]] = {
+    _S.STARTING: _LIVE,
+    _S.READY: frozenset({_S.STARTING, _S.RUNNING, _S.REBUILDING}),
+    _S.RUNNING: frozenset({_S.STARTING, _S.ENDED, _S.ABORTING}),
+    _S.ENDED: frozenset({_S.STARTING, _S.RUNNING, _S.ABORTING, _S.REBUILDING}),
+    _S.ABORTING: frozenset({_S.STARTING, _S.READY}),
+    _S.REBUILDING: frozenset({_S.STARTING, _S.READY}),
+    _S.FAILED: frozenset(),
+    _S.CLOSED: frozenset(),
+}
+
+
+# ---------------------------------------------------------------------------------- targets
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """Waiting for commands, its sources built for ``epoch`` from ``position`` (None: the
+    epoch's start; a position after ``load_state_dict``)."""
+
+    epoch: int
+    position: Position | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """Running ``epoch``, which resumed from ``start`` (None: from its start). ``ended``: the
+    worker sent the epoch's end (batches of it may still wait in the queue)."""
+
+    epoch: int
+    start: Position | None = None
+    ended: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Aborting:
+    """Told to stop ``epoch`` and rebuild its sources for the next one."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Seeking:
+    """Rebuilding its sources to start ``position.epoch`` at ``position``. ``sent``: the process
+    was sent a Seek and answers Sought (a replacement built at the position says Hello only)."""
+
+    position: Position
+    sent: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    failed: bool
+
+
+Target = Idle | Running | Aborting | Seeking | Stopped
+
+
+@dataclass
+class WorkerCounters:
+    """What ``stats()`` reports of one worker (all counted in the trainer)."""
+
+    steps: int = 0
+    bytes: int = 0
+    blocked_ns: int = 0
+    busy_ns: int = 0
+    traces: int = 0
+    rebuilds: int = 0
+    trace_seconds: list[float] = field(default_factory=list)
+    restarts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One batch taken from a session: its record, arrays (views of the slot) and lease, and
+    what ``batch.info`` says of it."""
+
+    descriptor: wire.BatchReady
+    arrays: list[Any]
+    lease: Any
+    info: BatchInfo
+    reader: SlotReader
+
+
+class WorkerSession:
+    """One worker: its target, process, queued batches and slots."""
+
+    def __init__(self, handle: WorkerHandle) -> None:
+        self.handle = handle
+        self.index = handle.index
+        self.shard = handle.shard
+        self.target: Target = Idle(handle.shard.epoch)  # (a new layout starts at a later one)
+        self.up = False  # the current process said Hello
+        self.epoch: int | None = None  # the epoch it runs, ended, aborted or resumed last
+        self.queue: deque[wire.BatchReady] = deque()
+        self.reader = SlotReader(handle.spec.num_slots, handle.index)
+        self.hello: wire.Hello | None = None
+        self.signature: wire.Signature | None = None
+        self.signature_pending = False  # a traced (or rebuilt) loop has yet to send one
+        self.received = 0  # batches of the epoch that arrived from this process (queued or not)
+        self.delivered = 0  # batches of the epoch handed to the user (by every process)
+        self.base_step = 0  # the epoch's step of the run's first batch (a resumed run: > 0)
+        self.first_step = 0  # the epoch's step of this process's step 0
+        self.resumed_steps: int | None = None  # batches left of a resumed epoch (Sought)
+        #: the random generator states of the first batch not yet delivered (those after the last
+        #: delivered batch's step); empty: as the worker seeded them when it built its sources
+        self.random: wire.RandomStates = b""
+        self.last_step: int | None = None
+        self.counters = WorkerCounters()
+
+    # ------------------------------------------------------------------------ state
+    @property
+    def state(self) -> WorkerState:
+        return _state_of(self.target, self.up)
+
+    def go(self, target: Target, *, up: bool | None = None) -> None:
+        """Change the target (and whether the process is up), checked against the table."""
+        up = self.up if up is None else up
+        new = _state_of(target, up)
+        assert (
+            isinstance(target, Stopped)
+            or new in _LEGAL[self.state]
+            or (new == self.state == _S.STARTING)
+        ), f"worker {self.index}: {self.state!r} -> {new!r}"
+        self.target, self.up = target, up
+        if isinstance(target, (Running, Aborting)):
+            self.epoch = target.epoch
+        elif isinstance(target, Seeking):
+            self.epoch = target.position.epoch
+
+    def drop_process(self) -> None:
+        """Before a replacement: the old process's queued batches and slot regions go (the
+        trainer's side of every region is closed before the worker that exports it dies)."""
+        self.queue.clear()
+        self.reader.close()
+
+    def replaced(self, handle: WorkerHandle, target: Target, first_step: int) -> None:
+        """A new process for this worker, that does ``target`` once it said Hello."""
+        self.go(target, up=False)
+        self.handle = handle
+        self.drop_process()
+        self.reader = SlotReader(handle.spec.num_slots, self.index)
+        self.received = 0
+        self.last_step = None
+        self.first_step = first_step
+        self.signature_pending = True
+
+    @property
+    def open_in_epoch(self) -> bool:
+        """True while the worker may still send batches of its current epoch (a replacement
+        that is starting to go on with the epoch counts)."""
+        target = self.target
+        return isinstance(target, Running) and not target.ended
+
+    @property
+    def next_epoch(self) -> int | None:
+        """The epoch this worker starts at its next ``StartEpoch`` without a seek: the one after
+        the epoch it runs, ended or aborts (a continuous capture loop has already begun it), or
+        the one its sources are (being) built for; None once stopped."""
+        target = self.target
+        if isinstance(target, Idle):
+            return target.epoch
+        if isinstance(target, (Running, Aborting)):
+            return target.epoch + 1
+        if isinstance(target, Seeking):
+            return target.position.epoch
+        return None
+
+    @property
+    def next_step(self) -> int:
+        """The step of the next batch the trainer expects from this process."""
+        return self.received
+
+    def epoch_step(self, step: int) -> int:
+        """The epoch's step of this process's ``step`` (a replacement or a resumed run starts
+        its count at 0; the user and every message count from the epoch's start)."""
+        return self.first_step + step
+
+    def describe(self) -> str:
+        return self.handle.describe()
+
+    # ------------------------------------------------------------------------ commands
+    def start_epoch(self, epoch: int, base_step: int) -> wire.StartEpoch | None:
+        """Run ``epoch`` (its first batch is the epoch's ``base_step``); a process still
+        starting is told after its Hello."""
+        target = self.target
+        start = target.position if isinstance(target, Idle) and target.epoch == epoch else None
+        self.received = self.delivered = 0
+        self.base_step = self.first_step = base_step
+        self.last_step = None
+        self.go(Running(epoch, start))
+        return wire.StartEpoch(epoch) if self.up else None
+
+    def abort_epoch(self, epoch: int) -> wire.AbortEpoch:
+        self.go(Aborting(epoch))
+        self.random = b""  # the worker seeds its generators again for the next epoch
+        return wire.AbortEpoch(epoch)
+
+    def seek(self, position: Position, random: wire.RandomStates = b"") -> wire.Seek:
+        """Sources at ``position``, the random generators in the states ``random`` (empty:
+        seeded for that epoch)."""
+        self.resumed_steps = None
+        self.random = random
+        self.go(Seeking(position))
+        return wire.Seek(position, random)
+
+    # ------------------------------------------------------------------------ records
+    def on_hello(self, message: wire.Hello) -> wire.StartEpoch | None:
+        """The process is up: a replacement goes on with what its predecessor did."""
+        self.hello = message
+        target = self.target
+        if isinstance(target, Seeking) and not target.sent:
+            self.resumed_steps = message.first_epoch_steps
+            target = Idle(target.position.epoch, target.position)
+        self.go(target, up=True)
+        return wire.StartEpoch(target.epoch) if isinstance(target, Running) else None
+
+    def on_batch(self, message: wire.BatchReady) -> bool:
+        """Queue a batch of the epoch in progress; False for one of an epoch the trainer left
+        (to be released at once)."""
+        try:
+            self.reader.receive(message)
+        except ProtocolError as error:
+            raise ProtocolError(f"{self.describe()}: {error}") from None
+        target = self.target
+        if not (isinstance(target, Running) and not target.ended and message.epoch == target.epoch):
+            return False
+        if message.step != self.received:
+            raise ProtocolError(
+                f"{self.describe()} sent step {message.step} of epoch {message.epoch}, "
+                f"expected step {self.received}"
+            )
+        self.queue.append(message)
+        self.received += 1
+        self.last_step = message.step
+        counters = self.counters
+        counters.steps += 1
+        counters.bytes += message.nbytes
+        counters.blocked_ns += message.blocked_ns
+        counters.busy_ns += message.busy_ns
+        return True
+
+    def on_signature(self, message: wire.Signature) -> None:
+        self.signature = message
+        self.counters.trace_seconds.append(message.trace_seconds)
+        self.signature_pending = False
+
+    def on_epoch_end(self, message: wire.EpochEnd) -> None:
+        target = self.target
+        if isinstance(target, Running) and not target.ended and target.epoch == message.epoch:
+            self.go(replace(target, ended=True))
+        self.counters.traces = message.traces
+        self.counters.rebuilds = message.rebuilds
+        self.signature_pending = False  # an eager epoch after the first sends none
+
+    def on_aborted(self, message: wire.EpochAborted) -> None:
+        target = self.target
+        if self.up and isinstance(target, Aborting) and target.epoch == message.epoch:
+            self.go(Idle(message.epoch + 1))
+
+    def on_sought(self, message: wire.Sought) -> None:
+        target = self.target
+        if self.up and isinstance(target, Seeking) and target.position.epoch == message.epoch:
+            self.resumed_steps = message.steps
+            self.go(Idle(message.epoch, target.position))
+
+    # ------------------------------------------------------------------------ delivery
+    def deliver(self, step: int) -> Delivery:
+        """The next queued batch, as views of its slot, with its ``batch.info``: the rank's
+        ``step`` of the epoch."""
+        descriptor = self.queue.popleft()
+        self.delivered += 1
+        if descriptor.random:
+            self.random = descriptor.random
+        info = BatchInfo(
+            epoch=descriptor.epoch,
+            step=step,
+            worker=self.index,
+            worker_step=self.epoch_step(descriptor.step),
+            shard=self.shard.index,
+            padded=descriptor.padded,
+            replaced=descriptor.replaced,
+            skipped=descriptor.skipped,
+            skipped_names=descriptor.skipped_names,
+        )
+        arrays, lease = self.reader.arrays(descriptor)
+        return Delivery(descriptor, arrays, lease, info, self.reader)
+
+
+def _state_of(target: Target, up: bool) -> WorkerState:
+    if isinstance(target, Stopped):
+        return _S.FAILED if target.failed else _S.CLOSED
+    if not up:
+        return _S.STARTING
+    if isinstance(target, Idle):
+        return _S.READY
+    if isinstance(target, Running):
+        return _S.ENDED if target.ended else _S.RUNNING
+    if isinstance(target, Aborting):
+        return _S.ABORTING
+    return _S.REBUILDING

@@ -1,0 +1,224 @@
+"""Zero-copy views of a worker's slot, and the leases that give the slot back. Runs in the trainer.
+
+A delivered batch's arrays all hang off one :class:`ipc.SlotView`. When the last of them (and of
+the torch tensors made from them) is garbage-collected, a finalizer queues the slot's release in a
+:class:`ReleaseQueue`; the trainer's thread sends it at its next wait. Finalizers never write to a
+worker's channel themselves: they may run in any thread, or in the middle of another send.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ipc import wire
+
+from ._releases import ReleaseQueue
+
+
+@dataclass(frozen=True, slots=True)
+class BatchInfo:
+    """Where a delivered batch came from. ``step`` is its step in the epoch on this rank
+    (``0 .. len(loader) - 1``, counting the batches received before a resume too);
+    ``worker_step`` the step in the epoch of the ``worker`` that made it. ``padded`` rows at
+    its end are padding, not data (with ``cut_padding=True`` they are cut off: ``padded`` is 0
+    and ``cut`` says how many were); with ``on_error="skip"``, ``replaced`` rows repeat a good
+    sample of the batch in place of the ``skipped`` sample ids (``skipped_names``: their names,
+    a file's path for ``sharded_files``)."""
+
+    epoch: int
+    step: int
+    worker: int
+    worker_step: int
+    shard: int
+    padded: int
+    replaced: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()
+    skipped_names: tuple[str, ...] = ()
+    cut: int = 0
+
+    @property
+    def valid(self) -> int | None:
+        return None if self.padded == 0 else -self.padded
+
+
+def _moved(value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``value.to(*args, **kwargs)`` for what has a ``to`` (tensors, nested batches), else
+    ``value`` (numpy arrays, ints): how a trainer moves a batch to its device."""
+    if isinstance(value, (list, tuple)) and not hasattr(value, "to"):
+        return type(value)(_moved(item, args, kwargs) for item in value)
+    to = getattr(value, "to", None)
+    return value if to is None or isinstance(value, np.ndarray) else to(*args, **kwargs)
+
+
+class LoadedBatch(dict[str, Any]):
+    """A delivered batch from a ``step`` that returned a dict: ``name -> array``.
+
+    ``batch.to(device)`` moves every tensor and keeps ``info``: Lightning's and accelerate's
+    device transfer call it (they rebuild plain mappings without their attributes)."""
+
+    info: BatchInfo
+
+    def to(self, *args: Any, **kwargs: Any) -> LoadedBatch:
+        moved = LoadedBatch((name, _moved(value, args, kwargs)) for name, value in self.items())
+        moved.info = self.info
+        return moved
+
+
+class LoadedTuple(tuple[Any, ...]):
+    """A delivered batch from a ``step`` that returned a tuple. ``batch.to(device)`` moves
+    every tensor and keeps ``info``."""
+
+    info: BatchInfo
+
+    def to(self, *args: Any, **kwargs: Any) -> LoadedTuple:
+        moved = LoadedTuple(_moved(value, args, kwargs) for value in self)
+        moved.info = self.info
+        return moved
+
+
+def register_pytree_nodes() -> None:
+    """Let ``torch.utils._pytree`` (``tree_map``, ``torch.compile``, FSDP, ...) flatten the
+    batch types and rebuild them with ``info``. Idempotent; a loader with torch output calls it
+    once, at its start (not per batch)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from torch.utils import _pytree
+
+    def flatten_dict(batch: LoadedBatch) -> tuple[list[Any], Any]:
+        return list(batch.values()), (list(batch.keys()), getattr(batch, "info", None))
+
+    def unflatten_dict(values: Any, context: Any) -> LoadedBatch:
+        keys, info = context
+        rebuilt = LoadedBatch(zip(keys, values, strict=True))
+        rebuilt.info = info
+        return rebuilt
+
+    def flatten_tuple(batch: LoadedTuple) -> tuple[list[Any], Any]:
+        return list(batch), getattr(batch, "info", None)
+
+    def unflatten_tuple(values: Any, info: Any) -> LoadedTuple:
+        rebuilt = LoadedTuple(values)
+        rebuilt.info = info
+        return rebuilt
+
+    with contextlib.suppress(ValueError):  # registered already (another import path)
+        _pytree.register_pytree_node(
+            LoadedBatch, flatten_dict, unflatten_dict, serialized_type_name="loader.LoadedBatch"
+        )
+    with contextlib.suppress(ValueError):
+        _pytree.register_pytree_node(
+            LoadedTuple, flatten_tuple, unflatten_tuple, serialized_type_name="loader.LoadedTuple"
+        )
+
+
+_registered = False
+
+
+class LoadedArray(np.ndarray):
+    """The one output of a ``step`` that returned a single batch: a numpy array with ``info``."""
+
+    info: BatchInfo
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.info = getattr(obj, "info", None)  # type: ignore[assignment]
+
+
+def with_info(value: Any, info: BatchInfo) -> Any:
+    """``value`` with ``.info`` set: a numpy array becomes a :class:`LoadedArray` view (same
+    memory); a torch tensor or cupy array takes the attribute; a list of per-sample arrays
+    becomes a :class:`LoadedList`."""
+    if isinstance(value, np.ndarray):
+        value = value.view(LoadedArray)
+    elif isinstance(value, list):
+        value = LoadedList(value)
+    with contextlib.suppress(AttributeError):  # a cupy array takes no attributes
+        value.info = info
+    return value
+
+
+class LoadedList(list[Any]):
+    """The one ragged output of a ``step`` that returned a single batch: per-sample arrays."""
+
+    info: BatchInfo
+
+
+def wrap_outputs(kind: str, names: list[str], values: list[Any], info: BatchInfo) -> Any:
+    """The user's batch: a LoadedBatch, a LoadedTuple, or a LoadedArray for a ``single`` step."""
+    if kind == "dict":
+        batch = LoadedBatch(zip(names, values, strict=True))
+        batch.info = info
+        return batch
+    if kind == "tuple":
+        batch_tuple = LoadedTuple(values)
+        batch_tuple.info = info
+        return batch_tuple
+    return with_info(values[0], info)
+
+
+def to_output(value: Any, output: str, copy: bool) -> Any:
+    """A zero-copy array (numpy or cupy; or a list of them) as the user asked for it."""
+    if isinstance(value, list):
+        return [to_output(item, output, copy) for item in value]
+    if copy:
+        value = value.copy()
+    if output == "torch":
+        import torch
+
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(value)
+        return torch.from_dlpack(value)  # type: ignore[attr-defined]
+    return value
+
+
+def build_batch(
+    arrays: list[Any],
+    lease: object,
+    descriptor: wire.BatchReady,
+    kind: str,
+    info: BatchInfo,
+    *,
+    output: str,
+    copy: bool,
+    releases: ReleaseQueue,
+    owner: Any,
+    cut: bool = False,
+) -> Any:
+    """The user's batch over a slot's ``arrays``. Without ``copy`` the slot's release is queued
+    when ``lease`` (which every view keeps alive) is collected; with ``copy`` the caller
+    releases the slot at once. ``cut``: a batch with padded rows comes as views of its real
+    rows (``info.cut`` says how many were cut)."""
+    values = [to_output(value, output, copy) for value in arrays]
+    if cut and info.padded:  # zero-copy views of the real rows (they keep the lease alive)
+        values = [value[: len(value) - info.padded] for value in values]
+        info = dataclasses.replace(info, padded=0, cut=info.padded)
+    if not copy:
+        finalizer = weakref.finalize(
+            lease, releases.put, owner, descriptor.slot, descriptor.generation
+        )
+        finalizer.atexit = False
+    names = [placement.name for placement in descriptor.outputs]
+    return wrap_outputs(kind, names, values, info)
+
+
+def current_stream(output: str) -> Callable[[int], int]:
+    """``device_id -> handle`` of the trainer's current CUDA stream for the output library."""
+    if output == "torch":
+        import torch
+
+        return lambda device_id: int(torch.cuda.current_stream(device_id).cuda_stream)
+    import cupy
+
+    def cupy_stream(device_id: int) -> int:
+        with cupy.cuda.Device(device_id):
+            return int(cupy.cuda.get_current_stream().ptr)
+
+    return cupy_stream

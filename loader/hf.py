@@ -1,0 +1,203 @@
+"""Hugging Face ``transformers.Trainer`` over loaders: exact resume and evaluation without the
+padded rows. Runs in the trainer; imports ``transformers`` (only this module does).
+
+One line in a training script::
+
+    from loader.hf import LoaderTrainer
+
+    trainer = LoaderTrainer(model=model, args=args, train_loader=train, eval_loader=val)
+    trainer.train()                              # or train(resume_from_checkpoint=True)
+
+(``LoaderTrainerMixin`` goes in front of another ``Trainer`` subclass the same way:
+``class MyTrainer(LoaderTrainerMixin, SFTTrainer)``.) What it changes in ``Trainer``:
+
+* **The loaders are the dataloaders**: ``get_train_dataloader`` / ``get_eval_dataloader``
+  return them as they are (no ``accelerator.prepare``: each rank's loader already reads its own
+  shards). ``num_examples`` and the evaluation's sample count are the dataset's real samples.
+* **The loader's state is part of every checkpoint**: written into ``checkpoint-N/`` as
+  :data:`STATE_NAME` before Trainer writes anything there (Trainer's ``trainer_state.json``,
+  which a resume needs, comes last), so no checkpoint that Trainer can resume from lacks it.
+  Under ``torch.distributed`` every rank takes part (``state_dict()`` is a collective) and the
+  process that saves writes it.
+* **Resume without skipping**: ``train(resume_from_checkpoint=...)`` loads the checkpoint's
+  loader state first, and Trainer's fast-forward (``get_resumed_dataloader``, accelerate's
+  ``skip_first_batches``, which would rebuild a torch ``DataLoader``) returns the loader as it
+  is: it already starts at the first batch not trained on. Trainer's step counting, gradient
+  accumulation and learning-rate schedule are its own, unchanged.
+* **Another number of ranks** than the checkpoint's is refused with a ``ValueError`` that says
+  what to do: Trainer counts its steps per rank, so on another world size it would start
+  another epoch than the one the loader's state continues.
+* **Evaluation counts each sample once**: give the evaluation loader ``cut_padding=True`` (its
+  epoch's last batch on each rank comes cut to its real rows); predictions and metrics are then
+  over exactly the dataset's samples. On several ranks, every rank's last batch must then have
+  the same number of rows (Trainer gathers equal shapes): true when the ranks split the
+  dataset evenly.
+* ``batch.info`` survives Trainer's device transfer (it rebuilds the batch as
+  ``type(batch)({...})``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any
+
+from transformers import Trainer
+from transformers.trainer_utils import get_last_checkpoint
+
+from ._loader import Loader
+
+#: The file of the loader's state in a Trainer checkpoint directory.
+STATE_NAME = "loader_state.json"
+
+
+class _Samples:
+    """What Trainer is given as a dataset: the loader's real samples per epoch, for its counts
+    (``len``). Not indexable: the loader, not Trainer, reads the data."""
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return self.loader.dataset_size
+
+    def __getitem__(self, index: int) -> Any:
+        raise TypeError(
+            "the loader reads the data: Trainer gets batches from LoaderTrainer's loaders, "
+            "not items from a dataset"
+        )
+
+
+class LoaderTrainerMixin:
+    """``Trainer`` behaviour for loaders (module docstring). Goes before ``Trainer`` (or a
+    subclass of it) in the bases; ``train_loader`` / ``eval_loader`` take the place of
+    ``train_dataset`` / ``eval_dataset``."""
+
+    def __init__(
+        self,
+        *args: Any,
+        train_loader: Loader | None = None,
+        eval_loader: Loader | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.train_loader = train_loader
+        self.eval_loader = eval_loader
+        if train_loader is not None:
+            kwargs.setdefault("train_dataset", _Samples(train_loader))
+        if eval_loader is not None:
+            kwargs.setdefault("eval_dataset", _Samples(eval_loader))
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ the loaders themselves
+    def get_train_dataloader(self) -> Any:
+        if self.train_loader is None:
+            return super().get_train_dataloader()  # type: ignore[misc]
+        return self.train_loader
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        if isinstance(test_dataset, _Samples):  # predict(trainer.eval_dataset)
+            return test_dataset.loader
+        if isinstance(test_dataset, Loader):  # predict(loader)
+            return test_dataset
+        return super().get_test_dataloader(test_dataset)  # type: ignore[misc]
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        if isinstance(eval_dataset, _Samples):  # (Trainer.evaluate passes self.eval_dataset)
+            return eval_dataset.loader
+        if eval_dataset is None and self.eval_loader is not None:
+            return self.eval_loader
+        return super().get_eval_dataloader(eval_dataset)  # type: ignore[misc]
+
+    def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
+        """The loader as it is: its loaded state starts it at the first batch not trained on
+        (Trainer's own count of those, ``num_batches``, is what it continues from)."""
+        if isinstance(dataloader, Loader):
+            return dataloader
+        return super().get_resumed_dataloader(dataloader, num_batches)  # type: ignore[misc]
+
+    def num_examples(self, dataloader: Any) -> int:
+        if isinstance(dataloader, Loader):
+            return dataloader.dataset_size
+        return int(super().num_examples(dataloader))  # type: ignore[misc]
+
+    def _prepare_input(self, data: Any) -> Any:
+        prepared = super()._prepare_input(data)  # type: ignore[misc]
+        info = getattr(data, "info", None)
+        if info is not None and prepared is not data:
+            with contextlib.suppress(AttributeError):  # a plain container: nothing to carry
+                prepared.info = info
+        return prepared
+
+    # ------------------------------------------------------------------ the state in checkpoints
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if self.train_loader is not None:
+            state = self.train_loader.state_dict()  # every rank: a collective under DDP
+            if self.args.should_save:  # type: ignore[attr-defined]
+                folder = f"checkpoint-{self.state.global_step}"  # type: ignore[attr-defined]
+                output_dir = os.path.join(self._get_output_dir(trial=trial), folder)  # type: ignore[attr-defined]
+                write_state(output_dir, state)
+        super()._save_checkpoint(model, trial)  # type: ignore[misc]
+
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            output_dir = self.args.output_dir  # type: ignore[attr-defined]
+            checkpoint = get_last_checkpoint(output_dir)  # type: ignore[no-untyped-call]
+            if checkpoint is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True, but {output_dir} holds no checkpoint: "
+                    "train without it to start afresh"
+                )
+        if isinstance(checkpoint, str) and self.train_loader is not None:
+            state = read_state(checkpoint)
+            check_world_size(state, self.args.world_size, checkpoint)  # type: ignore[attr-defined]
+            self.train_loader.load_state_dict(state)
+        return super().train(checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+
+class LoaderTrainer(LoaderTrainerMixin, Trainer):
+    """``transformers.Trainer`` over loaders (module docstring)."""
+
+
+def write_state(checkpoint: str, state: dict[str, Any]) -> None:
+    """Write ``state`` into ``checkpoint`` (created if need be), atomically (a temporary file
+    renamed: a kill leaves the old file or the new one, never half of one)."""
+    os.makedirs(checkpoint, exist_ok=True)
+    target = os.path.join(checkpoint, STATE_NAME)
+    temporary = f"{target}.{os.getpid()}.tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, target)
+
+
+def read_state(checkpoint: str) -> dict[str, Any]:
+    """The loader's state in ``checkpoint``; a ``ValueError`` that says why when it has none."""
+    path = os.path.join(checkpoint, STATE_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{checkpoint} has no {STATE_NAME}: it was not saved by a LoaderTrainer (or "
+            "LoaderTrainerMixin), so where the loader stood is not known. Resume from a "
+            "checkpoint that LoaderTrainer saved, or start the epoch afresh with "
+            "train(resume_from_checkpoint=None)"
+        )
+    with open(path, encoding="utf-8") as f:
+        state: dict[str, Any] = json.load(f)
+    return state
+
+
+def check_world_size(state: dict[str, Any], world_size: int, checkpoint: str) -> None:
+    """Refuse a checkpoint of another world size: Trainer's step arithmetic is per rank."""
+    layout = state.get("layout")
+    saved = layout.get("world_size") if isinstance(layout, dict) else None
+    if isinstance(saved, int) and saved != world_size:
+        raise ValueError(
+            f"{checkpoint} was saved on {saved} rank(s), this job has {world_size}: Trainer "
+            "counts its steps per rank, so it would resume another epoch than the one the "
+            f"loader's state continues. Resume on {saved} rank(s) (Loader.load_state_dict "
+            "itself takes any layout, for a training loop that counts its own steps)"
+        )

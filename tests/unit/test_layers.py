@@ -1,0 +1,206 @@
+"""The trainer side in layers: no import circle anywhere in ``loader/``, ``workers/`` and
+``ipc/`` (imports inside functions count; ``if TYPE_CHECKING:`` imports do not), and every
+import in ``loader/`` goes down the layers that ``loader/__init__.py`` draws."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("loader", "workers", "ipc")
+
+#: loader's layers, bottom first; a module may import its own layer and those below.
+#: ``run`` and ``observe`` share a floor and do not import each other.
+LAYERS = {
+    "loader._errors": 0,
+    "loader.config": 1,
+    "loader.processes": 2,
+    "loader.engine": 3,
+    "loader.observe": 4,
+    "loader.run": 4,
+    "loader._loader": 5,
+    "loader.sample": 5,
+    "loader.tars": 5,
+    "loader.testing": 5,
+    "loader.hf": 5,
+    "loader": 5,  # the package's __init__: the public face
+    "loader.cli": 6,
+    "loader.__main__": 7,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:``."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (
+            (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+            or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")
+        ):
+            for child in node.body:
+                skipped.update(id(n) for n in ast.walk(child))
+    return skipped
+
+
+def import_graph(modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """Every module of ours and the modules of ours it imports (at any depth of its code)."""
+    if modules is None:
+        modules = {
+            _module_name(path): path
+            for package in PACKAGES
+            for path in (ROOT / package).rglob("*.py")
+        }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skipped = _type_checking_nodes(tree)
+        package = name if _is_package(path) else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    origin = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    origin = node.module or ""
+                for alias in node.names:
+                    submodule = f"{origin}.{alias.name}"
+                    targets.add(submodule if submodule in modules else origin)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def layer_of(module: str) -> str | None:
+    best = None
+    for prefix in LAYERS:
+        if (module == prefix or module.startswith(prefix + ".")) and (
+            best is None or len(prefix) > len(best)
+        ):
+            best = prefix
+    return best
+
+
+def test_no_import_circle() -> None:
+    graph = import_graph()
+    assert len(graph) > 60 and "workers.sources._sharded" in graph  # sub-packages are read
+    assert cycles(graph) == []
+
+
+def test_a_circle_is_found(tmp_path: Path) -> None:
+    """The finder itself: two modules that import each other, one inside a function."""
+    package = tmp_path / "loop"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text("def f():\n    from .a import g\n")
+    (package / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n"
+    )
+    modules = {
+        f"loop.{path.stem}" if path.stem != "__init__" else "loop": path
+        for path in package.glob("*.py")
+    }
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        graph = import_graph(modules)
+    finally:
+        ROOT = saved
+    assert cycles(graph) == [["loop.a", "loop.b"]]
+    assert graph["loop.c"] == set()
+
+
+def test_loader_imports_go_down_its_layers() -> None:
+    graph = import_graph()
+    wrong = []
+    for module, targets in graph.items():
+        if not module.startswith("loader"):
+            continue
+        mine = layer_of(module)
+        assert mine is not None, f"{module} is in no layer: add it to LAYERS"
+        for target in targets:
+            theirs = layer_of(target)
+            if theirs is None:
+                continue  # workers, ipc
+            if LAYERS[theirs] > LAYERS[mine] or (
+                {mine, theirs} == {"loader.run", "loader.observe"}
+            ):
+                wrong.append(f"{module} ({mine}) imports {target} ({theirs})")
+    assert wrong == []
+
+
+def test_the_packages_import_one_way() -> None:
+    graph = import_graph()
+    for module, targets in graph.items():
+        roots = {target.split(".")[0] for target in targets}
+        if module.startswith("ipc"):
+            assert not roots & {"loader", "workers"}, module
+        if module.startswith("workers"):
+            assert "loader" not in roots, module
+
+
+def test_loader_has_at_most_eight_modules_at_its_top() -> None:
+    top = sorted(path.name for path in (ROOT / "loader").glob("*.py"))
+    assert len(top) <= 8, top
+
+
+@pytest.mark.parametrize(
+    "package", sorted(p.parent.name for p in (ROOT / "loader").glob("*/__init__.py"))
+)
+def test_each_layer_says_what_it_owns_and_may_import(package: str) -> None:
+    doc = ast.get_docstring(ast.parse((ROOT / "loader" / package / "__init__.py").read_text()))
+    assert doc is not None and "May import" in doc, package

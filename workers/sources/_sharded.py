@@ -1,0 +1,104 @@
+"""The public ``sharded_*`` functions: one call that builds a dataset definition
+(:mod:`._datasets`) and opens its source for one shard. Runs in the worker.
+
+Above the source modules (:mod:`._sampling`, :mod:`._files`, :mod:`._tars`) and the dataset
+definitions, which never import it: the family has no import circle.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._shard import Shard
+from ._datasets import FilesDataset, SamplesDataset, TarsDataset
+from ._sampling import Batching
+from ._storage import RETRIES
+
+
+def sharded_files(
+    shard: Shard,
+    root_or_files: str | os.PathLike[str] | Sequence[str],
+    *,
+    batch_size: int,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    labels: Sequence[int] | None = None,
+) -> Any:
+    """An ``ndd.ExternalSource`` root yielding ``(encoded bytes, label)`` batches of files.
+
+    ``root_or_files``: an ImageFolder directory (sorted class folders give the labels) or an
+    explicit list of files (``labels`` then gives one int per file; 0 when omitted). The same
+    guarantees as :func:`sharded_source`: exactly once per epoch, full batches, padding flagged,
+    a resumable position. Decode with ``ndd.decoders.image(jpegs)`` in ``step``. A directory is
+    listed once and indexed in the loader's cache directory (``DALI_LOADER_CACHE_DIR``); later
+    builds, in any worker, read the index. The list's fingerprint (a hash of the relative paths
+    and sizes of a directory's files, read once with its listing; of the paths and labels of a
+    list, whose files are not opened before they are read) goes into the loader's state: a
+    state saved over other files is refused, naming the class folders that differ.
+    """
+    batching = Batching.pick(locals())
+    dataset = FilesDataset(root_or_files, labels)
+    return dataset._batched(shard, batching)
+
+
+def sharded_source(
+    shard: Shard,
+    total: int,
+    load: Callable[..., Any],
+    batch_size: int,
+    *,
+    num_outputs: int = 1,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    fingerprint: str | None = None,
+    pass_epoch: bool = False,
+) -> Any:
+    """An ``ndd.ExternalSource`` root over this shard's part of ``total`` samples.
+
+    Every epoch covers the dataset exactly once across all shards (``drop_last=True`` drops the
+    remainder instead of padding), batches are always full, and padded rows are reported in the
+    delivered batch's ``info.padded``. The loader can save and resume its position.
+
+    ``fingerprint``: a string that names what ``load`` reads (a dataset version, a manifest's
+    hash); a state saved over one fingerprint is refused by a loader over another. With
+    ``pass_epoch=True``, ``load`` is called as ``load(index, epoch)``: random draws made from
+    ``(seed, epoch, index)`` there are the same on any layout.
+    """
+    batching = Batching.pick(locals())
+    dataset = SamplesDataset(
+        total, load, num_outputs, fingerprint=fingerprint, pass_epoch=pass_epoch
+    )
+    return dataset._batched(shard, batching)
+
+
+def sharded_tars(
+    shard: Shard,
+    urls: str | Sequence[str],
+    *,
+    batch_size: int,
+    ext: str | Sequence[str] = ("jpg", "cls"),
+    shuffle: bool = True,
+    drop_last: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    shuffle_window: int | None = None,
+    ahead: int = 2,
+    retries: int = RETRIES,
+) -> Any:
+    """An ``ndd.ExternalSource`` root over WebDataset tar shards: one output per ``ext``.
+
+    ``urls``: a list of paths or fsspec URLs, or one string with brace patterns
+    (``"s3://bucket/train-{000000..000127}.tar"``); ``storage_options`` go to the filesystem
+    (``s3fs``: ``key``, ``secret``, ``endpoint_url``...). ``ext``: the members each sample gives,
+    in output order (``"jpg;png"``: either); ``cls``-like members are parsed as integers.
+    ``shuffle_window``: how many shards' samples an epoch shuffles together (None: all for local
+    shards, :data:`REMOTE_WINDOW` for remote ones; see the module docstring); ``ahead``: remote
+    shards fetched ahead of the one being read; ``retries``: how many times a remote read that
+    failed for a transient reason (a connection reset, a timeout, throttling) is tried again,
+    with backoff, each logged (a missing object or denied access is raised at once). The same
+    guarantees as :func:`sharded_source`.
+    """
+    batching = Batching.pick(locals())
+    dataset = TarsDataset(urls, ext, storage_options, shuffle_window, ahead, retries)
+    return dataset._batched(shard, batching)
