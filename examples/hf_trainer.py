@@ -11,7 +11,7 @@ What ties them together is one line, ``LoaderTrainer`` (``loader.hf``) in place 
 ``cut_padding=True``, so its last batch on each rank comes cut to its real rows and
 ``evaluate()`` sees every sample once.
 
-``--log FILE`` appends one JSON line per event: ``batch`` (each training batch as the model
+``--events FILE`` appends one JSON line per event: ``batch`` (each training batch as the model
 sees it: Trainer's ``global_step`` before it, ``batch.info``'s epoch and step, a digest of its
 bytes), ``eval`` (the sample ids the predictions cover, the metrics) and ``end`` (a digest of the
 weights). ``--kill-after-save K`` SIGKILLs the process once the checkpoint of step K is saved,
@@ -80,7 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=None, help="an ImageFolder (default: sample)")
     parser.add_argument("--out", type=Path, required=True, help="Trainer's output_dir")
-    parser.add_argument("--log", type=Path, default=None)
+    parser.add_argument("--events", type=Path, default=None)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--accumulate", type=int, default=1)
@@ -101,8 +101,8 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
 
     def log(record: dict[str, Any]) -> None:
-        if args.log is not None:
-            with open(args.log, "a") as f:
+        if args.events is not None:
+            with open(args.events, "a") as f:
                 f.write(json.dumps({"rank": rank, **record}) + "\n")
 
     class Net(torch.nn.Module):

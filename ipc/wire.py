@@ -489,6 +489,28 @@ class LogRelay:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Starting:
+    """What a worker does before its Hello: sent at each phase of its start and, while its
+    source indexes data that has none (a scan of tar shards), about every second. The trainer's
+    startup wait counts a worker that sends records as alive (``startup_timeout`` runs from the
+    last one), and names the last of these when a worker falls silent."""
+
+    __reduce__ = _reduce
+
+    phase: str  # the worker's phase (``workers.Phase``): "startup", "source", "feeders"
+    doing: str  # in words: "calling source(shard)", "indexing 10000 tar shards ..."
+    done: int = 0  # of ``total`` (0 of 0: nothing counted)
+    total: int = 0
+    seconds: float = 0.0  # since what it counts began
+
+    def describe(self) -> str:
+        """``doing``, with the count when there is one: ``indexing ...: 123 of 10,000, 41 s``."""
+        if not self.total:
+            return self.doing
+        return f"{self.doing}: {self.done:,} of {self.total:,} done, {self.seconds:.0f} s"
+
+
 TrainerMessage = StartEpoch | AbortEpoch | Release | CudaFreeEvents | Seek | BadSamples | Shutdown
 WorkerMessage = (
     Hello
@@ -503,6 +525,7 @@ WorkerMessage = (
     | WorkerFailure
     | WarningRelay
     | LogRelay
+    | Starting
 )
 
 

@@ -6,9 +6,10 @@ the direction and that no import circle exists)::
 
     cli/         the command line: python -m loader [doctor]      (prints)
     ---------    the public face: Loader (_loader), sample, tars, testing, _errors
-    run/         the run's lifecycle: Run, epochs, checkpoint, ranks, tuning
+    run/         the run's lifecycle: Run, launcher, epochs, checkpoint, ranks, tuning
     observe/     trace, diagnose, advice (reads the engine's snapshots)
-    engine/      coordinator, sessions, order, healing, failures, releases, views, stats
+    engine/      coordinator (waiting, routing, roster, agreement), sessions, order,
+                 healing, failures, releases, views, stats
     processes/   the pool, the worker server
     config/      settings, autotune policy, environment, validation, torch.distributed
 

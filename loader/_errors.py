@@ -46,14 +46,23 @@ class WorkerDiedError(LoaderError):
 class WorkerTimeoutError(LoaderError):
     """No batch came from a live worker within ``timeout`` seconds."""
 
-    def __init__(self, message: str, *, worker: int, stack: str) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker: int,
+        stack: str,
+        epoch: int | None = None,
+        step: int | None = None,
+        hung_load: Any = None,
+    ) -> None:
         super().__init__(message)
         self.worker = worker
         self.stack = stack
-        self.epoch: int | None = None
-        self.step: int | None = None  # the step the trainer was waiting for
+        self.epoch = epoch
+        self.step = step  # the step the trainer was waiting for
         #: the sample whose ``load`` hangs in the worker, when that is why it sent nothing
-        self.hung_load: Any = None
+        self.hung_load = hung_load
 
 
 class StartupError(LoaderError):

@@ -24,7 +24,6 @@ layout is the run's (:mod:`loader.run`, which says who may start or stop process
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -45,6 +44,7 @@ from .engine._stats import LoaderStats, Timeline, TrainerCounters, WorkerStats
 from .observe import _trace
 from .observe._diagnose import Diagnosis, diagnose
 from .run._epochs import EpochIterator, EpochSampler
+from .run._launcher import Launcher
 from .run._run import Run
 
 logger = logging.getLogger("loader")
@@ -107,7 +107,9 @@ class Loader:
         self._counters = TrainerCounters(created=time.monotonic())
         #: every batch's stage times and the trainer's next() calls (stats, diagnose, trace)
         self._timeline = Timeline(config.num_workers)
-        run = Run(config, autotuner=tuner, timeline=self._timeline, counters=self._counters)
+        run = Run(
+            Launcher(config, autotuner=tuner, timeline=self._timeline, counters=self._counters)
+        )
         self._run, self._closed = run, False
         self._sampler = EpochSampler(self)  # (it refers to this loader weakly)
         # the run refers to nothing of the loader's: dropping the loader closes it at once
@@ -261,7 +263,7 @@ class Loader:
         return self._closed or self._run is None or self._run.closed
 
     def worker_pids(self) -> list[int]:
-        return self._require().require().pids()
+        return self._require().pids()
 
     # ------------------------------------------------------------------------------ observe
     def stats(self, window: float = 10.0) -> LoaderStats:
@@ -271,15 +273,8 @@ class Loader:
         if isinstance(window, bool) or not isinstance(window, (int, float)) or not window > 0:
             raise ValueError(f"window must be a positive number of seconds, got {window!r}")
         run = self._run
-        assert run is not None and run.coordinator is not None
-        coordinator = run.coordinator
-        current = run.current
-        if current is not None and current.finished and not self.closed:
-            # an epoch over by count: its end (with the workers' counters) is on its way
-            coordinator.finish_epoch()
-        stats = coordinator.stats(self._counters, float(window), run.config.cpus)
-        tuner = run.autotuner
-        return stats if tuner is None else dataclasses.replace(stats, autotune=tuner.report())
+        assert run is not None
+        return run.stats(float(window))
 
     def diagnose(self, window: float = 30.0) -> Diagnosis:
         """Is the input pipeline the bottleneck? Over the last ``window`` seconds of iteration
@@ -289,17 +284,15 @@ class Loader:
         workers. With a ``torch.distributed`` group up a collective: call it on every rank
         (the shared settings are advised from every rank's figures; docs/diagnosis.md)."""
         run = self._run
-        assert run is not None and run.coordinator is not None
+        assert run is not None
         config = run.config
-        stats = self.stats(window)
-        sampling = run.coordinator.sampling()
         return diagnose(
-            stats,
+            self.stats(window),
             num_threads=config.num_threads,
             prefetch=config.prefetch,
             in_order=config.in_order,
             config=config,
-            fingerprint=None if sampling is None else sampling.fingerprint,
+            fingerprint=run.fingerprint(),
         )
 
     def save_trace(self, path: str | os.PathLike[str], seconds: float = 60.0) -> Path:
@@ -309,13 +302,14 @@ class Loader:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ValueError(f"seconds must be a positive number, got {seconds!r}")
         run = self._run
-        if run is None or run.coordinator is None:
+        names = None if run is None else run.worker_names()
+        if run is None or names is None:
             raise LoaderClosedError("the loader never started: there is nothing to trace")
         config = run.config
         trace = _trace.trace_events(
             self._timeline,
             float(seconds),
-            run.coordinator.worker_names(),
+            names,
             pid=os.getpid(),
             name=f"dali-capture-loader, rank {config.rank} of {config.world_size}",
         )

@@ -38,7 +38,6 @@ One line in a training script::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from typing import Any
@@ -47,6 +46,7 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from ._loader import Loader
+from .engine._views import carry_info
 
 #: The file of the loader's state in a Trainer checkpoint directory.
 STATE_NAME = "loader_state.json"
@@ -122,12 +122,7 @@ class LoaderTrainerMixin:
         return int(super().num_examples(dataloader))  # type: ignore[misc]
 
     def _prepare_input(self, data: Any) -> Any:
-        prepared = super()._prepare_input(data)  # type: ignore[misc]
-        info = getattr(data, "info", None)
-        if info is not None and prepared is not data:
-            with contextlib.suppress(AttributeError):  # a plain container: nothing to carry
-                prepared.info = info
-        return prepared
+        return carry_info(super()._prepare_input(data), data)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ the state in checkpoints
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

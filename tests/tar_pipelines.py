@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import io
 import tarfile
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import fsspec
 import nvidia.dali.experimental.dynamic as ndd
+from fsspec.implementations.local import LocalFileSystem
 
 from loader import Shard, sharded_tars
 
@@ -171,3 +175,27 @@ def decode_source_step(jpegs: Any, cls: Any, source: Any) -> dict[str, Any]:
         "label": ndd.cast(cls, dtype=ndd.int64),
         "source": ndd.cast(source, dtype=ndd.int64),
     }
+
+
+class ThrottledFileSystem(LocalFileSystem):  # type: ignore[misc]
+    """Local files behind ``throttled://`` URLs, served like a slow store: one object at a time
+    per process, each open (a read, a scan, a write) taking ``delay`` seconds; an open of a
+    path containing ``hang`` never returns. (fsspec's registry: the workers that import this
+    module read such URLs through the loader's ordinary remote storage.)"""
+
+    protocol: ClassVar[Any] = "throttled"
+    _serving: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, delay: float = 0.0, hang: str = "", **options: Any) -> None:
+        super().__init__(**options)
+        self.delay, self.hang = delay, hang
+
+    def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        if self.hang and self.hang in path:
+            time.sleep(3600)
+        with self._serving:
+            time.sleep(self.delay)
+        return super()._open(path, mode, *args, **kwargs)
+
+
+fsspec.register_implementation("throttled", ThrottledFileSystem, clobber=True)

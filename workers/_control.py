@@ -32,6 +32,13 @@ SKIP_DAMAGED: ContextVar[bool] = ContextVar("SKIP_DAMAGED", default=False)
 #: together), under which a source may share with them what each would ask the store for (a
 #: listing). Empty outside a worker: nothing is shared.
 STARTED_TOGETHER: ContextVar[str] = ContextVar("STARTED_TOGETHER", default="")
+#: While the worker builds its sources: tells the trainer what a long part of the start does
+#: (``report(doing, done, total, seconds)``, main thread only), so that the trainer's startup
+#: wait counts the worker as alive (a scan of shards without an index is not a hang) and names
+#: it if the worker falls silent. None outside a worker: nothing is told.
+REPORT_PROGRESS: ContextVar[Callable[[str, int, int, float], None] | None] = ContextVar(
+    "REPORT_PROGRESS", default=None
+)
 
 #: Told of a sample whose ``load`` raised under ``on_error="skip"``:
 #: (epoch, step, sample id, sample name, reason).
@@ -91,14 +98,23 @@ class FedBatch:
 class FeedState:
     """One built source's batches in flight, and how its iteration runs; main thread only.
 
-    ``continuous``: one iteration of the source runs every epoch in turn (set by the worker before
-    it starts the capture loop; see ``BatchedSamples.__iter__``).
+    ``continuous``: one iteration of the source runs every epoch in turn (set by the worker with
+    :meth:`set_continuous` before it starts the capture loop; see ``BatchedSamples.__iter__``).
     """
 
     def __init__(self) -> None:
-        self.continuous = False
+        self._continuous = False
         #: one record per batch handed to DALI and not yet delivered, oldest first
         self._fed: deque[FedBatch] = deque()
+
+    @property
+    def continuous(self) -> bool:
+        """Whether one iteration of the source runs every epoch in turn."""
+        return self._continuous
+
+    def set_continuous(self, continuous: bool) -> None:
+        """How the next iteration of the source runs: every epoch in turn, or one epoch."""
+        self._continuous = continuous
 
     def fed(self, batch: FedBatch) -> None:
         """The source handed ``batch`` to DALI."""

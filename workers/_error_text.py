@@ -10,15 +10,21 @@ operator's own error, and names no operator. Either way the message sent to the 
 line: ``CPU operator decoders.Image failed: nvImageCodec failure: '#3'``; DALI's whole text
 travels in the worker's traceback (the trainer's ``remote_traceback`` and ``__cause__``).
 
-When the worker has found the samples that fail alone (``Worker.find_failing_samples``), the
+When the worker has found the samples that fail alone (:mod:`workers._isolation`), the
 message starts with :data:`FAILING_SAMPLES` and names them, and the trainer adds the hint that
-``on_error="skip"`` leaves them out.
+``on_error="skip"`` leaves them out. :func:`failure` makes the record the trainer gets, from the
+error and what the worker knows of it (:mod:`workers._error_context`).
 """
 
 from __future__ import annotations
 
 import re
+import traceback
 from collections.abc import Sequence
+
+from ipc import wire
+
+from ._error_context import context_of
 
 #: How a message naming the samples that fail alone starts (``failing sample 14 (/a/b.jpg):
 #: ...``); the trainer adds the ``on_error="skip"`` hint to such a message.
@@ -92,6 +98,24 @@ def short_reason(error: BaseException, printed: Sequence[str] = ()) -> str:
     if printed:
         text += f" (printed: {'; '.join(printed)})"
     return text[:CAUSE_LIMIT]
+
+
+def failure(
+    error: BaseException, *, phase: str, epoch: int | None, step: int | None
+) -> wire.WorkerFailure:
+    """The record of ``error`` for the trainer: ``phase`` (the worker's) unless the error's
+    context names its own, and DALI's long text in a line (the failing samples first when they
+    are known); the whole text travels in the traceback."""
+    kind, known = type(error), context_of(error)
+    return wire.WorkerFailure(
+        type_module=kind.__module__,
+        type_name=kind.__qualname__,
+        message=known.message or message(error),
+        traceback="".join(traceback.format_exception(error)),
+        epoch=epoch,
+        step=step,
+        phase=known.phase or phase,
+    )
 
 
 def _cause(lines: Sequence[str]) -> str:

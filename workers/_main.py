@@ -46,6 +46,27 @@ class _RelayHandler(logging.Handler):
             self._channel.send(wire.LogRelay(record.levelno, record.getMessage()))
 
 
+def _relay_warning(
+    channel: ControlChannel,
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    """``warnings.showwarning``: a warning of the main thread goes to the trainer, which shows
+    it; one of another thread is dropped (the channel is the main thread's)."""
+    if threading.get_ident() != threading.main_thread().ident:
+        return
+    with contextlib.suppress(ChannelClosed, OSError):
+        channel.send(
+            wire.WarningRelay(
+                category.__module__, category.__qualname__, str(message), filename, lineno
+            )
+        )
+
+
 def _watch_trainer(alive: Connection) -> None:
     """Exit the process as soon as the trainer is gone (its end of ``alive`` closes)."""
     with contextlib.suppress(EOFError, OSError):
@@ -96,7 +117,7 @@ def run_worker(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Con
 
     logging.getLogger().handlers[:] = [_RelayHandler(channel)]
     logging.getLogger().setLevel(spec.log_level)
-    warnings.showwarning = worker.relay_warning
+    warnings.showwarning = functools.partial(_relay_warning, channel)
     code = 0
     try:
         worker.start()

@@ -39,3 +39,12 @@ class WorkerSpec:
     #: the random generators' states for the first batch (a replacement goes on with those of
     #: the batch it starts at); empty: seeded from the seed, the shard and the epoch
     random: bytes = b""
+
+    def call_step(self, inputs: Any, feeders: Mapping[str, Any]) -> Any:
+        """The user's ``step`` on one batch of the source's ``inputs`` (a mapping: by name; a
+        tuple: in order; else alone) and the ``feeders``' batches (by name)."""
+        if isinstance(inputs, Mapping):
+            return self.step(**inputs, **feeders)
+        if isinstance(inputs, tuple):
+            return self.step(*inputs, **feeders)
+        return self.step(inputs, **feeders)

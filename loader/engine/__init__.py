@@ -1,7 +1,10 @@
 """The engine: one layout's event loop and its policies.
 
-Owns: the :class:`~loader.engine._coordinator.Coordinator` (the event loop: the only code that
-sends to workers, raises their failures or closes the pool), each worker's
+Owns: the :class:`~loader.engine._coordinator.Coordinator` (the event loop the run drives: the
+only code that raises the workers' failures or closes the pool) and its parts: the roster of
+sessions, the one way records go to workers (:mod:`._roster`), the wait on every worker that
+replaces a dead or stuck one (:mod:`._waiting`), record routing (:mod:`._routing`), and the
+signature agreement (:mod:`._agreement`); each worker's
 :class:`~loader.engine._session.WorkerSession` (one state machine), and the policies that return
 decisions and never call back: order (:mod:`._order`), healing (:mod:`._healing`), releases
 (:mod:`._releases`), failures (:mod:`._failures`); the batches users hold (:mod:`._views`) and

@@ -1,48 +1,50 @@
 """The coordinator: the trainer's event loop over every worker. Runs in the trainer.
 
-It waits on all control channels, all process sentinels and the release queue's wakeup pipe at
-once (one ``select.poll``), so a record, a dead worker or a released slot each wake it at once;
-there is no polling. It routes each record to its worker's session (:mod:`loader.engine._session`),
-which updates itself, and acts on what the policies decide: which worker is served next
-(:mod:`loader.engine._order`), whether a dead or stuck worker is replaced
-(:mod:`loader.engine._healing`), when
-a slot goes back (:mod:`loader.engine._releases`), what a failure becomes
-(:mod:`loader.engine._failures`).
-It is the only code that sends to workers, raises their failures, or closes the pool.
+It owns one layout's engine and is what the run calls: the lifecycle commands (start the
+workers, start an epoch, finish or abort it, seek), the next batch in the loader's order
+(:mod:`loader.engine._order`; a skipped batch is judged by :mod:`loader.engine._healing`, a
+trainer that holds every slot is told so), the queries on the workers (sampling, steps, epochs,
+random states, stats), and failing and closing the pool. The parts it is made of:
 
-A wait only reports what happened; lifecycle commands (start an epoch, abort it, seek) are "send,
-then wait until a condition on the sessions holds", so a worker replaced in the middle of a
-command is covered by the same condition.
+* :mod:`loader.engine._roster`: every worker's session (:mod:`loader.engine._session`), and the
+  one way records go to workers;
+* :mod:`loader.engine._waiting`: the one wait on every worker, which replaces a dead or stuck one
+  (or raises);
+* :mod:`loader.engine._routing`: each record to its session and the policy it concerns;
+* :mod:`loader.engine._agreement`: whether every worker traced the same loop.
+
+A wait only reports what happened; lifecycle commands are "send, then wait until a condition on
+the sessions holds", so a worker replaced in the middle of a command is covered by the same
+condition.
 
 Invariants: only the trainer's thread that iterates calls into it; a failure closes the pool
-before the exception leaves, so nothing is left running behind an error.
+before the exception leaves, so nothing is left running behind an error (what the wait raises
+too: :meth:`Coordinator._wait` fails the pool first).
 """
 
 from __future__ import annotations
 
 import gc
-import logging
-import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ipc import ChannelClosed, ProtocolError, SlotReader, open_region, wire
+from ipc import ProtocolError, SlotReader, wire
 from ipc.wire import Position, Sampling
 
-from .._errors import SlotsExhaustedError, StartupError
+from .._errors import SlotsExhaustedError
 from ..processes._pool import WorkerPool
 from . import _failures
-from ._healing import Fail, Healing
+from ._agreement import Agreement
+from ._healing import Healing
 from ._order import ArrivalOrder, InOrder, Take
 from ._releases import Releases
+from ._roster import Roster
+from ._routing import Router
 from ._session import Delivery, Idle, Stopped, WorkerSession
 from ._stats import LoaderStats, Timeline, TrainerCounters, snapshot
-
-logger = logging.getLogger("loader")
-
-Limit = tuple[float | None, str]  # how long to wait, and the setting it comes from
+from ._waiting import Limit, Waiter
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,37 +76,45 @@ class Coordinator:
         self.timeline = timeline or Timeline(0)
         self.healing = healing
         self.order = InOrder() if in_order else ArrivalOrder()
-        self.stream_of = stream_of
         self.releases = Releases()
-        self.sessions: list[WorkerSession] = []
-        self.reference: wire.Signature | None = None  # the signature every worker agrees on
+        self.roster = Roster(self.releases)
+        self.agreement = Agreement()
+        router = Router(self.roster, healing, self.agreement, self.order, self.timeline, stream_of)
+        self._waiter = Waiter(self.roster, pool, healing, router, self.agreement)
         self.failure: BaseException | None = None
-        self.wait_ns = 0
-        self._agreement_due = False
-        self._fallback_warned = False
-        self._poller: tuple[select.poll, dict[int, WorkerSession], dict[int, WorkerSession]]
-        self._poller = None  # type: ignore[assignment]
-        self._poller_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._closed = False
+
+    @property
+    def sessions(self) -> list[WorkerSession]:
+        """Every worker's session, in worker order (the roster's)."""
+        return self.roster.sessions
+
+    @property
+    def reference(self) -> wire.Signature | None:
+        """The signature every worker agrees on (None before one arrived)."""
+        return self.agreement.reference
+
+    @property
+    def wait_ns(self) -> int:
+        """Time the trainer spent waiting on its workers, over the pool's life."""
+        return self._waiter.wait_ns
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self, timeout: float) -> None:
-        """Start every worker (all before waiting for any), then wait until each said Hello."""
+        """Start every worker (all before waiting for any), then wait until each said Hello.
+        ``timeout`` (``startup_timeout``) runs from each worker's last record: one that tells
+        what it does (``wire.Starting``: a scan of shards without an index) is alive; one
+        silent that long fails, named with what it last said it does."""
         self.pool.start()
-        self.sessions = [WorkerSession(handle) for handle in self.pool.handles]
+        self.roster.open(self.pool.handles)
         self.timeline.ensure(len(self.sessions))
-        deadline = time.monotonic() + timeout
         while starting := [s for s in self.sessions if not s.up]:
-            remaining = deadline - time.monotonic()
+            late = min(starting, key=lambda s: s.heard_at)
+            remaining = late.heard_at + timeout - time.monotonic()
             if remaining <= 0:
-                raise self._fail(
-                    StartupError(
-                        f"{starting[0].describe()} did not start within {timeout:g} s "
-                        "(startup_timeout); the machine may be overloaded"
-                    )
-                )
-            self._wait(starting[0], (remaining, ""), startup=True)
-        self._expect_signatures()
+                raise self._fail(_failures.not_started(late, timeout))
+            self._wait(late, (remaining, ""), startup=True)
+        self.agreement.expect(self.sessions)
 
     def start_epoch(self, epoch: int, base_steps: list[int] | None = None, cursor: int = 0) -> None:
         """Every worker runs ``epoch`` (a process still starting is told after its Hello); the
@@ -114,9 +124,8 @@ class Coordinator:
         self.finish_epoch()
         self.order.start(cursor)
         for index, session in enumerate(self.sessions):
-            self._send(
-                session, session.start_epoch(epoch, 0 if base_steps is None else base_steps[index])
-            )
+            base_step = 0 if base_steps is None else base_steps[index]
+            self.roster.send(session, session.start_epoch(epoch, base_step))
 
     def finish_epoch(self) -> None:
         """Wait for the end of the epoch whose batches were all delivered (a trainer that stops
@@ -135,12 +144,12 @@ class Coordinator:
         """Stop ``epoch`` everywhere and wait until every worker rebuilt its sources for the
         next one (a process still starting does it after its Hello: commands go in order)."""
         for session in self.sessions:
-            while session.queue:
-                self._send(session, self.releases.now(session.reader, session.queue.popleft()))
+            for descriptor in session.take_queued():
+                self.roster.release(session, descriptor)
             if not isinstance(session.target, Idle):
-                self._send(session, session.abort_epoch(epoch))
+                self.roster.send(session, session.abort_epoch(epoch))
         self._until(_idle, self._command_limit)
-        self._expect_signatures()
+        self.agreement.expect(self.sessions)
 
     def seek(self, position: Position, random: list[wire.RandomStates] | None = None) -> list[int]:
         """Every worker rebuilds its sources to start ``position.epoch`` at ``position`` (with
@@ -148,9 +157,10 @@ class Coordinator:
         has left in that epoch."""
         self.finish_epoch()  # (an epoch over by count: its end is on its way)
         for index, session in enumerate(self.sessions):
-            self._send(session, session.seek(position, b"" if random is None else random[index]))
+            states = b"" if random is None else random[index]
+            self.roster.send(session, session.seek(position, states))
         self._until(_idle, self._command_limit)
-        self._expect_signatures()
+        self.agreement.expect(self.sessions)
         return [s.resumed_steps or 0 for s in self.sessions]
 
     def wait_signatures(self) -> None:
@@ -175,11 +185,6 @@ class Coordinator:
         trace = self.healing.timeouts.trace
         return trace, "" if trace is None else f"startup_timeout={trace:g}"
 
-    def _expect_signatures(self) -> None:
-        for session in self.sessions:
-            session.signature_pending = True
-        self._agreement_due = True
-
     # ------------------------------------------------------------------------------ batches
     def next_batch(self, step: int) -> Delivery | None:
         """The next batch in the loader's order, the rank's ``step`` of the epoch (what
@@ -189,11 +194,11 @@ class Coordinator:
             if decision is None:
                 return None
             if isinstance(decision, Take):
-                self._send_releases(lazy=True)
+                self.roster.send_releases(lazy=True)
                 return self._deliver(self.sessions[decision.worker], step)
             blocked = [self.sessions[index] for index in decision.blocked]
             if all(s.reader.all_held for s in blocked):
-                self._send_releases(lazy=False)
+                self.roster.send_releases(lazy=False)
                 if all(s.reader.all_held for s in blocked):
                     self._collect_views(blocked[0])
             waiting = self.sessions[decision.worker]
@@ -212,7 +217,7 @@ class Coordinator:
         """The batch is a private copy (``copy=True``): its slot goes back now."""
         session = self.sessions[worker]
         if session.reader is reader:
-            self._send(session, self.releases.now(reader, descriptor))
+            self.roster.release(session, descriptor)
 
     def output_kind(self, worker: int) -> str:
         signature = self.reference or self.sessions[worker].signature
@@ -221,7 +226,7 @@ class Coordinator:
     def _collect_views(self, session: WorkerSession) -> None:
         """Before declaring every slot held: collect dead views and send their releases."""
         gc.collect()
-        self._send_releases(lazy=False)
+        self.roster.send_releases(lazy=False)
         if session.reader.all_held and not session.queue:
             raise self._fail(
                 SlotsExhaustedError(
@@ -231,10 +236,6 @@ class Coordinator:
                     "copy=True to get private copies, or raise prefetch="
                 )
             )
-
-    def _send_releases(self, *, lazy: bool) -> None:
-        for worker, record in self.releases.due(self.sessions, lazy=lazy):
-            self.sessions[worker].handle.send(record)
 
     # ------------------------------------------------------------------------------ queries
     def sampling(self) -> Sampling | None:
@@ -302,163 +303,19 @@ class Coordinator:
             cpus=cpus,
         )
 
-    # ------------------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------------------ the wait
     def _wait(self, wanted: WorkerSession, limit: Limit, *, startup: bool = False) -> None:
-        """Wait until something arrives, then handle everything that did. When ``limit`` passes
-        with nothing from anyone, ``wanted`` is stuck (healed or failed; at startup the caller
-        decides). Anything that escapes (a failure, a torn record, an interrupt) closes the pool
-        first."""
+        """Wait until something arrives, then handle everything that did (see
+        :class:`~loader.engine._waiting.Waiter`). Anything that escapes (a failure, a torn
+        record, an interrupt) closes the pool first."""
         try:
-            self._wait_once(wanted, limit, startup)
+            self._waiter.wait(wanted, limit, startup)
         except BaseException as error:
             if self.failure is None:
                 self._fail(error)
             raise
 
-    def _wait_once(self, wanted: WorkerSession, limit: Limit, startup: bool) -> None:
-        timeout, setting = limit
-        self.releases.queue.waiting = True  # from here, a finalizer on this thread wakes us
-        try:
-            # lazy: releases a worker does not need to go on are held back (see Releases.due)
-            self._send_releases(lazy=True)
-            poller, channels, sentinels = self._poller_for_live_sessions()
-            started = time.perf_counter_ns()
-            ready = poller.poll(None if timeout is None else max(0, int(timeout * 1000)))
-            self.wait_ns += time.perf_counter_ns() - started
-        finally:
-            self.releases.queue.waiting = False
-        if not ready:
-            if not startup:
-                assert timeout is not None  # (a wait without a limit does not time out)
-                self._heal(wanted, *_failures.timed_out(wanted, timeout, setting))
-            return
-        died: list[WorkerSession] = []
-        for fd, _events in ready:
-            if fd in channels:
-                self._drain(channels[fd])
-            elif fd in sentinels:
-                died.append(sentinels[fd])
-            elif fd == self.releases.queue.wakeup_fd:
-                self.releases.queue.clear_wakeup()
-        for session in died:
-            self._drain(session)  # a failure record sent just before exiting explains the exit
-            self._heal(session, *_failures.died(session))
-        self._send_releases(lazy=True)
-
-    def _poller_for_live_sessions(
-        self,
-    ) -> tuple[select.poll, dict[int, WorkerSession], dict[int, WorkerSession]]:
-        """One ``select.poll`` over live channels, sentinels and the wakeup pipe, rebuilt only
-        when the set of live workers changes (``multiprocessing.connection.wait`` would build a
-        selector on every call)."""
-        live = tuple(
-            s.index for s in self.sessions if not s.handle.exited and not s.handle.channel.closed
-        )
-        at_eof = tuple(s.index for s in self.sessions if s.handle.eof)
-        if self._poller is None or self._poller_key != (live, at_eof):
-            poller = select.poll()
-            channels: dict[int, WorkerSession] = {}
-            sentinels: dict[int, WorkerSession] = {}
-            for index in live:
-                session = self.sessions[index]
-                if not session.handle.eof:
-                    channels[session.handle.channel.fileno()] = session
-                sentinels[session.handle.process.sentinel] = session
-            for fd in (*channels, *sentinels, self.releases.queue.wakeup_fd):
-                poller.register(fd, select.POLLIN)
-            self._poller = (poller, channels, sentinels)
-            self._poller_key = (live, at_eof)
-        return self._poller
-
-    def _drain(self, session: WorkerSession) -> None:
-        """Handle every record the worker sent so far (one receive)."""
-        channel = session.handle.channel
-        try:
-            records = channel.receive_ready()
-        except ChannelClosed:  # this end was closed (the worker is being replaced)
-            records = []
-        for record in records:
-            self._dispatch(session, record)
-        if channel.at_eof:
-            # The worker is gone or going: from now on only its sentinel is waited on, which
-            # fires once the process has exited (no spinning on a readable end of stream).
-            session.handle.eof = True
-            self._poller = None  # type: ignore[assignment]
-
-    def _dispatch(self, session: WorkerSession, record: Any) -> None:
-        if isinstance(record, wire.BatchReady):
-            self.timeline.batch(session.index, session.epoch_step(record.step), record)
-            if session.on_batch(record):
-                self.order.arrived(session.index)
-            else:  # a batch of an epoch the trainer left
-                self._send(session, self.releases.now(session.reader, record))
-        elif isinstance(record, (wire.ArenaReady, wire.CudaRingReady)):
-            session.reader.attach(open_region(record, session.handle.channel, self.stream_of))
-        elif isinstance(record, (wire.Signature, wire.EpochEnd)):
-            if isinstance(record, wire.Signature):
-                session.on_signature(record)
-            else:
-                session.on_epoch_end(record)
-            self._check_agreement()
-        elif isinstance(record, wire.EpochAborted):
-            session.on_aborted(record)
-        elif isinstance(record, wire.Sought):
-            session.on_sought(record)
-        elif isinstance(record, wire.Hello):
-            self._send(session, session.on_hello(record))
-        elif isinstance(record, wire.SamplesFailed):
-            self._tell_others(session, self.healing.samples_failed(session, record))
-        elif isinstance(record, wire.WorkerFailure):
-            raise self._fail(_failures.relayed(session, record))
-        elif isinstance(record, wire.WarningRelay):
-            _failures.relay_warning(session, record)
-        elif isinstance(record, wire.LogRelay):
-            logger.log(record.level, "worker %d: %s", session.index, record.message)
-        else:
-            raise self._fail(
-                ProtocolError(
-                    f"{session.describe()} sent an unknown record {type(record).__name__}"
-                )
-            )
-
-    def _check_agreement(self) -> None:
-        """Once every pending signature arrived: every worker traced the same loop."""
-        if not self._agreement_due or any(s.signature_pending for s in self.sessions):
-            return
-        self._agreement_due = False
-        error, fell_back = _failures.disagreement(self.sessions)
-        if error is not None:
-            raise self._fail(error)
-        self.reference = next((s.signature for s in self.sessions if s.signature), None)
-        if fell_back and not self._fallback_warned:
-            self._fallback_warned = True
-            _failures.warn_fallback(fell_back)
-
-    # ------------------------------------------------------------------------------ acting
-    def _send(self, session: WorkerSession, record: Any) -> None:
-        if record is not None:
-            session.handle.send(record)
-
-    def _tell_others(self, session: WorkerSession, record: wire.BadSamples | None) -> None:
-        for other in self.sessions:
-            if other is not session:
-                self._send(other, record)
-
-    def _heal(self, session: WorkerSession, error: BaseException, cause: str) -> None:
-        """Replace ``session``'s worker when the healing policy allows; else raise ``error``."""
-        decision, found = self.healing.decide(session, error, cause)
-        self._tell_others(session, found)
-        if isinstance(decision, Fail):
-            raise self._fail(decision.error)
-        if decision.budgeted:
-            session.counters.restarts += 1
-        session.drop_process()
-        handle = self.pool.replace(session.index, decision.spec)
-        session.replaced(handle, decision.target, decision.first_step)
-        self.healing.started(session)
-        self._agreement_due = True
-        self._poller = None  # type: ignore[assignment]
-
+    # ------------------------------------------------------------------------------ failing
     def fail(self, error: BaseException) -> BaseException:
         """Record a failure found outside the loop (across ranks) and stop the pool."""
         return self._fail(error)
@@ -479,10 +336,7 @@ class Coordinator:
             return
         self._closed = True
         for session in self.sessions:
-            session.queue.clear()
-            session.reader.close()
-            if not isinstance(session.target, Stopped):
-                session.go(Stopped(failed=False))
+            session.close()
         self.pool.close()
         self.releases.close()
 

@@ -1,8 +1,9 @@
 """What goes wrong in a worker, as the exception the trainer raises. Runs in the trainer.
 
 Every function here *returns* an exception (and, for a restart's log, a one-line cause); the
-coordinator decides whether to raise it or to heal. The worker, shard, epoch and step are in
-every message; a worker's exception arrives as the same class when the trainer knows it.
+coordinator or its wait (:mod:`loader.engine._waiting`) decides whether to raise it or to heal.
+The worker, shard, epoch and step are in every message; a worker's exception arrives as the same
+class when the trainer knows it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .._errors import (
     AgreementError,
     RemoteTraceback,
     SharedMemoryError,
+    StartupError,
     WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
@@ -132,7 +134,7 @@ def died(session: WorkerSession) -> tuple[BaseException, str]:
     exitcode = handle.process.exitcode
     text, signal_name = describe_exit(exitcode)
     stack = handle.read_stack(0.2)
-    handle.exited = True
+    handle.mark_exited()
     last = (
         "no batch yet"
         if session.last_step is None
@@ -156,18 +158,40 @@ def died(session: WorkerSession) -> tuple[BaseException, str]:
     return error, cause
 
 
+def read_stack(session: WorkerSession) -> str:
+    """Every thread's stack of ``session``'s live process (faulthandler's), or ""."""
+    handle = session.handle
+    if handle.pid is None or handle.exited:
+        return ""
+    try:
+        os.kill(handle.pid, STACK_SIGNAL)
+        return handle.read_stack(1.5)
+    except (ProcessLookupError, OSError):
+        return ""
+
+
+def _stack_text(stack: str) -> str:
+    if not stack.strip():
+        return "\n(the worker's stack could not be read)"
+    return f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
+
+
+def not_started(session: WorkerSession, timeout: float) -> StartupError:
+    """The error of a worker that sent nothing for ``timeout`` (``startup_timeout``) before
+    its Hello: what it was doing (the last ``wire.Starting`` it sent) and its stack."""
+    return StartupError(
+        f"{session.describe()} did not start: it sent nothing for {timeout:g} s "
+        f"(startup_timeout) and has not said Hello; {session.doing()}. The machine may be "
+        "overloaded, or that step hangs (the stack below says where)"
+        + _stack_text(read_stack(session))
+    )
+
+
 def timed_out(session: WorkerSession, timeout: float, setting: str) -> tuple[BaseException, str]:
     """The error a worker that sent nothing for ``timeout`` (``setting`` says where that limit
     comes from) raises, its stack read first; and a cause for a restart's log. The sample a
     ``load`` is stuck on, when there is one, travels as ``error.hung_load``."""
-    handle = session.handle
-    stack = ""
-    if handle.pid is not None and not handle.exited:
-        try:
-            os.kill(handle.pid, STACK_SIGNAL)
-            stack = handle.read_stack(1.5)
-        except (ProcessLookupError, OSError):
-            stack = ""
+    stack = read_stack(session)
     waiting_for = "its first batch" if session.received == 0 else "a batch"
     step = session.epoch_step(session.next_step)  # the epoch's, not this process's
     # the sample a load has been stuck on since (about) the wait began hangs; a load that
@@ -182,19 +206,20 @@ def timed_out(session: WorkerSession, timeout: float, setting: str) -> tuple[Bas
             else f"sample {hung.index} ({hung.name})"
         )
         hangs = f"; its load() hangs on {named} (running for {hung.seconds:.1f} s)"
+    if not session.up:  # (a replacement that has not said Hello yet)
+        hangs += f"; {session.doing()}"
     message = (
         f"{session.describe()} sent nothing for {timeout:g} s while the trainer waited for "
         f"{waiting_for} ({setting}) [{where(session, session.epoch, step)}]{hangs}"
+    ) + _stack_text(stack)
+    error = WorkerTimeoutError(
+        message,
+        worker=session.index,
+        stack=stack,
+        epoch=session.epoch,
+        step=step,
+        hung_load=hung,
     )
-    message += (
-        f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
-        if stack.strip()
-        else "\n(the worker's stack could not be read)"
-    )
-    error = WorkerTimeoutError(message, worker=session.index, stack=stack)
-    error.step = step
-    error.epoch = session.epoch
-    error.hung_load = hung
     cause = f"sent nothing for {timeout:g} s ({setting}){hangs}"
     if stack.strip():
         cause += f"; stuck in: {top_frames(stack)}"

@@ -4,7 +4,7 @@ are skipped, and how long the trainer waits for a worker. Runs in the trainer.
 :class:`Healing` holds the restart budget, the registry of samples that fail (``on_error=
 "skip"``) and the skip limit. It answers with decisions -- :class:`Replace` (a new process, its
 spec and what it does once up) or :class:`Fail` (the error to raise) -- and never sends, spawns
-or raises itself; the coordinator acts on them.
+or raises itself; the coordinator's wait (:mod:`loader.engine._waiting`) acts on them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A delivered batch's views keep its slot; when the last of them is collected, a f
 the slot's release in the :class:`ReleaseQueue` (finalizers may run in any thread, so they never
 write to a channel). :class:`Releases` decides which queued releases to send and when: one
 record per worker, batched by half a ring while that costs the worker nothing, and at once for
-``copy=True`` (the batch is a private copy). It returns records; the coordinator sends them.
+``copy=True`` (the batch is a private copy). It returns records; the roster
+(:mod:`loader.engine._roster`) sends them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ipc import SlotReader, wire
@@ -32,11 +33,21 @@ class ReleaseQueue:
         self._closed = False
         self._signalled = False
         #: Set by the trainer's thread from just before its last flush until its wait returns.
-        self.waiting = False
+        self._waiting = False
 
     @property
     def wakeup_fd(self) -> int:
         return self._read_fd
+
+    @contextlib.contextmanager
+    def trainer_waiting(self) -> Iterator[None]:
+        """Around the trainer's last flush and its wait: a release queued meanwhile, on any
+        thread, wakes the wait."""
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
 
     def put(self, owner: Any, slot: int, generation: int) -> None:
         """Queue the release of ``slot``'s fill ``generation`` of ``owner`` (the slot reader of
@@ -44,7 +55,7 @@ class ReleaseQueue:
         self._items.append((owner, slot, generation))
         # The trainer's thread flushes the queue before it waits; it needs waking only when it is
         # waiting already (or about to), or when the release comes from another thread.
-        if not self.waiting and threading.current_thread() is threading.main_thread():
+        if not self._waiting and threading.current_thread() is threading.main_thread():
             return
         with self._lock:
             if not self._closed:

@@ -1,17 +1,19 @@
 """A worker's session as the trainer sees it: what the worker is to do, its queue, its counters.
 
-Runs in the trainer. The coordinator owns one :class:`WorkerSession` per worker. A session holds
-one *target* -- what its worker is doing or, while a process starts, will do once it said Hello
-(:class:`Idle`, :class:`Running`, :class:`Aborting`, :class:`Seeking`, :class:`Stopped`) -- and
-whether its current process is up. Every change goes through :meth:`WorkerSession.go` or
-:meth:`WorkerSession.replaced`, checked against the lifecycle table of :class:`WorkerState`. The
-session handles its own worker's records (``on_*``); each returns the record the coordinator must
-send, if any. It never sends, raises for a failure of the job, or closes anything itself.
+Runs in the trainer. The roster (:mod:`loader.engine._roster`) holds one :class:`WorkerSession`
+per worker. A session holds one *target* -- what its worker is doing or, while a process starts,
+will do once it said Hello (:class:`Idle`, :class:`Running`, :class:`Aborting`, :class:`Seeking`,
+:class:`Stopped`) -- and whether its current process is up. Every change goes through
+:meth:`WorkerSession.go` or :meth:`WorkerSession.replaced`, checked against the lifecycle table of
+:class:`WorkerState`. The session handles its own worker's records (``on_*``); each returns the
+record the engine must send, if any. It never sends, raises for a failure of the job, or closes
+anything itself.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -164,6 +166,11 @@ class WorkerSession:
         self.random: wire.RandomStates = b""
         self.last_step: int | None = None
         self.counters = WorkerCounters()
+        #: when the current process last sent anything (or was started): a starting worker is
+        #: given ``startup_timeout`` from there (a long scan that reports progress is alive)
+        self.heard_at = time.monotonic()
+        #: what the current process last said it does before its Hello (None: nothing yet)
+        self.starting: wire.Starting | None = None
 
     # ------------------------------------------------------------------------ state
     @property
@@ -191,10 +198,21 @@ class WorkerSession:
         self.queue.clear()
         self.reader.close()
 
+    def count_restart(self) -> None:
+        """A replacement of this worker counts against ``max_restarts`` (``stats()`` shows it)."""
+        self.counters.restarts += 1
+
+    def close(self) -> None:
+        """The pool closes: queued batches and slot regions go, a live worker is stopped."""
+        self.drop_process()
+        if not isinstance(self.target, Stopped):
+            self.go(Stopped(failed=False))
+
     def replaced(self, handle: WorkerHandle, target: Target, first_step: int) -> None:
         """A new process for this worker, that does ``target`` once it said Hello."""
         self.go(target, up=False)
         self.handle = handle
+        self.heard_at, self.starting = time.monotonic(), None
         self.drop_process()
         self.reader = SlotReader(handle.spec.num_slots, self.index)
         self.received = 0
@@ -248,6 +266,17 @@ class WorkerSession:
         self.go(Running(epoch, start))
         return wire.StartEpoch(epoch) if self.up else None
 
+    def take_queued(self) -> list[wire.BatchReady]:
+        """Every queued batch, taken off the queue (the trainer drops them: their slots go
+        back)."""
+        taken = list(self.queue)
+        self.queue.clear()
+        return taken
+
+    def expect_signature(self) -> None:
+        """The worker's sources are (being) rebuilt: its loop sends a signature again."""
+        self.signature_pending = True
+
     def abort_epoch(self, epoch: int) -> wire.AbortEpoch:
         self.go(Aborting(epoch))
         self.random = b""  # the worker seeds its generators again for the next epoch
@@ -262,6 +291,22 @@ class WorkerSession:
         return wire.Seek(position, random)
 
     # ------------------------------------------------------------------------ records
+    def heard(self, records: int) -> None:
+        """``records`` arrived from the current process: it is alive now."""
+        if records:
+            self.heard_at = time.monotonic()
+
+    def on_starting(self, message: wire.Starting) -> None:
+        """What the process does before its Hello (named if it falls silent)."""
+        self.starting = message
+
+    def doing(self) -> str:
+        """What a starting process last said it does, and how long ago (for messages)."""
+        if self.starting is None:
+            return "it never said what it does (starting its process: spawn, imports)"
+        ago = time.monotonic() - self.heard_at
+        return f"it was last {self.starting.describe()} ({ago:.1f} s ago)"
+
     def on_hello(self, message: wire.Hello) -> wire.StartEpoch | None:
         """The process is up: a replacement goes on with what its predecessor did."""
         self.hello = message

@@ -194,6 +194,23 @@ class TrainerCounters:
         if self.first_batch is None and self.iterating_since is not None:
             self.first_batch = now - self.iterating_since
 
+    def ready(self, now: float, startup_wait_ns: int) -> None:
+        """The first pool is ready: it waited ``startup_wait_ns`` for its workers."""
+        self.ready_at, self.startup_wait_ns = now, startup_wait_ns
+
+    def relaunched(self, startup_wait_ns: int) -> None:
+        """A new pool replaced the old one: its startup wait is what counts as startup's."""
+        self.startup_wait_ns = startup_wait_ns
+
+    def iterating(self, now: float) -> None:
+        """An epoch started: iteration runs from the first one's start."""
+        if self.iterating_since is None:
+            self.iterating_since = now
+
+    def epoch_over(self, now: float) -> None:
+        """An epoch ended without a batch more (its ``StopIteration``)."""
+        self.last_batch_at = now
+
 
 #: One worker's batch on the time line: epoch, the epoch's step, ns blocked on a slot, its times.
 BatchRecord = tuple[int, int, int, wire.StageTimes]

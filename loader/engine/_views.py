@@ -83,6 +83,19 @@ class LoadedTuple(tuple[Any, ...]):
         return moved
 
 
+def carry_info(rebuilt: Any, source: Any) -> Any:
+    """``rebuilt`` (a batch a trainer rebuilt as ``type(batch)({...})``, which drops attributes)
+    with ``source``'s ``info`` again, where it can hold one; returns ``rebuilt``."""
+    info = getattr(source, "info", None)
+    if (
+        info is not None
+        and rebuilt is not source
+        and isinstance(rebuilt, (LoadedBatch, LoadedTuple))
+    ):
+        rebuilt.info = info
+    return rebuilt
+
+
 def register_pytree_nodes() -> None:
     """Let ``torch.utils._pytree`` (``tree_map``, ``torch.compile``, FSDP, ...) flatten the
     batch types and rebuild them with ``info``. Idempotent; a loader with torch output calls it

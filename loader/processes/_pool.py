@@ -83,11 +83,14 @@ class WorkerHandle:
         self.stack = stack
         self.alive = alive
         self.exited = False
-        self.eof = False  # its control channel reached end of stream (the worker is going)
         self.pid: int | None = None
 
     def describe(self) -> str:
         return f"worker {self.index} ({self.shard.describe()}, pid {self.pid})"
+
+    def mark_exited(self) -> None:
+        """Its process has exited (nothing is sent to it any more)."""
+        self.exited = True
 
     def read_stack(self, wait_seconds: float) -> str:
         """Read what faulthandler wrote to the stack pipe, waiting up to ``wait_seconds``."""

@@ -1,7 +1,8 @@
 """The run's lifecycle: what changes per epoch and per layout.
 
-Owns: the :class:`~loader.run._run.Run` (the pool and coordinator of the current layout, the
-epoch being delivered, and the one ``Progress`` a state encodes), the epoch protocol
+Owns: the :class:`~loader.run._run.Run` (the epoch being delivered, and the one ``Progress`` a
+state encodes), its :class:`~loader.run._launcher.Launcher` (the pool and coordinator of the
+current layout: the only object that starts or replaces them), the epoch protocol
 (:mod:`._epochs`), the state's encoding (:mod:`._checkpoint`), the agreement across ranks
 (:mod:`._ranks`) and the measurements that ``num_workers="auto"`` decides on (:mod:`._tuning`).
 Only ``iter()`` and ``close()`` reach it to start, stop or replace processes.

@@ -25,6 +25,9 @@ from typing import Any
 from ipc.wire import Position, RandomStates, Sampling, join_states, split_states
 from workers import describe_difference
 
+from ..config import _distributed
+from ..config._config import LoaderConfig
+
 logger = logging.getLogger("loader")
 
 #: 3: a rank's batches are shared out whole among its workers (only a rank's last batch is
@@ -145,6 +148,36 @@ def make_state(
         "steps": list(steps),
         "random": list(random),
     }
+
+
+def encode_state(
+    sampling: Sampling,
+    config: LoaderConfig,
+    resume: Resume,
+    epoch: int,
+    delivered: Sequence[int],
+    random_states: Sequence[RandomStates],
+) -> dict[str, Any]:
+    """``state_dict()``: where this rank stands in ``epoch`` (``delivered`` batches per worker
+    since ``resume``'s position, the random states of each worker's next batch), gathered
+    across ranks (a collective when a process group is up) into the one global state."""
+    shards = [shard.index for shard in config.shards]
+    mine, history, steps = resume.progress(shards, delivered)
+    random = [random_json(states) for states in random_states]
+    gathered = _distributed.gather(
+        {"rank": config.rank, "received": mine, "epoch": epoch, "steps": steps, "random": random}
+    )
+    rank, workers, world = config.rank, config.num_workers, config.world_size
+    return make_state(
+        sampling=sampling,
+        epoch=epoch,
+        world_size=world,
+        num_workers=workers,
+        received=merge_ranks(mine, rank, workers, world, gathered),
+        history=history,
+        steps=rank_steps(steps, rank, world, gathered),
+        random=merge_ranks(random, rank, workers, world, gathered, "random"),
+    )
 
 
 def random_json(states: RandomStates) -> list[str]:

@@ -62,6 +62,33 @@ class Epoch:
         """The rank's step in the epoch of the next batch handed out (``batch.info.step``)."""
         return self.first_step + self.delivered
 
+    def begin(
+        self, epoch: int, expected: int | None, resume: Resume | None = None, first_step: int = 0
+    ) -> None:
+        """Started as ``epoch``, with ``expected`` batches to hand out (from ``resume``'s
+        position, whose ``first_step`` batches this rank received before)."""
+        self.epoch, self.expected, self.resume, self.first_step = (
+            epoch,
+            expected,
+            resume,
+            first_step,
+        )
+        self.started = True
+
+    def finish(self) -> bool:
+        """Over (its ``StopIteration``); False when it was over already."""
+        over = not self.finished
+        self.finished = True
+        return over
+
+    def replace(self) -> None:
+        """Replaced by a newer epoch or a loaded state: its iterator is done."""
+        self.replaced = True
+
+    def abort(self) -> None:
+        """Left half-delivered: over and replaced."""
+        self.finished = self.replaced = True
+
     def handed_out(self) -> None:
         """One more batch; the epoch's last one ends it now, not at a ``next()`` that a trainer
         stopping after ``len()`` batches never makes."""

@@ -45,6 +45,12 @@ class RankChecks:
         self.deferred = False  # re-laid: the configuration is checked at the first epoch
         self.traced_checked = False
 
+    def defer(self) -> None:
+        """The workers were re-laid for a rank a process group settled: the configuration is
+        checked across ranks at the first epoch (no collective here: other ranks may not
+        re-lay)."""
+        self.deferred = True
+
     def configuration(self, config: LoaderConfig, steps_per_epoch: int | None) -> None:
         self.configuration_checked = True
         payload = {

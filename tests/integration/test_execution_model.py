@@ -225,7 +225,7 @@ def test_rule8_one_eval_context_per_worker_for_every_epoch() -> None:
             if epoch != 1:
                 assert sorted(seen) == list(range(64))
         assert made and set(made) == {0}, f"EvalContexts made after the worker's own: {made}"
-        coordinator = loader._run.coordinator
+        coordinator = loader._run.require()
         assert coordinator is not None and coordinator.reference is not None
         assert coordinator.reference.num_threads == 2
 

@@ -36,7 +36,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(images: Path, out: Path, log: Path, *args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, str(SCRIPT), "--data", str(images), "--out", str(out)]
-    command += ["--log", str(log), "--epochs", str(EPOCHS), "--save-steps", str(KILL_AT), *args]
+    command += ["--events", str(log), "--epochs", str(EPOCHS), "--save-steps", str(KILL_AT), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env())
 
 
@@ -95,3 +95,47 @@ def test_a_checkpoint_without_the_loaders_state_or_of_another_world_size_is_refu
     check_world_size(state, 2, "checkpoint-4")
     with pytest.raises(ValueError, match=r"saved on 2 rank\(s\), this job has 1.*Resume on 2"):
         check_world_size(state, 1, "checkpoint-4")
+
+
+def _torchrun(images: Path, out: Path, log: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launcher += ["--nproc_per_node=2", str(SCRIPT), "--data", str(images), "--out", str(out)]
+    launcher += ["--events", str(log), "--epochs", str(EPOCHS), "--save-steps", str(KILL_AT)]
+    env = {**clean_env(), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*launcher, "--workers", "1", *args], capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+def test_two_ranks_under_torchrun_resume_exactly_and_evaluate_each_sample_once(
+    images: Path, tmp_path: Path
+) -> None:
+    """2 ranks (gloo, CPU): the same batches on each rank and equal weights after a kill and a
+    resume; ``evaluate()`` gathers exactly the dataset's samples; the checkpoint resumed on one
+    process is refused (Trainer counts steps per rank)."""
+    full = _torchrun(images, tmp_path / "full", tmp_path / "full.jsonl")
+    assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-3000:]
+    killed = _torchrun(
+        images, tmp_path / "run", tmp_path / "killed.jsonl", "--no-eval", "--kill-after-save", "3"
+    )
+    assert killed.returncode != 0
+    resumed = _torchrun(images, tmp_path / "run", tmp_path / "resumed.jsonl", "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+
+    def batches(log: str) -> dict[tuple[int, int, int], str]:
+        records = _records(tmp_path / log, "batch")
+        return {(r["rank"], r["epoch"], r["step"]): r["digest"] for r in records}
+
+    uninterrupted = batches("full.jsonl")
+    assert len(uninterrupted) == 2 * EPOCHS * 4  # 50 samples per rank: 4 batches of 16
+    assert {**batches("killed.jsonl"), **batches("resumed.jsonl")} == uninterrupted
+    assert len(batches("resumed.jsonl")) == len(uninterrupted) - 2 * KILL_AT
+    weights = {r["weights"] for r in _records(tmp_path / "full.jsonl", "end")}
+    assert len(weights) == 1
+    assert weights == {r["weights"] for r in _records(tmp_path / "resumed.jsonl", "end")}
+    for evaluated in _records(tmp_path / "full.jsonl", "eval"):  # each rank gathers them all
+        assert evaluated["ids"] == list(range(SAMPLES))
+
+    one = _run(images, tmp_path / "run", tmp_path / "one.jsonl", "--resume")
+    assert one.returncode != 0
+    assert "was saved on 2 rank(s), this job has 1" in one.stderr

@@ -146,3 +146,125 @@ def test_a_trainer_without_a_handler_dies_of_the_signal_and_its_workers_follow(
     assert trainer.returncode == -signal.SIGTERM
     assert _group_gone(trainer.pid, 20), "a worker or the server outlived its killed trainer"
     assert not (tmp_path / "state.pkl").exists()
+
+
+LIGHTNING_JOB = """
+import functools, json, sys, time
+from tests import pipelines as P
+
+SOURCE = functools.partial(P.sample_source, total={total})
+
+
+def main(log_path, root):
+    import lightning as L
+    import torch
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+    from loader import Loader
+
+    def log(record):
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\\n")
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch, batch_idx):
+            ids = batch["id"].reshape(-1)
+            log({{"event": "batch", "epoch": batch.info.epoch,
+                  "ids": ids[: len(ids) - batch.info.padded].tolist()}})
+            time.sleep(0.1)
+            return self.layer(batch["id"].float()).sum()
+
+        def on_save_checkpoint(self, checkpoint):
+            log({{"event": "saved"}})
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    with Loader(SOURCE, P.cast_step, batch_size=4, num_workers=2, output="torch") as loader:
+        trainer = L.Trainer(
+            max_epochs=2, accelerator="cpu", devices=1, default_root_dir=root,
+            plugins=[SLURMEnvironment(auto_requeue=True)], use_distributed_sampler=False,
+            enable_checkpointing=False, enable_progress_bar=False, logger=False,
+        )
+        log({{"event": "start"}})
+        trainer.fit(Module(), train_dataloaders=loader)
+        log({{"event": "end"}})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+"""
+
+SLURM_ENV = {
+    "SLURM_NTASKS": "1",
+    "SLURM_NTASKS_PER_NODE": "1",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_NODELIST": "localhost",
+}
+
+
+def test_lightnings_slurm_requeue_handler_saves_with_the_workers_alive(tmp_path: Path) -> None:
+    """Lightning's own SLURM handler (``SLURMEnvironment(auto_requeue=True)``): SIGUSR1 to the
+    job's process group makes it save ``hpc_ckpt_1.ckpt`` (the loader's state inside) and call
+    ``scontrol requeue`` (a stand-in on PATH records the call); training goes on with the
+    workers alive until the cluster's SIGKILL. The requeued job restores that checkpoint by
+    itself, and each epoch is delivered exactly once over the two runs."""
+    pytest.importorskip("lightning")
+    total = 480
+    (tmp_path / "job.py").write_text(LIGHTNING_JOB.format(total=total))
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "requeued"}\n')
+    (tools / "scontrol").chmod(0o755)
+    env = {**clean_env(), **SLURM_ENV, "PATH": f"{tools}:{os.environ['PATH']}"}
+    log, root = tmp_path / "log.jsonl", tmp_path / "root"
+    command = [sys.executable, str(tmp_path / "job.py"), str(log), str(root)]
+
+    def events() -> list[dict[str, object]]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    def wait_for(condition: object, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not condition():  # type: ignore[operator]
+            assert time.monotonic() < deadline, events()[-3:]
+            time.sleep(0.1)
+
+    job = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: sum(e["event"] == "batch" for e in events()) >= 20, 120)
+        os.killpg(job.pid, signal.SIGUSR1)
+        wait_for(lambda: (tmp_path / "requeued").exists(), 60)
+        saved_at = len(events())
+        wait_for(lambda: len(events()) >= saved_at + 5, 30)  # training goes on after the save
+        assert job.poll() is None, "the job died of the signal"
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)  # the cluster, after the requeue
+        job.communicate(timeout=30)
+    assert _group_gone(job.pid, 20)
+    assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]
+    assert (root / "hpc_ckpt_1.ckpt").is_file()
+
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    runs: list[list[dict[str, object]]] = []
+    for event in events():
+        if event["event"] == "start":
+            runs.append([])
+        runs[-1].append(event)
+    first, second = runs
+    first = first[: next(i for i, e in enumerate(first) if e["event"] == "saved")]
+    for epoch in range(2):
+        ids = [
+            i
+            for e in first + second
+            if e["event"] == "batch" and e["epoch"] == epoch
+            for i in e["ids"]  # type: ignore[attr-defined]
+        ]
+        assert sorted(ids) == list(range(total)), f"epoch {epoch} not exactly once"

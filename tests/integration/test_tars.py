@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from loader import Loader, write_tars
+from loader import Loader, StartupError, write_tars
 from loader.sample import list_images
 from tests import tar_pipelines as T
 
@@ -268,3 +268,54 @@ def test_a_worker_killed_mid_shard_is_replaced_and_the_epoch_stays_exact(tmp_pat
         seen += [i for batch in iterator for i in real(batch, "id")]
         assert loader.stats().restarts == 1
     assert sorted(seen) == list(range(total))
+
+
+def test_an_unindexed_start_longer_than_startup_timeout_reaches_its_first_batch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without an index the workers scan every shard before their first batch. On a slow store
+    (``throttled://``: one object at a time, 0.15 s each) that takes several times
+    ``startup_timeout``, which is not spent on it: the workers tell the trainer how far they
+    are (``wire.Starting``), the lead worker logs it (counts, seconds, the index command), and
+    the job reaches its first batch."""
+    caplog.set_level(logging.INFO, logger="loader")  # (the workers' INFO lines, relayed)
+    T.write_id_tars(tmp_path, 96, 2)  # 48 shards: about 10 s of scanning for each worker
+    urls = f"throttled://{tmp_path}/train-{{000..047}}.tar"
+    with loader_over(
+        urls, storage_options={"delay": 0.15}, startup_timeout=2, start_method="forkserver"
+    ) as loader:
+        assert len(loader) == 24  # (every shard's sample count is known before the first batch)
+        first = next(iter(loader))
+        assert len(real(first, "id")) == 4
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("worker 0: ")]
+    command = f"python -m loader.tars index '{urls}'"
+    assert any("48 of 48 tar shards have no index" in m and command in m for m in said), said
+    progress = [m for m in said if "before the first batch: " in m and " ready in " in m]
+    assert progress and command in progress[0], said
+    assert re.search(
+        r"indexing 48 tar shards \(48 without an index: scanned\), before the", progress[0]
+    )
+    done = [m for m in said if "shards had no index: the workers indexed them" in m]
+    seconds = re.search(r"indexed them \(([0-9.]+) s", done[0]) if done else None
+    assert seconds is not None and float(seconds.group(1)) > 2 * 2, said  # beyond startup_timeout
+
+
+def test_a_worker_silent_for_startup_timeout_names_what_it_was_doing(tmp_path: Path) -> None:
+    """A store that never answers for one shard: the worker scanning it (and the one waiting
+    for its lock) fall silent, and after ``startup_timeout`` of silence the StartupError says
+    what the worker was doing, how far it was, and where it is stuck (its stack)."""
+    T.write_id_tars(tmp_path, 40, 2)
+    urls = f"throttled://{tmp_path}/train-{{000..019}}.tar"
+    options = {"delay": 0.05, "hang": "train-012.tar"}
+    with pytest.raises(StartupError) as caught:
+        loader_over(urls, storage_options=options, startup_timeout=2, start_method="forkserver")
+    text = str(caught.value)
+    assert re.search(
+        r"^worker \d .* did not start: it sent nothing for 2 s \(startup_timeout\)", text
+    ), text
+    assert re.search(
+        r"it was last indexing 20 tar shards \(20 without an index: scanned\)(, waiting for "
+        r"\S+/train-012\.tar, which another process indexes)?: \d+ of 20 done, \d+ s",
+        text,
+    ), text
+    assert "--- worker stack (faulthandler) ---" in text, text

@@ -29,7 +29,7 @@ def _samples(total: int = 30, batch: int = 4, shard: Shard | None = None) -> Bat
 def _continuous(samples: BatchedSamples, control: SampleControl | None = None) -> FeedState:
     """Bind ``samples`` as the worker does for a loop that runs on across epochs."""
     feed = FeedState()
-    feed.continuous = True
+    feed.set_continuous(True)
     samples.bind(control or SampleControl(), feed)
     return feed
 

@@ -24,7 +24,8 @@ from loader import (
 )
 from workers.sources._sampling import BatchedSamples, Batching
 
-#: The public signatures, exactly as they were before the options were declared once.
+#: The public signatures, exactly as they were before the options were declared once (and
+#: ``sharded_tars``' ``ahead_bytes``, added since).
 PUBLIC: dict[Callable[..., Any], str] = {
     sharded_source: (
         "(shard: 'Shard', total: 'int', load: 'Callable[..., Any]', batch_size: 'int', *, "
@@ -40,7 +41,8 @@ PUBLIC: dict[Callable[..., Any], str] = {
         "(shard: 'Shard', urls: 'str | Sequence[str]', *, batch_size: 'int', "
         "ext: 'str | Sequence[str]' = ('jpg', 'cls'), shuffle: 'bool' = True, "
         "drop_last: 'bool' = False, storage_options: 'dict[str, Any] | None' = None, "
-        "shuffle_window: 'int | None' = None, ahead: 'int' = 2, retries: 'int' = 4) -> 'Any'"
+        "shuffle_window: 'int | None' = None, ahead: 'int' = 2, retries: 'int' = 4, "
+        "ahead_bytes: 'int | None' = 268435456) -> 'Any'"
     ),
     sharded_mix: (
         "(shard: 'Shard', sources: 'Mapping[str, Dataset]', *, "

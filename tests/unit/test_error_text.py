@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from loader.sample import list_images, write_sample_dataset
-from workers._error_text import dali_summary, message, short_reason
+from workers._error_context import UNKNOWN, ErrorContext, attach, context_of
+from workers._error_text import dali_summary, failure, message, short_reason
 from workers._stderr import repeats_captured, split_native
 
 #: DALI 2.4's text for a corrupt JPEG in a captured pipeline (as the worker gets it)
@@ -73,6 +74,20 @@ def test_any_other_error_keeps_its_message() -> None:
     assert message(error) == str(error)
     assert message(error, ["sample 3"]) == f"failing sample 3: {error}"
     assert short_reason(error) == "ValueError: bad shape (3, 4) more"
+
+
+def test_an_errors_context_travels_with_it_and_names_its_phase_and_message() -> None:
+    error = ValueError("bad bytes")  # built-in: not weakly referenceable
+    assert context_of(error) is UNKNOWN
+    attach(error, phase="load, sample 14")
+    attach(error, message="failing sample 14: bad bytes")
+    assert context_of(error) == ErrorContext("load, sample 14", "failing sample 14: bad bytes")
+    record = failure(error, phase="dali", epoch=2, step=5)
+    assert (record.type_name, record.phase) == ("ValueError", "load, sample 14")
+    assert (record.message, record.epoch, record.step) == ("failing sample 14: bad bytes", 2, 5)
+    assert "bad bytes" in record.traceback
+    plain = failure(KeyError("x"), phase="step", epoch=None, step=None)
+    assert (plain.phase, plain.message) == ("step", "'x'")
 
 
 def test_a_skip_reason_is_one_line() -> None:

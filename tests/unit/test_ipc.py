@@ -83,6 +83,18 @@ def test_channel_sends_records_and_descriptors() -> None:
     b.close()
 
 
+def test_a_starting_record_travels_and_says_how_far_the_worker_is() -> None:
+    left, right = multiprocessing.Pipe()
+    a, b = ControlChannel(left), ControlChannel(right)
+    record = wire.Starting("source", "indexing 10000 tar shards", 123, 10_000, 41.4)
+    a.send(record)
+    assert b.recv() == record
+    assert record.describe() == "indexing 10000 tar shards: 123 of 10,000 done, 41 s"
+    assert wire.Starting("startup", "importing DALI").describe() == "importing DALI"
+    a.close()
+    b.close()
+
+
 def test_ring_transitions_and_stale_releases() -> None:
     ring = SlotRing(2)
     first = ring.acquire()

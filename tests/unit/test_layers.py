@@ -204,3 +204,77 @@ def test_loader_has_at_most_eight_modules_at_its_top() -> None:
 def test_each_layer_says_what_it_owns_and_may_import(package: str) -> None:
     doc = ast.get_docstring(ast.parse((ROOT / "loader" / package / "__init__.py").read_text()))
     assert doc is not None and "May import" in doc, package
+
+
+#: Writes to attributes of objects that are not ours whose names our classes also use.
+FOREIGN_WRITES = {("workers/sources/_files.py", "filename")}  # an OSError's filename
+
+
+def _attribute_owners() -> dict[str, set[str]]:
+    """Each attribute name our classes define (``self.x = ...``, a class-level annotation) ->
+    the packages of those classes."""
+    owners: dict[str, set[str]] = {}
+    for package, tree in _package_trees():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    owners.setdefault(node.target.id, set()).add(package)
+                for target in _targets(node):
+                    if isinstance(target.value, ast.Name) and target.value.id == "self":
+                        owners.setdefault(target.attr, set()).add(package)
+    return owners
+
+
+def _package_trees() -> list[tuple[str, ast.Module]]:
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = _module_name(path)
+            found.append((name if _is_package(path) else name.rpartition(".")[0], path))
+    return [(package, ast.parse(path.read_text(encoding="utf-8"))) for package, path in found]
+
+
+def _targets(node: ast.AST) -> list[ast.Attribute]:
+    """The attributes a statement assigns to (``a.b = ``, ``a.b += ``, ``a.b, c.d = ``)."""
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    else:
+        return []
+    flat: list[ast.expr] = []
+    for target in targets:
+        flat.extend(target.elts if isinstance(target, ast.Tuple) else [target])
+    return [t for t in flat if isinstance(t, ast.Attribute)]
+
+
+def test_no_module_writes_the_fields_of_another_packages_objects() -> None:
+    """An object's fields change through its own methods: outside ``self``, a module writes an
+    attribute only of objects of its own package (or of objects that are not ours)."""
+    owners = _attribute_owners()
+    wrong = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = _module_name(path)
+            mine = name if _is_package(path) else name.rpartition(".")[0]
+            relative = str(path.relative_to(ROOT))
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                for target in _targets(node):
+                    if isinstance(target.value, ast.Name) and target.value.id in ("self", "cls"):
+                        continue
+                    theirs = owners.get(target.attr)
+                    if theirs is None or mine in theirs:
+                        continue  # not ours (an exception's, DALI's), or our own package's
+                    if (relative, target.attr) not in FOREIGN_WRITES:
+                        wrong.append(f"{relative}:{node.lineno} {ast.unparse(target)}")
+    assert wrong == []
+
+
+def test_no_class_is_over_350_lines() -> None:
+    long = []
+    for _package, tree in _package_trees():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            lines = (cls.end_lineno or cls.lineno) - cls.lineno + 1
+            if lines > 350:
+                long.append(f"{cls.name}: {lines}")
+    assert long == []

@@ -11,6 +11,7 @@ import sys
 import tarfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -265,9 +266,9 @@ def test_remote_shards_are_read_one_range_per_shard_not_one_request_per_sample(
         reads: list[tuple[str, int, int]] = []
         read = shards.storage.read
 
-        def counted(path: str, start: int, end: int) -> np.ndarray:
+        def counted(path: str, start: int, end: int, expect: Any = None) -> np.ndarray:
             reads.append((path, start, end))
-            return read(path, start, end)
+            return read(path, start, end, expect)
 
         shards.storage.read = counted  # type: ignore[method-assign]
         ids = TarOrder(shards, 0, 3, 2).at(np.arange(30))
@@ -434,9 +435,9 @@ class _Counted:
             self.whole.append(path)
             return read_all(path)  # type: ignore[no-any-return]
 
-        def counted(path: str, start: int, end: int) -> np.ndarray:
+        def counted(path: str, start: int, end: int, expect: Any = None) -> np.ndarray:
             self.ranges.append(path)
-            return read(path, start, end)  # type: ignore[no-any-return]
+            return read(path, start, end, expect)  # type: ignore[no-any-return]
 
         storage.read_all, storage.read = counted_all, counted  # type: ignore[attr-defined]
         self.undo = lambda: setattr(storage, "read_all", read_all) or setattr(storage, "read", read)
@@ -573,3 +574,32 @@ def test_a_damaged_shard_keeps_its_whole_samples_before_the_damage(
             assert (index.member_sample == k).sum() == (full.member_sample == k).sum()
     index, damage = scan_whole_samples("t.tar", io.BytesIO(b"not a tar" * 200), seekable=seekable)
     assert index.samples == 0 and "not a whole tar" in str(damage)
+
+
+@pytest.mark.parametrize(
+    ("ahead_bytes", "sizes", "fetched"),
+    [
+        (None, [10, 10, 10, 10, 10], [0, 1, 2, 3]),  # ahead=3 shards: the count alone
+        (25, [10, 10, 10, 10, 10], [0, 1, 2]),  # 2 shards fit the budget
+        (15, [10, 10, 10, 10, 10], [0, 1]),
+        (15, [10, 100, 10, 10, 10], [0, 1]),  # the first shard ahead, whatever its size
+        (1000, [1, 1, 1, 1, 1], [0, 1, 2, 3]),  # tiny shards: still no more than ahead=3
+    ],
+)
+def test_read_ahead_is_bounded_in_shards_and_in_bytes_past_the_first(
+    ahead_bytes: int | None, sizes: list[int], fetched: list[int]
+) -> None:
+    """``ahead`` (shards) and ``ahead_bytes`` bound what a worker fetches before it needs it;
+    the shard the batch being loaded needs is fetched whatever the bounds."""
+    from workers.sources._tars import _Fetcher
+
+    def fetch(shard: int, rows: Any) -> tuple[int, np.ndarray]:
+        return 0, np.zeros(1, np.uint8)
+
+    fetcher = _Fetcher(fetch, 3, ahead_bytes, lambda shard, rows: sizes[shard])
+    try:
+        # shard k is first needed at step k and last at step k + 9 (a lead of 5 steps)
+        fetcher.plan([(k, k, k + 9, np.arange(4)) for k in range(5)])
+        assert sorted(fetcher._buffers) == fetched
+    finally:
+        fetcher.close()

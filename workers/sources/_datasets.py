@@ -19,7 +19,7 @@ from typing import Any
 
 from .._shard import Shard
 from ._sampling import BatchedSamples, Batching, OpenedSource
-from ._storage import RETRIES
+from ._storage import AHEAD_BYTES, RETRIES
 
 
 class _Kind:
@@ -89,6 +89,7 @@ class TarsDataset(_Kind):
     shuffle_window: int | None = None
     ahead: int = 2
     retries: int = RETRIES
+    ahead_bytes: int | None = AHEAD_BYTES
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from ._tars import open_tar_source
@@ -100,6 +101,7 @@ class TarsDataset(_Kind):
             storage_options=dict(self.storage_options or {}),
             shuffle_window=self.shuffle_window,
             ahead=self.ahead,
+            ahead_bytes=self.ahead_bytes,
             retries=self.retries,
             seed=seed,
             shuffle=shuffle,

@@ -34,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from ipc.wire import Sampling
+from ipc.wire import LoadRunning, Sampling
 
 from .._control import FedBatch, FeedState, SampleControl
+from .._error_context import attach
 from .._shard import Shard
 from ._positions import Batch, Orders, shard_batches, shard_steps
 
@@ -179,15 +180,30 @@ class BatchedSamples:
         return self.load(index, epoch) if self.pass_epoch else self.load(index)
 
     def _load(self, index: int, epoch: int) -> Any:
-        """:meth:`load_sample`; an exception leaves tagged with the phase and the sample id."""
+        """:meth:`load_sample`; an exception leaves with the phase and the sample id in its
+        context (:mod:`workers._error_context`)."""
         self.loading = (index, time.monotonic())
         try:
             return self.load_sample(index, epoch)
         except Exception as error:
-            error._loader_phase = f"load, sample {index}"  # type: ignore[attr-defined]
+            attach(error, phase=f"load, sample {index}")
             raise
         finally:
             self.loading = None
+
+    def load_in_progress(self) -> LoadRunning | None:
+        """The sample whose ``load`` runs now (on the prefetch thread), and for how long; None
+        when none runs."""
+        loading = self.loading
+        if loading is None:
+            return None
+        index, started = loading
+        try:
+            name = self.name(index)
+        except Exception:
+            name = str(index)
+        epoch, step = self.loading_batch
+        return LoadRunning(index, time.monotonic() - started, name, epoch, step)
 
     def name(self, index: int) -> str:
         """A sample's name: a file's path for sharded_files, else its id."""

@@ -14,7 +14,7 @@ from typing import Any
 from .._shard import Shard
 from ._datasets import FilesDataset, SamplesDataset, TarsDataset
 from ._sampling import Batching
-from ._storage import RETRIES
+from ._storage import AHEAD_BYTES, RETRIES
 
 
 def sharded_files(
@@ -85,6 +85,7 @@ def sharded_tars(
     shuffle_window: int | None = None,
     ahead: int = 2,
     retries: int = RETRIES,
+    ahead_bytes: int | None = AHEAD_BYTES,
 ) -> Any:
     """An ``ndd.ExternalSource`` root over WebDataset tar shards: one output per ``ext``.
 
@@ -94,11 +95,13 @@ def sharded_tars(
     in output order (``"jpg;png"``: either); ``cls``-like members are parsed as integers.
     ``shuffle_window``: how many shards' samples an epoch shuffles together (None: all for local
     shards, :data:`REMOTE_WINDOW` for remote ones; see the module docstring); ``ahead``: remote
-    shards fetched ahead of the one being read; ``retries``: how many times a remote read that
+    shards fetched ahead of the one being read, at most; ``ahead_bytes``: and at most that many
+    bytes of them past the first (None: no limit; a shard's bytes are known from its size);
+    ``retries``: how many times a remote read that
     failed for a transient reason (a connection reset, a timeout, throttling) is tried again,
     with backoff, each logged (a missing object or denied access is raised at once). The same
     guarantees as :func:`sharded_source`.
     """
     batching = Batching.pick(locals())
-    dataset = TarsDataset(urls, ext, storage_options, shuffle_window, ahead, retries)
+    dataset = TarsDataset(urls, ext, storage_options, shuffle_window, ahead, retries, ahead_bytes)
     return dataset._batched(shard, batching)

@@ -9,7 +9,8 @@ One small layer the tar source (and whatever reads more than whole local files) 
   object from its start (:meth:`open`), write a small object (:meth:`write`: an index or a summary
   beside the shards), and tell an object's *identity* (size and mtime locally; size and ETag, or
   mtime, remotely), which says when an index or a summary is stale. Identities come from one
-  listing per directory (:meth:`listing`), not one request per object.
+  listing per directory (:meth:`listing`), or from a summary, not one request per object; a
+  read given the identity it expects checks it (on S3 from the GET's own response).
 * A remote read that fails for a transient reason (connection reset, timeout, throttling) is tried
   again with backoff, :data:`RETRIES` times, each retry logged; a missing object, a denied access or
   a bad endpoint is not transient and is raised at once, naming the URL.
@@ -35,6 +36,9 @@ logger = logging.getLogger("workers")
 
 #: Retries of a remote read that failed for a transient reason (after the first try).
 RETRIES = 4
+#: Bytes of remote shards a worker fetches ahead of their need, by default (past the first one:
+#: ``sharded_tars(ahead_bytes=)``).
+AHEAD_BYTES = 256 << 20
 #: Seconds before the first retry; doubled for each next one.
 BACKOFF = 0.25
 
@@ -75,6 +79,15 @@ class StorageFailure(OSError):
     job runs): not a bad sample, so ``on_error="skip"`` does not skip it; it stops the worker."""
 
     _loader_fatal = True
+
+
+class IdentityChanged(StorageFailure):
+    """A read found the object other than expected: ``found`` is its (size, version) as the
+    store answered that read."""
+
+    def __init__(self, path: str, expected: Identity, found: Identity) -> None:
+        super().__init__(f"{path} is not the object expected ({expected} -> {found})")
+        self.path, self.expected, self.found = path, expected, found
 
 
 def is_url(path: str) -> bool:
@@ -126,7 +139,20 @@ class Storage:
     #: reads by byte range are cheap (a local file): no need to fetch whole objects ahead
     local = True
 
-    def read(self, path: str, start: int, end: int) -> np.ndarray[Any, Any]:
+    def read_tells(self, identity: Identity) -> bool:
+        """Whether a read with ``expect=identity`` checks it at no cost (see :meth:`read`)."""
+        return False
+
+    def can_check(self, identity: Identity) -> bool:
+        """Whether a read with ``expect=identity`` checks it at all."""
+        return False
+
+    def read(
+        self, path: str, start: int, end: int, expect: Identity | None = None
+    ) -> np.ndarray[Any, Any]:
+        """Bytes ``[start, end)`` of ``path``; with ``expect`` (remote objects), the object's
+        identity as the store answers the read is checked against it (:class:`IdentityChanged`
+        when it differs; on S3 the ranged GET's own ETag and size: no other request)."""
         raise NotImplementedError
 
     def open(self, path: str) -> IO[bytes]:
@@ -178,8 +204,11 @@ class LocalStorage(Storage):
 
     local = True
 
-    def read(self, path: str, start: int, end: int) -> np.ndarray[Any, Any]:
-        """Bytes ``[start, end)`` of ``path`` as a uint8 array (one open, ``preadv``, close)."""
+    def read(
+        self, path: str, start: int, end: int, expect: Identity | None = None
+    ) -> np.ndarray[Any, Any]:
+        """Bytes ``[start, end)`` of ``path`` as a uint8 array (one open, ``preadv``, close;
+        ``expect`` is not checked: local identities come from the start's listing)."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             data = np.empty(end - start, dtype=np.uint8)
@@ -252,6 +281,8 @@ class RemoteStorage(Storage):
                 f"({error}); for s3:// install s3fs: pip install 'dali-capture-loader[s3]'"
             ) from error
         self.protocol, self.retries = protocol, retries
+        #: objects whose identity a HEAD confirmed (stores whose reads do not tell it)
+        self._checked: set[tuple[str, Identity]] = set()
         client = options.get("client_kwargs") or {}
         self.endpoint = str(
             options.get("endpoint_url")
@@ -290,18 +321,65 @@ class RemoteStorage(Storage):
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def read(self, path: str, start: int, end: int) -> np.ndarray[Any, Any]:
-        data = self.retried(
-            f"reading bytes {start}-{end}",
-            path,
-            lambda: self.fs.cat_file(path, start=start, end=end),
-        )
+    def read(
+        self, path: str, start: int, end: int, expect: Identity | None = None
+    ) -> np.ndarray[Any, Any]:
+        what = f"reading bytes {start}-{end}"
+        if expect is not None and self._s3_reads():
+            data, found = self.retried(what, path, lambda: self._s3_read(path, start, end))
+            if found != expect:
+                raise IdentityChanged(path, expect, found)
+        else:
+            if expect is not None and (path, expect) not in self._checked:
+                found = self.identity(path)  # (no identity with the read: one HEAD per object)
+                if found != expect:
+                    raise IdentityChanged(path, expect, found)
+                self._checked.add((path, expect))
+            data = self.retried(what, path, lambda: self.fs.cat_file(path, start=start, end=end))
         if len(data) != end - start:
             raise EOFError(
                 f"{path} gave {len(data)} bytes at {start}, not {end - start}: the object was "
                 "truncated or replaced since it was indexed"
             )
         return np.frombuffer(data, dtype=np.uint8)
+
+    def _s3_reads(self) -> bool:
+        """Whether reads can tell the object's identity (s3fs: the GET's ETag and size)."""
+        return hasattr(self.fs, "_call_s3") and hasattr(self.fs, "split_path")
+
+    def read_tells(self, identity: Identity) -> bool:
+        """Whether a read tells an identity of this kind itself (S3: its ETag and size)."""
+        return self._s3_reads() and identity[1].startswith("ETag:")
+
+    def can_check(self, identity: Identity) -> bool:
+        """Whether a read can check an identity of this kind: on S3 ETags, not mtimes written
+        where the objects were files; elsewhere with a HEAD of the object first."""
+        return not self._s3_reads() or identity[1].startswith("ETag:")
+
+    def _s3_read(self, path: str, start: int, end: int | None) -> tuple[bytes, Identity]:
+        """One GET (of bytes ``[start, end)``; ``end=None``: the whole object): its bytes, and
+        the object's (size, ETag) as that response tells."""
+        from fsspec.asyn import sync
+
+        bucket, key, version = self.fs.split_path(path)
+        extra = {"VersionId": version} if version else {}
+        if end is not None:
+            extra["Range"] = f"bytes={start}-{end - 1}"
+
+        async def get() -> tuple[bytes, dict[str, Any]]:
+            response: dict[str, Any] = await self.fs._call_s3(
+                "get_object", Bucket=bucket, Key=key, **extra
+            )
+            try:
+                body: bytes = await response["Body"].read()
+            finally:
+                response["Body"].close()
+            return body, response
+
+        data, response = sync(self.fs.loop, get)
+        total = str(response.get("ContentRange") or "").rpartition("/")[2]
+        size = int(total) if total.isdigit() else int(response.get("ContentLength") or 0)
+        return data, (size, _version({"ETag": response.get("ETag")}))
 
     def open(self, path: str) -> IO[bytes]:
         opened: IO[bytes] = self.retried(
@@ -310,6 +388,8 @@ class RemoteStorage(Storage):
         return opened
 
     def read_all(self, path: str) -> bytes:
+        if self._s3_reads():  # (one GET: s3fs's cat_file asks the size first)
+            return self.retried("reading", path, lambda: self._s3_read(path, 0, None))[0]
         data: bytes = self.retried("reading", path, functools.partial(self.fs.cat_file, path))
         return data
 

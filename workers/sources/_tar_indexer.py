@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from typing import Literal
+from typing import IO, Any, Literal, cast
 
 from . import _index_file
 from ._folder_index import CACHE_DIR_ENV
@@ -50,6 +50,9 @@ class Indexer:
         self._refused: set[str] = set()  # ``.idx`` files found not to fit their shard
         self.scanned = 0
         self.scanned_bytes = 0
+        #: bytes read by scans so far, counted as they arrive (on any thread: a progress count,
+        #: that a scan of a large shard moves before it is done)
+        self.read_bytes = 0
 
     def get(
         self,
@@ -62,6 +65,7 @@ class Indexer:
         probe: bool = True,
         publish_cached: bool = False,
         recheck: bool = True,
+        scan: bool = True,
     ) -> tuple[TarIndex, Source] | None:
         """The index of ``url`` (whose identity is ``identity``) and where it came from.
         ``listed``: whether the listing showed an ``.idx`` beside it (False: no request for it
@@ -70,8 +74,11 @@ class Indexer:
         against its shard's last member header (not needed where a summary vouches for it).
         ``publish_cached``: write an index found in this node's cache beside its shard when the
         listing showed none there. ``recheck``: once the lock is held, look beside the shard
-        again (another node may have indexed it since the listing)."""
+        again (another node may have indexed it since the listing). ``scan=False``: None rather
+        than a scan when no index is found."""
         found = None if force else self._found(url, identity, listed, probe)
+        if found is None and not scan:
+            return None
         if found is None:
             with self._lock(url, wait) as held:
                 if not held:
@@ -194,8 +201,9 @@ class Indexer:
     def _scan(self, url: str, identity: Identity) -> TarIndex:
         started = time.monotonic()
         with self.storage.open(local_path(url)) as stream:
+            counted = cast(IO[bytes], _Counted(stream, self))
             index, _damage = scan_whole_samples(
-                url, stream, seekable=self.storage.local, size=identity[0]
+                url, counted, seekable=self.storage.local, size=identity[0]
             )
         self.scanned += 1
         self.scanned_bytes += identity[0]
@@ -203,3 +211,18 @@ class Indexer:
             "indexed %s: %d samples in %.2f s", url, index.samples, time.monotonic() - started
         )
         return index
+
+
+class _Counted:
+    """A stream whose reads count into ``indexer.read_bytes`` (progress of a scan)."""
+
+    def __init__(self, stream: IO[bytes], indexer: Indexer) -> None:
+        self._stream, self._indexer = stream, indexer
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self._indexer.read_bytes += len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

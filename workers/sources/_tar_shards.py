@@ -3,18 +3,22 @@ allows. Runs in the worker (and in ``python -m loader.tars index``).
 
 Where a shard's facts come from, cheapest first:
 
-1. the directory's summary (:mod:`sources._tar_summary`): one request for every shard it covers,
-   each entry checked against the directory's listing (one request per 1,000 objects on S3);
+1. the directory's summary (:mod:`sources._tar_summary`): one request for every shard it covers
+   (once per node: :func:`node_summary`). Where it names every remote shard asked for, it is
+   the directory's listing: no listing is made, and each shard's identity is checked when the
+   shard is read, by that read (:func:`start_facts`, :meth:`TarShards.changed`); elsewhere
+   each entry is checked against the directory's listing (one request per 1,000 objects on S3);
 2. the shard's ``.idx`` beside it (DALI's ``wds2idx`` format, :mod:`sources._wds_idx`), or this
    node's cached copy of its index: one small request, or none;
 3. a scan of the shard (:func:`workers.sources._tar_index.scan`): the whole shard, read once.
 
-Opening a job's shards (:func:`open_shards`) reads the summary and the listing, and only for the
-shards the summary does not cover (or covers stale) goes to 2 and 3; a worker fetches a shard's
-index only when it is about to read that shard (:meth:`Indexer.get`, from the tar loader). An
-index made by a scan is written beside its shard as ``.idx`` when the store can be written (else
-kept in this node's cache only), so a dataset is scanned once in its lifetime; the job's lead
-worker (shard 0) then writes the summary, so the next start costs one request.
+Opening a job's shards (:func:`open_shards`) reads the summary (and the listing, where it is
+needed), and only for the shards the summary does not cover (or covers stale) goes to 2 and 3;
+a worker fetches a shard's index only when it is about to read that shard (:meth:`Indexer.get`,
+from the tar loader). An index made by a scan is written beside its shard as ``.idx`` when the
+store can be written (else kept in this node's cache only), so a dataset is scanned once in its
+lifetime; the job's lead worker (shard 0) then writes the summary, so the next start costs one
+request.
 
 Many workers open the same shards at once. Each walks them from its own place (its shard's share
 of the list), so the shards without an index are scanned by all workers together: on one node a
@@ -26,17 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
 import posixpath
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -60,6 +65,7 @@ from ._tar_summary import (
     describe_stale,
     read_summary,
     stale_reason,
+    summary_url,
     updated,
     write_summary,
 )
@@ -68,8 +74,14 @@ from ._wds_idx import idx_url
 logger = logging.getLogger("workers")
 
 _Int64s = np.ndarray[Any, np.dtype[np.int64]]
+_T = TypeVar("_T")
 #: Seconds between two progress lines of the lead worker while shards are indexed.
 PROGRESS_EVERY = 10.0
+#: Seconds of indexing before the lead worker's first progress line (a WARNING).
+PROGRESS_FIRST = 5.0
+#: Seconds between two ``wire.Starting`` records a worker sends the trainer while it indexes
+#: shards (the trainer's startup wait counts it as alive while they come).
+TELL_EVERY = 1.0
 #: Remote shards whose indexes a worker finds (or makes) at once when it opens a dataset.
 WALK_THREADS = 16
 #: Seconds a listing of a remote directory made by another process of this node is used for.
@@ -92,6 +104,9 @@ class TarShards:
     #: shards that are not whole, under ``on_error="skip"``: the index of their samples before
     #: the damage (what the job reads of them; its ``damage`` says what is wrong)
     damaged: dict[int, TarIndex] = field(default_factory=dict)
+    #: per shard, the summary its identity comes from, until the store confirms it (no listing
+    #: was made: :func:`start_facts`); None: a listing told it
+    vouched: list[str | None] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -128,20 +143,26 @@ class TarShards:
 
     def index(self, shard: int, indexer: Indexer) -> TarIndex:
         """The index of ``shard``, fetched now (a worker about to read it); ``StorageFailure``
-        when it no longer matches what the epoch was planned with."""
+        when it no longer matches what the epoch was planned with (naming the shard)."""
         url = self.urls[shard]
         if shard in self.damaged:
             return self.damaged[shard]
-        found = indexer.get(url, self.identities[shard], listed=self.listed_idx[shard], probe=False)
+        identity, listed = self.identities[shard], self.listed_idx[shard]
+        vouched = self.vouched[shard] if self.vouched else None
+        found = indexer.get(url, identity, listed=listed, probe=False, scan=vouched is None)
+        if found is None:  # (no index fits the summary's entry: the shard changed since?)
+            self.confirm(shard)
+            found = indexer.get(url, identity, listed=listed, probe=False)
         assert found is not None  # (wait=True)
         index, source = found
         if not self._matches(shard, index) and source != "scan":
+            self.confirm(shard)
             logger.warning(
                 "the index of %s (from %s) disagrees with the dataset's summary: scanning it",
                 url,
                 "this node's cache" if source == "cache" else idx_url(url),
             )
-            found = indexer.get(url, self.identities[shard], force=True)
+            found = indexer.get(url, identity, force=True)
             assert found is not None
             index = found[0]
         if not self._matches(shard, index):
@@ -152,6 +173,33 @@ class TarShards:
                 f"refuses a changed dataset) after {index_command(url)}"
             )
         return index
+
+    def confirm(self, shard: int) -> None:
+        """Ask the store for the identity of a shard known from the summary only (one HEAD);
+        :meth:`changed` when it differs."""
+        if not self.vouched or self.vouched[shard] is None:
+            return
+        found = self.storage.identity(self.urls[shard])
+        if found != self.identities[shard]:
+            raise self.changed(shard, found)
+        self.vouched[shard] = None
+
+    def changed(self, shard: int, found: Identity) -> StorageFailure:
+        """The error for a shard the store now has as ``found``, not as the job planned it."""
+        url, (size, version) = self.urls[shard], self.identities[shard]
+        why = stale_reason(ShardEntry(size, version, 0, ""), found)
+        where = self.vouched[shard] if self.vouched else None
+        if where is None:
+            return StorageFailure(
+                f"{url} changed while the job runs ({why}). Restart the job (a saved state "
+                f"refuses a changed dataset) after {index_command(url)}"
+            )
+        return StorageFailure(
+            f"{url} changed since it was indexed ({why}): the summary {where} that this job "
+            "planned its epochs with is stale for it. Run "
+            f"{index_command(url)} (it indexes the changed shard and rewrites the summary), "
+            "then restart the job (a state saved before may be refused over the changed shard)"
+        )
 
     def _matches(self, shard: int, index: TarIndex) -> bool:
         return index.samples == self.counts[shard] and index.keys_hash == self.keys_hashes[shard]
@@ -173,26 +221,81 @@ def check_urls(urls: str | Iterable[str]) -> list[str]:
 
 @dataclass
 class Listed:
-    """What one listing per directory tells of a set of shards."""
+    """What one listing per directory (or the directory's summary, in its place) tells of a set
+    of shards."""
 
     listings: dict[str, dict[str, Identity] | None]
     identities: list[Identity]
     listed_idx: list[bool | None]
+    #: per shard, the summary its identity comes from (not yet confirmed by the store: a read
+    #: checks it), or None where a listing (or a HEAD) told it
+    vouched: list[str | None] = field(default_factory=list)
 
 
 def list_shards(storage: Storage, urls: Sequence[str]) -> Listed:
     """List each directory of ``urls`` once (remote ones once per node: :func:`node_listing`);
     ``FileNotFoundError`` naming a missing shard."""
     directories = dict.fromkeys(storage.dirname(u) for u in urls)
-    listings = {d: node_listing(storage, d) for d in directories}
+    return _listed(storage, urls, {d: node_listing(storage, d) for d in directories}, {})
+
+
+def _listed(
+    storage: Storage,
+    urls: Sequence[str],
+    listings: dict[str, dict[str, Identity] | None],
+    summaries: dict[str, str],
+) -> Listed:
+    """The shards' identities from ``listings`` (those of the directories in ``summaries``:
+    the entries of the summary named there, which says nothing of ``.idx`` files)."""
     identities: list[Identity] = []
     listed_idx: list[bool | None] = []
+    vouched: list[str | None] = []
     for url in urls:
-        listing = listings[storage.dirname(url)]
+        directory = storage.dirname(url)
+        listing = listings[directory]
         found = None if listing is None else listing.get(storage.basename(url))
         identities.append(found if found is not None else storage.identity(url))
-        listed_idx.append(None if listing is None else storage.basename(idx_url(url)) in listing)
-    return Listed(listings, identities, listed_idx)
+        if listing is None or directory in summaries:
+            listed_idx.append(None)
+        else:
+            listed_idx.append(storage.basename(idx_url(url)) in listing)
+        vouched.append(summaries.get(directory))
+    return Listed(listings, identities, listed_idx, vouched)
+
+
+def start_facts(
+    storage: Storage, urls: Sequence[str]
+) -> tuple[Listed, dict[str, tuple[dict[str, ShardEntry], str] | None]]:
+    """The shards' identities and their directories' summaries, for a start. Local shards: a
+    listing of each directory, then its summary. Remote ones: the summary first (one request
+    per node: :func:`node_summary`); a directory whose summary names every one of its shards
+    (with identities a read can check) is not listed: the summary is its listing, and each
+    shard's identity is checked when it is read (:meth:`TarShards.index`,
+    :meth:`Storage.read`). The others are listed (:func:`node_listing`)."""
+    directories = dict.fromkeys(storage.dirname(u) for u in urls)
+    if storage.local:
+        listed = list_shards(storage, urls)
+        found = {d: read_summary(storage, d, listed.listings[d]) for d in directories}
+        return listed, found
+    summaries = {d: node_summary(storage, d) for d in directories}
+    covered: dict[str, str] = {d: s[1] for d, s in summaries.items() if s is not None}
+    for url in urls:
+        summary = summaries[storage.dirname(url)]
+        entry = None if summary is None else summary[0].get(storage.basename(url))
+        if entry is None or not storage.can_check(entry.identity):
+            covered.pop(storage.dirname(url), None)
+    listings = {
+        d: _as_listing(summaries[d]) if d in covered else node_listing(storage, d)
+        for d in directories
+    }
+    return _listed(storage, urls, listings, covered), summaries
+
+
+def _as_listing(
+    summary: tuple[dict[str, ShardEntry], str] | None,
+) -> dict[str, Identity]:
+    assert summary is not None
+    return {name: entry.identity for name, entry in summary[0].items()}
 
 
 def node_listing(storage: Storage, directory: str) -> dict[str, Identity] | None:
@@ -203,51 +306,102 @@ def node_listing(storage: Storage, directory: str) -> dict[str, Identity] | None
     times (a listing of 8,192 shards with their ``.idx`` files is 17 requests and 5 MB). Another
     start (a new pool, another rank, the index command) lists again: a shard changed since
     the last start is seen."""
+    return _node_shared(
+        storage,
+        directory,
+        "listing",
+        lambda: storage.listing(directory),
+        lambda listing: [[name, size, version] for name, (size, version) in listing.items()],
+        lambda rows: {str(n): (int(size), str(version)) for n, size, version in rows},
+    )
+
+
+def node_summary(storage: Storage, directory: str) -> tuple[dict[str, ShardEntry], str] | None:
+    """The summary of a remote ``directory`` (:func:`sources._tar_summary.read_summary`), its
+    bytes read once by the workers started together, shared like :func:`node_listing`'s."""
+
+    def stored() -> bytes | None:
+        try:
+            return storage.read_all(summary_url(directory))
+        except FileNotFoundError:
+            return None
+
+    def read(url: str) -> bytes:
+        data = _node_shared(
+            storage,
+            directory,
+            "read-summary",
+            stored,
+            lambda data: data.decode("latin-1"),
+            lambda text: str(text).encode("latin-1"),
+            absent=True,
+        )
+        if data is None:
+            raise FileNotFoundError(url)
+        return data
+
+    return read_summary(storage, directory, None, read)
+
+
+def _node_shared(
+    storage: Storage,
+    directory: str,
+    kind: str,
+    make: Callable[[], _T | None],
+    dump: Callable[[_T], Any],
+    load: Callable[[Any], _T],
+    *,
+    absent: bool = False,
+) -> _T | None:
+    """``make()`` (a request about ``directory``), made once by the workers started together
+    (see :func:`node_listing`) and kept in this node's cache as JSON (``dump``, ``load``);
+    ``absent``: a None it gives is shared too (not made again)."""
     together = _control.STARTED_TOGETHER.get()
     if storage.local or not together:
-        return storage.listing(directory)
-    key = f"{together}\0{directory}".encode("utf-8", "surrogateescape")
+        return make()
+    key = f"{together}\0{kind}\0{directory}".encode("utf-8", "surrogateescape")
     name = hashlib.sha256(key).hexdigest()[:32]
-    path = cache_dir().parent / "tar-index" / f"{name}.listing.json"
+    path = cache_dir().parent / "tar-index" / f"{name}.{kind}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _index_file.locked(path.with_suffix(".lock")):
-            found = _fresh_listing(path, directory)
+            found = _fresh(path, directory)
             if found is not None:
-                return found
-            listing = storage.listing(directory)
-            if listing is not None:
-                _keep_listing(path, directory, listing)
-            return listing
-    except OSError as error:  # no cache directory: each process lists
-        logger.debug("cannot share the listing of %s (%s)", directory, error)
-        return storage.listing(directory)
+                return None if found[0] is None else load(found[0])
+            made = make()
+            if made is not None or absent:
+                _keep(path, directory, None if made is None else dump(made))
+            return made
+    except OSError as error:  # no cache directory: each process makes its own
+        logger.debug("cannot share the %s of %s (%s)", kind, directory, error)
+        return make()
 
 
-def _fresh_listing(path: Path, directory: str) -> dict[str, Identity] | None:
+def _fresh(path: Path, directory: str) -> tuple[Any] | None:
+    """``(value,)`` kept at ``path`` for ``directory``, while fresh; None otherwise."""
     try:
         document = json.loads(path.read_bytes())
         if document["directory"] != directory:
             return None
         if not 0 <= time.time() - float(document["listed_at"]) < LISTING_FRESH:
             return None
-        return {str(n): (int(size), str(version)) for n, size, version in document["objects"]}
+        return (document["value"],)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _keep_listing(path: Path, directory: str, listing: dict[str, Identity]) -> None:
-    objects = [[name, size, version] for name, (size, version) in listing.items()]
-    document = {"directory": directory, "listed_at": time.time(), "objects": objects}
+def _keep(path: Path, directory: str, value: Any) -> None:
+    document = {"directory": directory, "listed_at": time.time(), "value": value}
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(document, separators=(",", ":")))
     os.replace(temporary, path)
-    # earlier starts' listings serve nobody any more
-    for old in path.parent.glob("*.listing.json"):
-        with contextlib.suppress(OSError):
-            if time.time() - old.stat().st_mtime > 2 * LISTING_FRESH:
-                old.unlink()
-                old.with_suffix(".lock").unlink()
+    # earlier starts' copies serve nobody any more
+    for pattern in ("*.listing.json", "*.read-summary.json"):
+        for old in path.parent.glob(pattern):
+            with contextlib.suppress(OSError):
+                if time.time() - old.stat().st_mtime > 2 * LISTING_FRESH:
+                    old.unlink()
+                    old.with_suffix(".lock").unlink()
 
 
 def open_shards(
@@ -266,11 +420,10 @@ def open_shards(
     the damage (the ``lead`` worker warns, naming it) instead of failing the start."""
     expanded = check_urls(urls)
     storage = storage_for(expanded[0], storage_options, retries)
-    listed = list_shards(storage, expanded)
+    listed, summaries = start_facts(storage, expanded)
     count = len(expanded)
     counts = np.zeros(count, dtype=np.int64)
     hashes = [""] * count
-    summaries = {d: read_summary(storage, d, listing) for d, listing in listed.listings.items()}
     rest: list[int] = []
     stale: dict[str, list[tuple[int, ShardEntry]]] = {}
     for k, url in enumerate(expanded):
@@ -293,7 +446,9 @@ def open_shards(
         counts[k], hashes[k] = index.samples, index.keys_hash
 
     started = time.monotonic()
-    _walk(expanded, listed, indexer, rest, int(start_fraction * len(rest)), opened, lead)
+    unindexed = sum(1 for k in rest if listed.listed_idx[k] is False)
+    progress = _WalkProgress(len(rest), unindexed, indexer, lead, index_command(urls))
+    _walk(expanded, listed, indexer, rest, int(start_fraction * len(rest)), opened, progress)
     return _after_walk(
         urls, expanded, storage, counts, hashes, listed, summaries, rest, indexer, lead, started
     )
@@ -395,7 +550,16 @@ def _opened(
 ) -> TarShards:
     starts = np.zeros(len(urls) + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
-    return TarShards(urls, storage, counts, starts, hashes, listed.identities, listed.listed_idx)
+    return TarShards(
+        urls,
+        storage,
+        counts,
+        starts,
+        hashes,
+        listed.identities,
+        listed.listed_idx,
+        vouched=list(listed.vouched) or [None] * len(urls),
+    )
 
 
 def shard_entries(
@@ -439,6 +603,81 @@ def _write_summaries(
         logger.info("wrote the summary %s (%d shards)", where, len(merged))
 
 
+class _WalkProgress:
+    """What a walk over shards has done: told to the trainer about every :data:`TELL_EVERY`
+    seconds (``wire.Starting`` through :data:`workers._control.REPORT_PROGRESS`: the worker
+    is alive, and a walk is not its start-up), and by the ``lead`` worker in a log line every
+    :data:`PROGRESS_EVERY` seconds (the first after :data:`PROGRESS_FIRST`): a WARNING naming
+    the index command the first time (a walk that long is worth avoiding), then INFO."""
+
+    def __init__(
+        self, count: int, unindexed: int, indexer: Indexer, lead: bool, command: str
+    ) -> None:
+        self.count, self.indexer, self.lead, self.command = count, indexer, lead, command
+        self.done = self.lines = 0
+        self.started = self.told = self.shown = time.monotonic()
+        self.doing = (
+            f"indexing {count:,} tar shards ({unindexed:,} without an index: scanned)"
+            if unindexed
+            else f"reading the indexes of {count:,} tar shards"
+        )
+        self.report = _control.REPORT_PROGRESS.get()
+        self.tell()
+        if lead and unindexed:
+            logger.info(
+                "%d of %d tar shards have no index: the workers index them before the first "
+                "batch (each shard read whole, once, by one worker of one rank or another; "
+                "progress every %g s). %s makes the indexes once, for every node and every job",
+                unindexed,
+                count,
+                PROGRESS_EVERY,
+                command,
+            )
+
+    def opened(self) -> None:
+        """One more shard's index is ready."""
+        self.done += 1
+        self.tick()
+
+    def tick(self) -> None:
+        """Tell the trainer where the walk is, if it moved (shards done, bytes scanned) since
+        it was last told: a store that answers nothing leaves the worker silent."""
+        now = time.monotonic()
+        if now - self.told >= TELL_EVERY and self.moved != self._where():
+            self.tell()
+        if self.lead and now - self.shown >= (PROGRESS_EVERY if self.lines else PROGRESS_FIRST):
+            self.shown = now
+            self.log(now - self.started)
+
+    def _where(self) -> tuple[int, int]:
+        return self.done, self.indexer.read_bytes
+
+    def tell(self, waiting: str = "") -> None:
+        """Tell the trainer now (and what the walk waits for, if it waits)."""
+        self.told, self.moved = time.monotonic(), self._where()
+        if self.report is not None:
+            doing = f"{self.doing}, {waiting}" if waiting else self.doing
+            self.report(doing, self.done, self.count, self.told - self.started)
+
+    def log(self, seconds: float) -> None:
+        left = (self.count - self.done) * seconds / max(1, self.done)
+        line = (
+            f"{self.doing}, before the first batch: {self.done:,} of {self.count:,} ready in "
+            f"{seconds:.0f} s (this worker scanned {self.indexer.scanned:,}, "
+            f"{self.indexer.scanned_bytes / 1e6:,.1f} MB), about {left:.0f} s left"
+        )
+        self.lines += 1
+        if self.lines == 1:
+            logger.warning(
+                "%s. The workers of every rank share the work, and what they index is kept for "
+                "the next start; %s indexes a dataset once, for every node and every job",
+                line,
+                self.command,
+            )
+        else:
+            logger.info("%s", line)
+
+
 def _walk(
     urls: Sequence[str],
     listed: Listed,
@@ -446,7 +685,7 @@ def _walk(
     shards: list[int],
     start: int,
     opened: Callable[[int, TarIndex], None],
-    lead: bool,
+    progress: _WalkProgress,
 ) -> None:
     """Find or make the index of each of ``shards``, calling ``opened(k, index)`` for each; the
     walk starts at ``shards[start]`` (each worker at its own) and defers shards another process
@@ -454,42 +693,61 @@ def _walk(
     :data:`WALK_THREADS` at a time (reading an ``.idx`` is a round trip; a scan a download)."""
     count = len(shards)
     pending = [shards[(start + k) % count] for k in range(count)]
-    done, started, shown = 0, time.monotonic(), time.monotonic()
 
-    def get(k: int, wait: bool) -> tuple[int, tuple[TarIndex, Source] | None]:
+    def get(k: int, wait: bool) -> _Got:
         return k, indexer.get(urls[k], listed.identities[k], listed=listed.listed_idx[k], wait=wait)
 
     threads = 1 if indexer.storage.local else min(WALK_THREADS, count)
     pool = ThreadPoolExecutor(threads, "tar-index") if threads > 1 else None
     try:
         while pending:
-            deferred = []
-            waits = [False] * len(pending)
-            tried: Iterator[tuple[int, tuple[TarIndex, Source] | None]] = (
-                map(get, pending, waits) if pool is None else pool.map(get, pending, waits)
-            )
-            for k, found in tried:
-                if found is None:
-                    deferred.append(k)
-                    continue
-                opened(k, found[0])
-                done += 1
-                if lead and time.monotonic() - shown > PROGRESS_EVERY:
-                    shown = time.monotonic()
-                    logger.info(
-                        "opening tar shards: %d of %d indexes ready (%d scanned by this worker), "
-                        "%.0f s",
-                        done,
-                        count,
-                        indexer.scanned,
-                        shown - started,
-                    )
+            deferred = _try_each(pending, get, pool, opened, progress)
             if len(deferred) == len(pending):  # nothing else to do: wait for the first one's lock
+                progress.tell(f"waiting for {urls[deferred[0]]}, which another process indexes")
                 k, found = get(deferred.pop(0), True)
                 assert found is not None
                 opened(k, found[0])
-                done += 1
+                progress.opened()
             pending = deferred
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
+
+
+_Got = tuple[int, tuple[TarIndex, Source] | None]
+
+
+def _try_each(
+    pending: list[int],
+    get: Callable[[int, bool], _Got],
+    pool: ThreadPoolExecutor | None,
+    opened: Callable[[int, TarIndex], None],
+    progress: _WalkProgress,
+) -> list[int]:
+    """Find or make the index of each of ``pending`` (on ``pool``'s threads, taken as they
+    complete: progress is told whichever shard is done first), without waiting for a shard
+    another process of this node is indexing; returns those (deferred)."""
+    deferred: list[int] = []
+
+    def take(k: int, found: tuple[TarIndex, Source] | None) -> None:
+        if found is None:
+            deferred.append(k)
+        else:
+            opened(k, found[0])
+            progress.opened()
+
+    if pool is None:
+        for k in pending:
+            take(*get(k, False))
+        return deferred
+    queue = iter(pending)  # (a few in flight: each wait is over those only)
+    running = {pool.submit(get, k, False) for k in itertools.islice(queue, 2 * WALK_THREADS)}
+    while running:
+        ready, running = wait(running, timeout=TELL_EVERY, return_when=FIRST_COMPLETED)
+        for future in ready:
+            take(*future.result())
+            following = next(queue, None)
+            if following is not None:
+                running.add(pool.submit(get, following, False))
+        progress.tick()  # (a large shard's scan moves while none is done)
+    return deferred

@@ -3,9 +3,11 @@ in ``python -m loader.tars``.
 
 ``loader-summary.json`` beside the shards lists, for each shard it covers, what a worker needs to
 plan an epoch without opening the shard or its index: the shard's identity when it was indexed
-(its size, and its ETag or mtime) and its index's sample count and keys' hash. A worker reads it
-with one request, checks every entry against the directory's listing (which it makes anyway:
-the shards must exist), and fetches a shard's ``.idx`` only when it is about to read that shard::
+(its size, and its ETag or mtime) and its index's sample count and keys' hash. The workers of a
+node read it with one request; where it names every remote shard a job asks for, it stands for
+the directory's listing (each shard's identity then checked by the read of its bytes), else
+every entry is checked against the listing; a worker fetches a shard's ``.idx`` only when it is
+about to read that shard (:mod:`sources._tar_shards`)::
 
     {"format": "dali-capture-loader tar summary", "version": 1,
      "columns": ["name", "size", "version", "samples", "keys"],
@@ -25,7 +27,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,18 +106,24 @@ def cached_summary_path(directory: str) -> Path:
 
 
 def read_summary(
-    storage: Storage, directory: str, listing: Mapping[str, Identity] | None
+    storage: Storage,
+    directory: str,
+    listing: Mapping[str, Identity] | None,
+    read: Callable[[str], bytes] | None = None,
 ) -> tuple[dict[str, ShardEntry], str] | None:
     """The summary of ``directory`` and where it was read: the store's (when the listing shows
-    one: no request otherwise), else this node's copy; None when there is none or it cannot be
-    read (logged)."""
+    one, or there is no listing: no request otherwise), else this node's copy; None when there
+    is none or it cannot be read (logged). ``read``: how the store's is read (its bytes, or
+    ``FileNotFoundError``; by default ``storage.read_all``)."""
     found: list[tuple[dict[str, ShardEntry], str]] = []
     url = summary_url(directory)
     if listing is None or SUMMARY in listing:
         try:
-            found.append((decode(storage.read_all(url), url), url))
+            found.append((decode((read or storage.read_all)(url), url), url))
         except FileNotFoundError:
             pass
+        except ConnectionError:  # (the store cannot be reached: nothing else will)
+            raise
         except (OSError, ValueError) as error:
             logger.warning("ignored the summary %s (%s)", url, error)
     cached = cached_summary_path(directory)

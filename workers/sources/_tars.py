@@ -18,11 +18,12 @@ Sample ids number the samples shard after shard, in tar order. An epoch's order
   that straddles two parts gives each its own piece), and the samples of each group are
   permuted among themselves. A worker reads a few shards at a time, of each one only its own
   contiguous piece, with one request for that byte range (the next shards fetched while the
-  current ones are halfway read, at most ``ahead`` in advance), never one request per sample:
+  current ones are halfway read, at most ``ahead`` in advance and, past the first, at most
+  ``ahead_bytes`` of them), never one request per sample:
   an epoch reads each shard's bytes once, however many workers and ranks share it. A sample
   can land anywhere in its group, and the groups come in a random order; a sample never meets,
   in one batch, samples of shards outside its group. Memory per worker: the pieces of the
-  groups in use plus ``ahead`` more.
+  groups in use plus what is fetched ahead.
 
 Outputs: one per requested extension, in order: the member's raw bytes (a uint8 array, for DALI's
 decoders), or for ``cls``-like members (:data:`INTEGER_EXTS`) their text parsed as an integer.
@@ -45,13 +46,14 @@ from .._control import SKIP_DAMAGED
 from .._shard import Shard
 from ._epoch_order import EpochOrder
 from ._sampling import OpenedSource
-from ._storage import StorageFailure, storage_failure
+from ._storage import AHEAD_BYTES, IdentityChanged, StorageFailure, storage_failure
 from ._tar_index import TarIndex
 from ._tar_indexer import Indexer
 from ._tar_shards import TarShards, open_shards
 from ._tar_write import write_tars
 
 __all__ = [
+    "AHEAD_BYTES",
     "INTEGER_EXTS",
     "REMOTE_WINDOW",
     "StorageFailure",
@@ -176,17 +178,22 @@ class _Fetcher:
     shortly before the samples that need them; a fetch first gets its shard's index.
 
     A shard is fetched when the batch being loaded needs it, or when it is at most ``lead`` steps
-    away and fewer than ``ahead`` fetched shards wait to be needed: a worker's first batch waits
-    only for the shards it reads, and the next group's shards come while the current group is
-    halfway read. A shard's bytes are dropped once its last batch is loaded.
+    away, fewer than ``ahead`` fetched shards wait to be needed and (past the first of them) the
+    bytes of those waiting and of this one stay within ``ahead_bytes`` (``size(shard, rows)``:
+    the bytes its rows are expected to take): a worker's first batch waits only for the shards
+    it reads, and the next group's shards come while the current group is halfway read. A
+    shard's bytes are dropped once its last batch is loaded.
     """
 
     def __init__(
         self,
         fetch: Callable[[int, _Int64s], tuple[int, np.ndarray[Any, Any]]],
         ahead: int,
+        ahead_bytes: int | None = None,
+        size: Callable[[int, _Int64s], int] | None = None,
     ) -> None:
-        self.fetch, self.ahead = fetch, ahead
+        self.fetch, self.ahead, self.ahead_bytes = fetch, ahead, ahead_bytes
+        self.size = size or (lambda _shard, rows: 0)
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._buffers: dict[int, tuple[int, Future[tuple[int, np.ndarray[Any, Any]]]]] = {}
@@ -233,17 +240,25 @@ class _Fetcher:
         loading = self._step + 1
         while self._next < len(self._needs):
             shard, first, _last, rows = self._needs[self._next]
-            if first > loading:
-                waiting = sum(
-                    1
-                    for s, f, *_ in self._needs[: self._next]
-                    if f > loading and s in self._buffers
-                )
-                if first > loading + self._lead or waiting >= self.ahead:
-                    return
+            if first > loading and not self._may_fetch_ahead(first, loading, shard, rows):
+                return
             future = self._kept.pop(shard, None) or self._pool.submit(self.fetch, shard, rows)
             self._buffers[shard] = (first, future)
             self._next += 1
+
+    def _may_fetch_ahead(self, first: int, loading: int, shard: int, rows: _Int64s) -> bool:
+        """Whether ``shard`` (first needed at step ``first``) may be fetched before the step
+        ``loading`` needs it (see the class docstring)."""
+        if first > loading + self._lead:
+            return False
+        needs = self._needs[: self._next]
+        waiting = [(s, r) for s, f, _l, r in needs if f > loading and s in self._buffers]
+        if len(waiting) >= self.ahead:
+            return False
+        if self.ahead_bytes is None or not waiting:
+            return True
+        held = sum(self.size(s, r) for s, r in waiting)
+        return held + self.size(shard, rows) <= self.ahead_bytes
 
     def get(self, shard: int, start: int, end: int) -> np.ndarray[Any, Any] | None:
         """Bytes ``[start, end)`` of ``shard`` if they were fetched (waits for a fetch under
@@ -272,14 +287,23 @@ class TarLoader:
     :data:`_OPEN_INDEXES` are kept)."""
 
     def __init__(
-        self, shards: TarShards, ext: Sequence[Sequence[str]], ahead: int, names: Sequence[str]
+        self,
+        shards: TarShards,
+        ext: Sequence[Sequence[str]],
+        ahead: int,
+        names: Sequence[str],
+        ahead_bytes: int | None = AHEAD_BYTES,
     ) -> None:
         self.shards, self.ext, self.names = shards, [list(e) for e in ext], list(names)
         self._indexer = Indexer(shards.storage)
         self._tables: OrderedDict[int, tuple[TarIndex, _Int64s, _Int64s]] = OrderedDict()
         self._making: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
-        self._fetcher = None if shards.storage.local else _Fetcher(self._fetch, ahead)
+        self._fetcher = (
+            None
+            if shards.storage.local
+            else _Fetcher(self._fetch, ahead, ahead_bytes, self._piece_bytes)
+        )
         self._starts: list[int] = shards.starts.tolist()
         self._integers = [INTEGER_EXTS.get(name) for name in self.names]
 
@@ -351,11 +375,39 @@ class TarLoader:
                 fetched = self._fetcher.get(shard, start, end)
                 if fetched is not None:
                     return fetched
-            return self.shards.storage.read(url, start, end)
+            return self._checked_read(shard, start, end)
         except StorageFailure:
             raise
         except (OSError, EOFError) as error:
             raise storage_failure(url, error) from error
+
+    def _checked_read(self, shard: int, start: int, end: int) -> np.ndarray[Any, Any]:
+        """Bytes of ``shard``, read checking (remote shards) that the store still has it as the
+        epoch was planned: free on S3 (the GET's ETag and size); elsewhere, for a shard known
+        from the summary only, one HEAD first. A changed shard is a ``StorageFailure`` naming
+        it (:meth:`TarShards.changed`)."""
+        shards = self.shards
+        identity = shards.identities[shard]
+        vouched = shards.vouched[shard] if shards.vouched else None
+        check = not shards.storage.local and (
+            vouched is not None or shards.storage.read_tells(identity)
+        )
+        try:
+            data = shards.storage.read(
+                shards.urls[shard], start, end, expect=identity if check else None
+            )
+        except IdentityChanged as error:
+            raise shards.changed(shard, error.found) from error
+        except FileNotFoundError as error:
+            if vouched is None:
+                raise
+            raise StorageFailure(
+                f"{error.strerror or error}: removed since the summary {vouched} that names "
+                "it was written; take it out of the job's shards (or put it back)"
+            ) from error
+        if vouched is not None:
+            shards.vouched[shard] = None  # (the store confirmed it)
+        return data
 
     def _fetch(self, shard: int, rows: _Int64s) -> tuple[int, np.ndarray[Any, Any]]:
         """(start, bytes) of the range of ``shard`` that holds ``rows`` (on a fetch thread)."""
@@ -365,7 +417,13 @@ class TarLoader:
         start, end = int(begins.min()), int(ends.max())
         if end <= start:  # (no row has any wanted member: the loads raise, naming them)
             return 0, np.empty(0, dtype=np.uint8)
-        return start, self.shards.storage.read(self.shards.urls[shard], start, end)
+        return start, self._checked_read(shard, start, end)
+
+    def _piece_bytes(self, shard: int, rows: _Int64s) -> int:
+        """The bytes ``rows`` of ``shard`` are expected to take (its size, pro rata: known
+        before its index is)."""
+        samples = max(1, int(self.shards.counts[shard]))
+        return self.shards.identities[shard][0] * min(len(rows), samples) // samples
 
     def expect(self, epoch: int, ids: Sequence[np.ndarray[Any, Any]]) -> None:
         """The epoch's batches (sample ids per step): plan the fetches (remote shards only)."""
@@ -417,10 +475,14 @@ def open_tar_source(
     retries: int,
     seed: int,
     shuffle: bool,
+    ahead_bytes: int | None = AHEAD_BYTES,
 ) -> OpenedSource:
     """Check the arguments, open (index) the shards and make the loader and epoch orders."""
     wanted = parse_ext(ext)
-    for name, value, low in (("retries", retries, 0), ("ahead", ahead, 0)):
+    checked = [("retries", retries, 0), ("ahead", ahead, 0)]
+    if ahead_bytes is not None:
+        checked.append(("ahead_bytes", ahead_bytes, 0))
+    for name, value, low in checked:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if shuffle_window is not None and (
@@ -447,7 +509,7 @@ def open_tar_source(
         fingerprint += f"+window{window}"
         orders = TarOrders(shards, seed, window)
     names = [alternatives[0] for alternatives in wanted]
-    load = TarLoader(shards, wanted, ahead, names)
+    load = TarLoader(shards, wanted, ahead, names, ahead_bytes)
     return OpenedSource(
         shards.total,
         load,
