@@ -29,17 +29,19 @@ One line in a training script::
   another epoch than the one the loader's state continues.
 * **Evaluation counts each sample once**: give the evaluation loader ``cut_padding=True`` (its
   epoch's last batch on each rank comes cut to its real rows); predictions and metrics are then
-  over exactly the dataset's samples. On several ranks, every rank's last batch must then have
-  the same number of rows (Trainer gathers equal shapes): true when the ranks split the
-  dataset evenly.
+  over exactly the dataset's samples, on several ranks too: where the ranks' last batches hold
+  other numbers of rows (a dataset they split unevenly), Trainer's gather pads them to equal
+  shapes and cuts the padding off again.
 * ``batch.info`` survives Trainer's device transfer (it rebuilds the batch as
   ``type(batch)({...})``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from transformers import Trainer
@@ -69,6 +71,62 @@ class _Samples:
         )
 
 
+class _UnevenRows:
+    """Trainer's ``gather_function`` for batches that may hold other numbers of rows on other
+    ranks (``cut_padding=True``, a dataset the ranks split unevenly): accelerate gathers equal
+    shapes only, so each rank's rows are padded to the most any rank has, gathered, and the
+    padding cut off again (one small ``all_gather`` of the row counts per call; nothing more when
+    they are equal)."""
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
+
+    def __call__(self, data: Any, use_gather_object: bool = False) -> Any:
+        import torch
+        import torch.distributed as dist
+        from accelerate.utils import recursively_apply
+
+        first = _first_tensor(data)
+        if first is None or first.dim() == 0 or not dist.is_initialized():
+            return self.inner(data)
+        world = dist.get_world_size()
+        rows = torch.tensor([first.shape[0]], dtype=torch.int64, device=first.device)
+        counts = [torch.zeros_like(rows) for _ in range(world)]
+        dist.all_gather(counts, rows)
+        sizes = [int(count.item()) for count in counts]
+        most = max(sizes)
+        if min(sizes) == most:
+            return self.inner(data)
+
+        def pad(tensor: Any) -> Any:
+            extra = most - tensor.shape[0]
+            if extra == 0:
+                return tensor
+            return torch.cat([tensor, tensor.new_zeros((extra, *tensor.shape[1:]))])
+
+        def cut(tensor: Any) -> Any:
+            return torch.cat([tensor[r * most : r * most + sizes[r]] for r in range(world)])
+
+        gathered = self.inner(recursively_apply(pad, data))
+        return recursively_apply(cut, gathered)
+
+
+def _first_tensor(data: Any) -> Any:
+    if hasattr(data, "shape") and hasattr(data, "dim"):
+        return data
+    if isinstance(data, (list, tuple)):
+        data = list(data)
+    elif isinstance(data, dict):
+        data = list(data.values())
+    else:
+        return None
+    for item in data:
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
 class LoaderTrainerMixin:
     """``Trainer`` behaviour for loaders (module docstring). Goes before ``Trainer`` (or a
     subclass of it) in the bases; ``train_loader`` / ``eval_loader`` take the place of
@@ -88,6 +146,16 @@ class LoaderTrainerMixin:
         if eval_loader is not None:
             kwargs.setdefault("eval_dataset", _Samples(eval_loader))
         super().__init__(*args, **kwargs)
+
+    @property
+    def gather_function(self) -> Any:
+        return self._loader_gather
+
+    @gather_function.setter
+    def gather_function(self, value: Any) -> None:
+        if isinstance(value, functools.partial) and isinstance(value.func, _UnevenRows):
+            value = functools.partial(value.func.inner, *value.args, **value.keywords)
+        self._loader_gather = value if isinstance(value, _UnevenRows) else _UnevenRows(value)
 
     # ------------------------------------------------------------------ the loaders themselves
     def get_train_dataloader(self) -> Any:

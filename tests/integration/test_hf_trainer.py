@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "hf_trainer.py"
 SAMPLES = 100  # 7 batches of 16 per epoch, the last one 4 real rows and 12 padded
 EPOCHS = 2
+UNEVEN = 101  # on 2 ranks: 51 and 50
 KILL_AT = 3  # a mid-epoch checkpoint (epoch 0 has 7 batches: 7 or 4 optimizer steps)
 
 
@@ -108,11 +109,15 @@ def _torchrun(images: Path, out: Path, log: Path, *args: str) -> subprocess.Comp
 
 
 def test_two_ranks_under_torchrun_resume_exactly_and_evaluate_each_sample_once(
-    images: Path, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
-    """2 ranks (gloo, CPU): the same batches on each rank and equal weights after a kill and a
-    resume; ``evaluate()`` gathers exactly the dataset's samples; the checkpoint resumed on one
-    process is refused (Trainer counts steps per rank)."""
+    """2 ranks (gloo, CPU) over 101 images (51 and 50: the ranks' last batches hold 3 and 2 real
+    rows): the same batches on each rank and equal weights after a kill and a resume;
+    ``evaluate()`` gathers exactly the dataset's samples; the checkpoint resumed on one process
+    is refused (Trainer counts steps per rank)."""
+    from loader.sample import write_sample_dataset
+
+    images = write_sample_dataset(tmp_path / "images", UNEVEN, classes=4)
     full = _torchrun(images, tmp_path / "full", tmp_path / "full.jsonl")
     assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-3000:]
     killed = _torchrun(
@@ -127,14 +132,14 @@ def test_two_ranks_under_torchrun_resume_exactly_and_evaluate_each_sample_once(
         return {(r["rank"], r["epoch"], r["step"]): r["digest"] for r in records}
 
     uninterrupted = batches("full.jsonl")
-    assert len(uninterrupted) == 2 * EPOCHS * 4  # 50 samples per rank: 4 batches of 16
+    assert len(uninterrupted) == 2 * EPOCHS * 4  # 51 and 50 samples: 4 batches of 16 each
     assert {**batches("killed.jsonl"), **batches("resumed.jsonl")} == uninterrupted
     assert len(batches("resumed.jsonl")) == len(uninterrupted) - 2 * KILL_AT
     weights = {r["weights"] for r in _records(tmp_path / "full.jsonl", "end")}
     assert len(weights) == 1
     assert weights == {r["weights"] for r in _records(tmp_path / "resumed.jsonl", "end")}
     for evaluated in _records(tmp_path / "full.jsonl", "eval"):  # each rank gathers them all
-        assert evaluated["ids"] == list(range(SAMPLES))
+        assert evaluated["ids"] == list(range(UNEVEN))
 
     one = _run(images, tmp_path / "run", tmp_path / "one.jsonl", "--resume")
     assert one.returncode != 0
