@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transformers import Trainer
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ._loader import Loader
 from .engine._views import carry_info
@@ -197,7 +197,7 @@ class LoaderTrainerMixin:
         if self.train_loader is not None:
             state = self.train_loader.state_dict()  # every rank: a collective under DDP
             if self.args.should_save:  # type: ignore[attr-defined]
-                folder = f"checkpoint-{self.state.global_step}"  # type: ignore[attr-defined]
+                folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # type: ignore[attr-defined]
                 output_dir = os.path.join(self._get_output_dir(trial=trial), folder)  # type: ignore[attr-defined]
                 write_state(output_dir, state)
         super()._save_checkpoint(model, trial)  # type: ignore[misc]
