@@ -467,3 +467,23 @@ def test_an_epoch_on_two_ranks_of_four_workers_reads_the_dataset_about_once(
             served += counted.tar_bytes() - before
     assert sorted(seen) == list(range(800))
     assert served <= 1.25 * _size(paths), served / _size(paths)
+
+
+def test_a_worker_that_reads_whole_shards_reads_each_with_one_request_and_no_index(
+    counted: Counted, tmp_path: Path
+) -> None:
+    """20 indexed shards of 40 samples, 2 workers: each worker's part of an epoch is 10 whole
+    shards, so it reads each shard in one GET and indexes it from those bytes (checked against
+    the summary): no ``.idx`` is fetched, one GET per shard and epoch (at each epoch's end a
+    worker fetches up to ``ahead`` = 2 of the next epoch's shards: 8 more at most), every
+    sample once in each epoch. (Before: a GET of the ``.idx`` first for each shard, 80 in all.)"""
+    paths = T.write_payload_tars(tmp_path, 20, 40, 2000)
+    counted.upload(paths)
+    counted.index("train-{0000..0019}.tar")
+    counted.proxy.reset()
+    with counted.loader("train-{0000..0019}.tar", 2) as loader:
+        for _epoch in range(2):
+            assert sorted(i for batch in loader for i in ids(batch)) == list(range(800))
+    kinds = _kinds(counted.proxy.records())
+    assert kinds["GET .idx"] == 0, kinds
+    assert 40 <= kinds["GET .tar"] <= 48, kinds

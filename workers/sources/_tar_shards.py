@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import itertools
 import json
 import logging
@@ -58,7 +59,7 @@ from ._storage import (
     local_path,
     storage_for,
 )
-from ._tar_index import TarIndex
+from ._tar_index import TarIndex, scan
 from ._tar_indexer import Indexer, Source, index_command
 from ._tar_summary import (
     ShardEntry,
@@ -173,6 +174,18 @@ class TarShards:
                 f"refuses a changed dataset) after {index_command(url)}"
             )
         return index
+
+    def index_of_bytes(self, shard: int, data: np.ndarray[Any, Any]) -> TarIndex | None:
+        """The index of ``shard`` scanned from its whole bytes (read by a worker that needs every
+        sample of it: no ``.idx`` to fetch), when it is the index the epoch was planned with;
+        None when it is not (the ``.idx`` path then decides: a warning, a rescan, an error)."""
+        if shard in self.damaged:
+            return None
+        try:
+            index = scan(self.urls[shard], io.BytesIO(memoryview(data)), seekable=True)
+        except ValueError:
+            return None
+        return index if self._matches(shard, index) else None
 
     def confirm(self, shard: int) -> None:
         """Ask the store for the identity of a shard known from the summary only (one HEAD);

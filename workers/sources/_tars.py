@@ -37,7 +37,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -260,6 +260,14 @@ class _Fetcher:
         held = sum(self.size(s, r) for s, r in waiting)
         return held + self.size(shard, rows) <= self.ahead_bytes
 
+    def wait(self, shard: int) -> None:
+        """Wait for the fetch of ``shard`` if one is under way (its errors are left to
+        :meth:`get`)."""
+        with self._lock:
+            held = self._buffers.get(shard)
+        if held is not None:
+            wait([held[1]])
+
     def get(self, shard: int, start: int, end: int) -> np.ndarray[Any, Any] | None:
         """Bytes ``[start, end)`` of ``shard`` if they were fetched (waits for a fetch under
         way); None when they were not."""
@@ -343,6 +351,8 @@ class TarLoader:
         shard = bisect.bisect_right(self._starts, index) - 1
         sample = index - self._starts[shard]
         url = self.shards.urls[shard]
+        if self._fetcher is not None:  # (a whole shard's fetch brings its index)
+            self._fetcher.wait(shard)
         table, offsets, sizes = self._table(shard)
         # (Python lists from here: numpy's per-call cost is most of a sample's on small rows)
         row_offsets, row_sizes = offsets[sample].tolist(), sizes[sample].tolist()
@@ -410,7 +420,23 @@ class TarLoader:
         return data
 
     def _fetch(self, shard: int, rows: _Int64s) -> tuple[int, np.ndarray[Any, Any]]:
-        """(start, bytes) of the range of ``shard`` that holds ``rows`` (on a fetch thread)."""
+        """(start, bytes) of the range of ``shard`` that holds ``rows`` (on a fetch thread). A
+        worker that reads every sample of the shard reads it whole, with one request, and
+        indexes it from those bytes (what the summary says of it checked): no ``.idx`` to fetch
+        first. Otherwise the shard's index first, then the rows' byte range."""
+        with self._lock:
+            held = shard in self._tables
+        if not held and len(rows) >= int(self.shards.counts[shard]) > 0:
+            data = self._checked_read(shard, 0, self.shards.identities[shard][0])
+            index = self.shards.index_of_bytes(shard, data)
+            if index is not None:
+                offsets, sizes = index.table(self.ext)
+                with self._lock:
+                    self._tables.setdefault(shard, (index, offsets, sizes))
+                    self._tables.move_to_end(shard)
+                    while len(self._tables) > _OPEN_INDEXES:
+                        self._tables.popitem(last=False)
+                return 0, data
         _table, offsets, sizes = self._table(shard)
         ends = np.where(sizes[rows] < 0, 0, offsets[rows] + sizes[rows])
         begins = np.where(offsets[rows] < 0, np.iinfo(np.int64).max, offsets[rows])

@@ -1,0 +1,236 @@
+"""One measured run of one loader over the bucket of :mod:`bench.anchors` (a process of its own).
+
+``python -m bench._anchor_runs LOADER MODE ENDPOINT PREFIX STATE`` with ``LOADER`` one of
+``loader`` (this project's, from the project's environment), ``litdata`` or ``mosaic`` (from the
+anchors' environment, which has neither DALI nor this package: so nothing here imports them at the
+top). ``MODE``:
+
+* ``first``: construct the loader, take the first batch, then read the rest of the epoch; at
+  half the epoch, save the loader's state to ``STATE`` (each loader's own ``state_dict``);
+* ``first-only``: the same up to that save (no epoch measured);
+* ``resume``: construct, load ``STATE``, take the first batch (and stop).
+
+Each run speaks one JSON object a line on stdout: ``{"at": "first", "seconds": s}`` when its first
+batch is in hand, after which it waits for a line on stdin (the parent counts the requests served
+so far, so the count is the same moment for every loader), then ``{"at": "epoch", ...}``. The same
+work everywhere: batch 32, 2 worker processes, each JPEG decoded and resized to 64x64, the label
+and the sample's id as integers; ids are counted to check the epoch held every sample once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+BATCH, WORKERS, SIZE = 32, 2, 64
+
+
+def say(**record: Any) -> None:
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+def counted() -> None:
+    """Wait until the parent has counted what was served so far."""
+    sys.stdin.readline()
+
+
+def main(argv: list[str]) -> None:
+    name, mode, endpoint, prefix, state = argv
+    runs = {"loader": run_loader, "litdata": run_litdata, "mosaic": run_mosaic}
+    # (the cache: an empty directory, at the same path for a run and its resume: LitData's state
+    # names its cache directory and refuses another)
+    cache = os.environ["BENCH_ANCHORS_CACHE"]
+    runs[name](mode, endpoint, prefix, state, cache)
+
+
+def drive(
+    batches: Any, mode: str, started: float, total: int, save: Any, ids_of: Any
+) -> None:
+    """The same loop for each loader: first batch, then the epoch with a save at its half."""
+    iterator = iter(batches)
+    first = next(iterator)
+    say(at="first", seconds=time.monotonic() - started)
+    counted()
+    if mode == "resume":
+        return
+    seen = list(ids_of(first))
+    epoch_started = time.monotonic()
+    half = max(1, (total // BATCH) // 2)
+    for number, batch in enumerate(iterator, start=1):
+        seen.extend(ids_of(batch))
+        if number == half:
+            save()
+            if mode == "first-only":
+                return
+    seconds = time.monotonic() - epoch_started
+    say(
+        at="epoch",
+        seconds=seconds,
+        samples=len(seen),
+        unique=len(set(seen)),
+        since_start=time.monotonic() - started,
+    )
+
+
+# -- this project's loader ----------------------------------------------------------------------
+
+
+def loader_source(shard: Any, urls: str, options: dict[str, Any]) -> Any:
+    from loader import sharded_tars
+
+    return sharded_tars(shard, urls, batch_size=BATCH, ext=("jpg", "cls", "id"), storage_options=options)
+
+
+def loader_step(jpegs: Any, cls: Any, ids: Any) -> dict[str, Any]:
+    import nvidia.dali.experimental.dynamic as ndd
+
+    images = ndd.decoders.image(jpegs, device="cpu")
+    return {
+        "image": ndd.resize(images, size=[SIZE, SIZE]),
+        "label": ndd.cast(cls, dtype=ndd.int64),
+        "id": ndd.cast(ids, dtype=ndd.int64),
+    }
+
+
+def run_loader(mode: str, endpoint: str, prefix: str, state: str, cache: str) -> None:
+    import functools
+
+    os.environ["DALI_LOADER_CACHE_DIR"] = cache  # (a new node's: nothing cached)
+    from loader import Loader
+
+    urls, total = _listing(prefix)
+    options = _s3fs_options(endpoint)
+    started = time.monotonic()
+    source = functools.partial(loader_source, urls=urls, options=options)
+    with Loader(source, loader_step, batch_size=BATCH, num_workers=WORKERS) as loader:
+        if mode == "resume":
+            with open(state) as file:
+                loader.load_state_dict(json.load(file))
+
+        def save() -> None:
+            with open(state, "w") as file:
+                json.dump(loader.state_dict(), file)
+
+        drive(loader, mode, started, total, save, lambda b: b["id"].reshape(-1).tolist())
+
+
+def _listing(prefix: str) -> tuple[str, int]:
+    """(the tar shards' URL pattern, samples) from the bench's ``layout.json`` beside this run."""
+    with open(os.environ["BENCH_ANCHORS_LAYOUT"]) as file:
+        layout = json.load(file)
+    return layout["tars"], layout["samples"]
+
+
+def _s3fs_options(endpoint: str) -> dict[str, Any]:
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "endpoint_url": endpoint,
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+
+
+def _decode(jpeg: bytes) -> Any:
+    """Pillow's decode and a bilinear resize, in the DataLoader's workers (the anchors'
+    environment has a CPU torch; PyPI's torchvision is built for CUDA and does not load)."""
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(jpeg)).convert("RGB").resize((SIZE, SIZE), Image.BILINEAR)
+    return torch.from_numpy(np.asarray(image)).permute(2, 0, 1)
+
+
+def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    import torch
+
+    return {
+        "image": torch.stack([_decode(s["image"]) for s in samples]),
+        "label": torch.tensor([int(s["cls"]) for s in samples]),
+        "id": torch.tensor([int(s["id"]) for s in samples]),
+    }
+
+
+# -- LitData ------------------------------------------------------------------------------------
+
+
+def run_litdata(mode: str, endpoint: str, prefix: str, state: str, cache: str) -> None:
+    import torch
+    from litdata import StreamingDataLoader, StreamingDataset
+    from litdata.streaming import downloader
+
+    # (LitData fetches chunks with obstore, which refuses plain HTTP unless told: the bench's S3
+    # server is on http://127.0.0.1; a real bucket is HTTPS and needs nothing)
+    downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
+
+    _, total = _listing(prefix)
+    started = time.monotonic()
+    dataset = StreamingDataset(
+        f"s3://{prefix}/litdata",
+        cache_dir=cache,
+        shuffle=True,
+        storage_options={
+            "endpoint_url": endpoint,
+            "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing",
+            "region_name": "us-east-1",
+        },
+    )
+    loader = StreamingDataLoader(
+        dataset, batch_size=BATCH, num_workers=WORKERS, collate_fn=_collate, drop_last=False
+    )
+    if mode == "resume":
+        loader.load_state_dict(torch.load(state, weights_only=False))
+
+    def save() -> None:
+        torch.save(loader.state_dict(), state)
+
+    drive(loader, mode, started, total, save, lambda b: b["id"].tolist())
+
+
+# -- MosaicML Streaming -------------------------------------------------------------------------
+
+
+def run_mosaic(mode: str, endpoint: str, prefix: str, state: str, cache: str) -> None:
+    import types
+
+    import torch
+
+    # (streaming's __init__ imports its vision datasets, which import torchvision: unused here,
+    # and PyPI's torchvision, built for CUDA, does not load beside the CPU torch)
+    sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
+    from streaming import StreamingDataLoader, StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    os.environ.update(
+        S3_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    clean_stale_shared_memory()
+    _, total = _listing(prefix)
+    started = time.monotonic()
+    dataset = StreamingDataset(
+        remote=f"s3://{prefix}/mds", local=cache, batch_size=BATCH, shuffle=True
+    )
+    loader = StreamingDataLoader(
+        dataset, batch_size=BATCH, num_workers=WORKERS, collate_fn=_collate, drop_last=False
+    )
+    if mode == "resume":
+        loader.load_state_dict(torch.load(state, weights_only=False))
+
+    def save() -> None:
+        torch.save(loader.state_dict(), state)
+
+    drive(loader, mode, started, total, save, lambda b: b["id"].tolist())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

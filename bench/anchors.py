@@ -1,0 +1,364 @@
+"""``bash bench/anchors.sh``: this loader beside LitData and MosaicML Streaming, on the same S3 server.
+
+One command, one run, one table per dataset size. The same samples (small JPEGs with a label and
+an id) are written in each one's format: tar shards (indexed with ``python -m loader.tars index``,
+as this loader wants), LitData chunks (``litdata.optimize``) and Mosaic's MDS shards
+(``MDSWriter``), about the same number of shards each, uploaded to one bucket of moto's S3 server
+(a process of its own). Every loader reaches it through :class:`bench._s3.CountingProxy`, so the
+requests and bytes each one costs are counted, not guessed.
+
+Each loader then runs, each in a fresh process with an empty cache (a new node's), in turn:
+
+* **first**: construct the loader and take its first batch (seconds; requests, LISTs and bytes
+  served until then), read the whole epoch (samples/s after the first batch, bytes served, every
+  sample once?) and save the loader's state at half the epoch;
+* **resume**: a new process loads that state and takes its first batch (seconds, requests).
+
+The same work in each: batch 32, 2 worker processes, shuffled, each JPEG decoded and resized to
+64x64 (DALI's decoder here, Pillow in the anchors' DataLoader workers). The anchors run in their own
+environment (``--anchors-python``; ``bench/anchors.sh`` makes it from
+``bench/anchors-requirements.txt``): they pin a torch, a numpy and a transformers other than the
+test extra's, so they are the bench's extra, not the package's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench._s3 import CountingProxy, S3Server, Served
+
+LOADERS = ("loader", "litdata", "mosaic")
+NAMES = {"loader": "this loader", "litdata": "LitData 0.2.76", "mosaic": "Mosaic Streaming 0.13"}
+
+
+def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
+    """``count`` distinct small JPEGs (a gradient with noise and a few shapes each)."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    images = []
+    ramp = np.linspace(0, 255, side, dtype=np.float32)
+    for _ in range(count):
+        base = rng.uniform(0.2, 1.0, size=3) * (ramp[None, :, None] + ramp[:, None, None]) / 2
+        pixels = np.clip(base + rng.normal(0, 18, (side, side, 3)), 0, 255).astype(np.uint8)
+        image = Image.fromarray(pixels)
+        draw = ImageDraw.Draw(image)
+        for _shape in range(3):
+            x, y = (int(v) for v in rng.integers(0, side - 8, 2))
+            draw.ellipse([x, y, x + 8 + int(rng.integers(0, side // 3)), y + 12], fill=tuple(
+                int(v) for v in rng.integers(0, 256, 3)))
+        data = io.BytesIO()
+        image.save(data, format="JPEG", quality=88)
+        images.append(data.getvalue())
+    return images
+
+
+def write_tars(directory: Path, shards: int, per_shard: int, side: int) -> list[Path]:
+    """The samples as tar shards: sample ``i`` is ``s<i>.jpg``, ``.cls`` (``i % 1000``), ``.id``."""
+    pool = jpegs(256, side)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for number in range(shards):
+        path = directory / f"train-{number:06d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for sample in range(number * per_shard, (number + 1) * per_shard):
+                for ext, data in (
+                    ("jpg", pool[(sample * 7919) % len(pool)]),
+                    ("cls", str(sample % 1000).encode()),
+                    ("id", str(sample).encode()),
+                ):
+                    info = tarfile.TarInfo(f"s{sample:08d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(path)
+    return paths
+
+
+def upload(server: S3Server, root: Path, bucket: str, prefix: str) -> int:
+    """Every file under ``root`` to ``s3://<bucket>/<prefix>/...``; returns how many."""
+    files = [p for p in sorted(root.rglob("*")) if p.is_file()]
+    client = server.client()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(
+                pool.map(
+                    lambda p: client.upload_file(
+                        str(p), bucket, f"{prefix}/{p.relative_to(root).as_posix()}"
+                    ),
+                    files,
+                )
+            )
+    finally:
+        client.close()
+    return len(files)
+
+
+@dataclass
+class Counted:
+    requests: int = 0
+    lists: int = 0
+    bytes: int = 0
+
+    @classmethod
+    def of(cls, served: list[Served], bucket: str) -> Counted:
+        lists = sum(1 for s in served if s.method == "GET" and _is_list(s, bucket))
+        return cls(len(served), lists, sum(s.bytes for s in served))
+
+
+def _is_list(served: Served, bucket: str) -> bool:
+    return "list-type" in served.query or served.path.strip("/") == bucket
+
+
+@dataclass
+class Outcome:
+    first_s: float | None = None
+    first: Counted = field(default_factory=Counted)
+    epoch_s: float | None = None
+    epoch_samples: int = 0
+    epoch_unique: int = 0
+    epoch: Counted = field(default_factory=Counted)
+    error: str = ""
+
+
+def measure(
+    python: str, name: str, mode: str, proxy: CountingProxy, bucket: str, state: Path, limit: float
+) -> Outcome:
+    """One run of ``bench._anchor_runs`` (see there), counted through ``proxy``."""
+    outcome = Outcome()
+    layout = state.parent / "layout.json"
+    cache = state.parent / f"cache-{name}"
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir()
+    environment = dict(
+        os.environ, BENCH_ANCHORS_LAYOUT=str(layout), BENCH_ANCHORS_CACHE=str(cache),
+        PYTHONUNBUFFERED="1",
+    )
+    proxy.reset()
+    command = [python, "-m", "bench._anchor_runs", name, mode, proxy.endpoint, bucket, str(state)]
+    with tempfile.TemporaryFile() as errors:
+        child = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env=environment,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        assert child.stdin is not None and child.stdout is not None
+        deadline = time.monotonic() + limit
+        try:
+            for line in child.stdout:
+                record = json.loads(line)
+                if record["at"] == "first":
+                    outcome.first_s = record["seconds"]
+                    outcome.first = Counted.of(proxy.records(), bucket)
+                    proxy.reset()
+                    child.stdin.write("\n")
+                    child.stdin.flush()
+                elif record["at"] == "epoch":
+                    outcome.epoch_s = record["seconds"]
+                    outcome.epoch_samples = record["samples"]
+                    outcome.epoch_unique = record["unique"]
+                    outcome.epoch = Counted.of(proxy.records(), bucket)
+                if time.monotonic() > deadline:
+                    child.kill()
+            child.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        if child.returncode:
+            errors.seek(0)
+            lines = [ln for ln in errors.read().decode(errors="replace").splitlines() if ln.strip()]
+            outcome.error = (lines[-1] if lines else f"exit {child.returncode}")[:160]
+    return outcome
+
+
+def prepare(
+    server: S3Server, proxy: CountingProxy, anchors: str, bucket: str, shards: int, per_shard: int,
+    side: int, directory: Path,
+) -> dict[str, Any]:
+    """Write and upload the three formats; index the tar shards through the proxy."""
+    tars = write_tars(directory / "tars", shards, per_shard, side)
+    sizes = {"tars": sum(p.stat().st_size for p in tars)}
+    for fmt in ("litdata", "mds"):
+        shutil.rmtree(directory / fmt, ignore_errors=True)  # (LitData will not write over one)
+        subprocess.run(
+            [anchors, "-m", "bench._anchor_write", fmt, str(directory / "tars"),
+             str(directory / fmt), str(per_shard)],
+            check=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+    server.bucket(bucket)
+    counts = {}
+    for fmt in ("tars", "litdata", "mds"):
+        counts[fmt] = upload(server, directory / fmt, bucket, fmt)
+        sizes[fmt] = sum(p.stat().st_size for p in (directory / fmt).rglob("*") if p.is_file())
+    pattern = f"s3://{bucket}/tars/train-{{000000..{shards - 1:06d}}}.tar"
+    proxy.reset()
+    started = time.monotonic()
+    subprocess.run(
+        [sys.executable, "-m", "loader.tars", "index", pattern, "--workers", "2",
+         "--storage-options", json.dumps(server.options(proxy.endpoint))],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    index = Counted.of(proxy.records(), bucket)
+    return {
+        "bucket": bucket,
+        "tars": pattern,
+        "samples": shards * per_shard,
+        "objects": counts,
+        "sizes": sizes,
+        "index_seconds": time.monotonic() - started,
+        "index_requests": index.requests,
+    }
+
+
+def run_size(
+    args: argparse.Namespace, server: S3Server, proxy: CountingProxy, shards: int, per_shard: int
+) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-anchors-") as scratch:
+        directory = Path(scratch)
+        bucket = f"anchors-{shards}"  # (one bucket per size)
+        layout = prepare(
+            server, proxy, args.anchors_python, bucket, shards, per_shard, args.side, directory
+        )
+        (directory / "layout.json").write_text(json.dumps(layout))
+        print(
+            f"\n{shards} shards x {per_shard} samples ({layout['samples']} samples; objects: "
+            + ", ".join(f"{k} {v} ({layout['sizes'][k] / 1e6:.1f} MB)" for k, v in layout["objects"].items())
+            + f"); index command: {layout['index_seconds']:.1f} s, {layout['index_requests']} requests",
+            flush=True,
+        )
+        results: dict[str, list[tuple[Outcome, Outcome]]] = {name: [] for name in LOADERS}
+        order = list(LOADERS)
+        for repeat in range(args.repeats):
+            for name in order:
+                python = sys.executable if name == "loader" else args.anchors_python
+                state = directory / f"{name}.state"
+                mode = "first" if args.epoch else "first-only"
+                first = measure(python, name, mode, proxy, bucket, state, args.limit)
+                resume = (
+                    measure(python, name, "resume", proxy, bucket, state, args.limit)
+                    if state.exists()
+                    else Outcome(error="no state saved")
+                )
+                state.unlink(missing_ok=True)
+                results[name].append((first, resume))
+                print(f"  run {repeat + 1} {name}: {_brief(first, resume)}", flush=True)
+            order = order[1:] + order[:1]  # (each loader takes each place in turn)
+        print(table(results, layout))
+
+
+def _brief(first: Outcome, resume: Outcome) -> str:
+    parts = [f"first {first.first_s:.1f} s" if first.first_s is not None else f"failed: {first.error}"]
+    if first.epoch_s:
+        parts.append(f"epoch {first.epoch_samples / first.epoch_s:.0f} samples/s")
+    parts.append(f"resume {resume.first_s:.1f} s" if resume.first_s is not None else f"resume failed: {resume.error}")
+    return ", ".join(parts)
+
+
+def _span(values: list[float], form: str) -> str:
+    if not values:
+        return "—"
+    low, high = min(values), max(values)
+    return form.format(low) if len(values) == 1 or form.format(low) == form.format(high) else (
+        f"{form.format(low)}–{form.format(high)}"
+    )
+
+
+def table(results: dict[str, list[tuple[Outcome, Outcome]]], layout: dict[str, Any]) -> str:
+    """The side-by-side table: each cell min–max over the runs (one value when they agree)."""
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(label: str, pick: Any, form: str) -> None:
+        cells = []
+        for name in LOADERS:
+            values = [v for v in (pick(first, resume) for first, resume in results[name]) if v is not None]
+            failed = [o.error for first, resume in results[name] for o in (first, resume) if o.error]
+            cell = _span(values, form)
+            cells.append(cell if values or not failed else f"failed ({failed[0][:40]})")
+        rows.append((label, cells))
+
+    row("construct → first batch, s", lambda f, r: f.first_s, "{:.1f}")
+    row("requests before the first batch", lambda f, r: f.first.requests if f.first_s else None, "{:d}")
+    row("  of them LISTs", lambda f, r: f.first.lists if f.first_s else None, "{:d}")
+    row("  MB served before it", lambda f, r: f.first.bytes / 1e6 if f.first_s else None, "{:.2f}")
+    row(
+        "epoch, samples/s (after the first batch)",
+        lambda f, r: f.epoch_samples / f.epoch_s if f.epoch_s else None,
+        "{:.0f}",
+    )
+    row("  MB served in the epoch", lambda f, r: f.epoch.bytes / 1e6 if f.epoch_s else None, "{:.1f}")
+    row(
+        "  every sample once",
+        lambda f, r: (
+            1 if f.epoch_unique == f.epoch_samples == layout["samples"] else 0
+        ) if f.epoch_s else None,
+        "{:d}",
+    )
+    row("resume mid-epoch → first batch, s", lambda f, r: r.first_s, "{:.1f}")
+    row("  requests before it", lambda f, r: r.first.requests if r.first_s else None, "{:d}")
+    widths = [max(len(label) for label, _ in rows)] + [
+        max(len(NAMES[name]), *(len(cells[i]) for _, cells in rows)) for i, name in enumerate(LOADERS)
+    ]
+    lines = [
+        "| " + " | ".join([""] + [NAMES[n] for n in LOADERS]) + " |",
+        "|" + "|".join("---" for _ in range(len(LOADERS) + 1)) + "|",
+    ]
+    for label, cells in rows:
+        if label.strip() == "every sample once":
+            cells = [{"1": "yes", "0": "no"}.get(c, c.replace("0–1", "not always")) for c in cells]
+        lines.append("| " + " | ".join([label] + cells) + " |")
+    del widths
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.anchors", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--size", action="append", default=None, metavar="SHARDSxSAMPLES",
+        help="a dataset: shards x samples per shard (default: 1000x20 and 10000x4)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each loader per size")
+    parser.add_argument("--side", type=int, default=96, help="the JPEGs' side in pixels")
+    parser.add_argument("--no-epoch", dest="epoch", action="store_false", help="first batch and resume only")
+    parser.add_argument("--limit", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument(
+        "--anchors-python",
+        default=os.environ.get("BENCH_ANCHORS_PYTHON", ".venv-anchors/bin/python"),
+        help="the anchors' environment's python (bench/anchors.sh makes .venv-anchors)",
+    )
+    args = parser.parse_args(argv)
+    if not Path(args.anchors_python).exists():
+        parser.error(f"{args.anchors_python} does not exist: run bash bench/anchors.sh, which makes it")
+    sizes = [tuple(int(v) for v in s.lower().split("x")) for s in (args.size or ["1000x20", "10000x4"])]
+    random.seed(0)
+    server = S3Server(threaded=False)
+    proxy = CountingProxy(server.endpoint)
+    try:
+        for shards, per_shard in sizes:
+            run_size(args, server, proxy, shards, per_shard)
+    finally:
+        proxy.close()
+        server.close()
+
+
+if __name__ == "__main__":
+    main()
