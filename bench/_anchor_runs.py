@@ -10,7 +10,8 @@ top). ``MODE``:
 * ``first-only``: the same up to that save (no epoch measured);
 * ``resume``: construct, load ``STATE``, take the first batch (and stop).
 
-Each run speaks one JSON object a line on stdout: ``{"at": "first", "seconds": s}`` when its first
+Each run is a training script's start: ``torch`` first, then the loader's library, then the
+loader. Each run speaks one JSON object a line on stdout: ``{"at": "first", "seconds": s}`` when its first
 batch is in hand, after which it waits for a line on stdin (the parent counts the requests served
 so far, so the count is the same moment for every loader), then ``{"at": "epoch", ...}``. The same
 work everywhere: batch 32, 2 worker processes, each JPEG decoded and resized to 64x64, the label
@@ -24,6 +25,8 @@ import os
 import sys
 import time
 from typing import Any
+
+import torch  # noqa: F401  (each run is a training script's start: torch is imported first)
 
 BATCH, WORKERS, SIZE = 32, 2, 64
 
@@ -106,7 +109,11 @@ def run_loader(mode: str, endpoint: str, prefix: str, state: str, cache: str) ->
     options = _s3fs_options(endpoint)
     started = time.monotonic()
     source = functools.partial(loader_source, urls=urls, options=options)
-    with Loader(source, loader_step, batch_size=BATCH, num_workers=WORKERS) as loader:
+    # (cut_padding: the epoch's last batch comes with its real rows only, as the anchors'
+    # DataLoaders give it with drop_last=False)
+    with Loader(
+        source, loader_step, batch_size=BATCH, num_workers=WORKERS, cut_padding=True
+    ) as loader:
         if mode == "resume":
             with open(state) as file:
                 loader.load_state_dict(json.load(file))

@@ -99,3 +99,19 @@ __all__ = [
     "worker_server_pid",
     "write_tars",
 ]
+
+
+def _start_server_early() -> None:
+    """The worker server starts now, in the background, where that is safe and wanted
+    (:func:`loader.processes._server.start_early`): a failure here is the first loader's."""
+    import logging
+
+    from .processes._server import start_early
+
+    try:
+        start_early()
+    except Exception:
+        logging.getLogger("loader").debug("the worker server did not start early", exc_info=True)
+
+
+_start_server_early()

@@ -25,8 +25,9 @@ How it starts:
 
 When it starts: at the first loader that needs it (inside a test session: a fresh interpreter,
 since a fork would carry that test's state into later tests), or earlier: the pytest plugin starts
-it at a session's start, and :func:`start_early` is meant for the end of the loader package's
-import (not called there yet). It lives until the trainer exits (it ends at end of stream on its
+it at a session's start, and :func:`start_early` at the end of the loader package's import
+(``DALI_LOADER_EARLY_SERVER=0`` turns that off), so the server imports DALI and parses what
+DALI's capture parses while the script goes on with its own imports and set-up. It lives until the trainer exits (it ends at end of stream on its
 socket, after the workers it forked), or until :func:`shutdown`; every later loader uses it.
 It shows as ``dali-loader-server (trainer PID)`` in ``ps``, its workers as
 ``dali-loader-worker-K (trainer PID)``.
@@ -64,6 +65,10 @@ logger = logging.getLogger("loader")
 
 #: The environment variable that chooses how the server starts: ``fork``, ``exec`` (or unset).
 SERVER_ENV = "DALI_LOADER_SERVER"
+#: ``0`` keeps ``import loader`` from starting the worker server (:func:`start_early`).
+EARLY_ENV = "DALI_LOADER_EARLY_SERVER"
+#: Modules run with ``python -m`` that never start a loader: no server at their import.
+_NO_LOADER_MAINS = ("loader.tars",)
 #: Seconds a worker's request may wait for the server's answer (its pid): the server answers
 #: requests in order, and a Prepare may import the main module first.
 REPLY_TIMEOUT = 300.0
@@ -206,8 +211,12 @@ def start_early() -> str | None:
     from ..config._config import START_METHOD_ENV, _process_default
 
     method = _process_default or os.environ.get(START_METHOD_ENV, "") or "forkserver"
+    argv = list(getattr(sys, "orig_argv", ()))
+    run_module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
     if (
-        method != "forkserver"
+        os.environ.get(EARLY_ENV, "1") == "0"
+        or run_module in _NO_LOADER_MAINS
+        or method != "forkserver"
         or not supported()
         or worker_server.serving()
         or multiprocessing.parent_process() is not None
