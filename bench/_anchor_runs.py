@@ -11,9 +11,10 @@ top). ``MODE``:
 * ``resume``: construct, load ``STATE``, take the first batch (and stop).
 
 Each run is a training script's start: ``torch`` first, then the loader's library, then the
-loader. Each run speaks one JSON object a line on stdout: ``{"at": "first", "seconds": s}`` when its first
-batch is in hand, after which it waits for a line on stdin (the parent counts the requests served
-so far, so the count is the same moment for every loader), then ``{"at": "epoch", ...}``. The same
+loader. Each run speaks one JSON object a line on stdout: ``{"at": "first", "seconds": s}``
+when its first batch is in hand, after which it waits for a line on stdin (the parent counts
+the requests served so far, so the count is the same moment for every loader), then
+``{"at": "epoch", ...}``. The same
 work everywhere: batch 32, 2 worker processes, each JPEG decoded and resized to 64x64, the label
 and the sample's id as integers; ids are counted to check the epoch held every sample once.
 """
@@ -26,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-import torch  # noqa: F401  (each run is a training script's start: torch is imported first)
+import torch
 
 BATCH, WORKERS, SIZE = 32, 2, 64
 
@@ -50,9 +51,7 @@ def main(argv: list[str]) -> None:
     runs[name](mode, endpoint, prefix, state, cache)
 
 
-def drive(
-    batches: Any, mode: str, started: float, total: int, save: Any, ids_of: Any
-) -> None:
+def drive(batches: Any, mode: str, started: float, total: int, save: Any, ids_of: Any) -> None:
     """The same loop for each loader: first batch, then the epoch with a save at its half."""
     iterator = iter(batches)
     first = next(iterator)
@@ -85,7 +84,9 @@ def drive(
 def loader_source(shard: Any, urls: str, options: dict[str, Any]) -> Any:
     from loader import sharded_tars
 
-    return sharded_tars(shard, urls, batch_size=BATCH, ext=("jpg", "cls", "id"), storage_options=options)
+    return sharded_tars(
+        shard, urls, batch_size=BATCH, ext=("jpg", "cls", "id"), storage_options=options
+    )
 
 
 def loader_step(jpegs: Any, cls: Any, ids: Any) -> dict[str, Any]:
@@ -147,7 +148,6 @@ def _decode(jpeg: bytes) -> Any:
     import io
 
     import numpy as np
-    import torch
     from PIL import Image
 
     image = Image.open(io.BytesIO(jpeg)).convert("RGB").resize((SIZE, SIZE), Image.BILINEAR)
@@ -155,8 +155,6 @@ def _decode(jpeg: bytes) -> Any:
 
 
 def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    import torch
-
     return {
         "image": torch.stack([_decode(s["image"]) for s in samples]),
         "label": torch.tensor([int(s["cls"]) for s in samples]),
@@ -168,13 +166,15 @@ def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_litdata(mode: str, endpoint: str, prefix: str, state: str, cache: str) -> None:
-    import torch
     from litdata import StreamingDataLoader, StreamingDataset
     from litdata.streaming import downloader
 
     # (LitData fetches chunks with obstore, which refuses plain HTTP unless told: the bench's S3
     # server is on http://127.0.0.1; a real bucket is HTTPS and needs nothing)
-    downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
+    downloader._OBSTORE_CLIENT_OPTIONS = {
+        **downloader._OBSTORE_CLIENT_OPTIONS,
+        "allow_http": "true",
+    }
 
     _, total = _listing(prefix)
     started = time.monotonic()
@@ -206,8 +206,6 @@ def run_litdata(mode: str, endpoint: str, prefix: str, state: str, cache: str) -
 
 def run_mosaic(mode: str, endpoint: str, prefix: str, state: str, cache: str) -> None:
     import types
-
-    import torch
 
     # (streaming's __init__ imports its vision datasets, which import torchvision: unused here,
     # and PyPI's torchvision, built for CUDA, does not load beside the CPU torch)

@@ -40,8 +40,13 @@ def write_litdata(tars: list[str], out: str, per_shard: int) -> None:
     from litdata import optimize
 
     optimize(
-        fn=samples, inputs=tars, output_dir=out, chunk_size=per_shard, num_workers=1,
-        reorder_files=False, verbose=False,
+        fn=samples,
+        inputs=tars,
+        output_dir=out,
+        chunk_size=per_shard,
+        num_workers=1,
+        reorder_files=False,
+        verbose=False,
     )
 
 

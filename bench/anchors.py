@@ -1,4 +1,4 @@
-"""``bash bench/anchors.sh``: this loader beside LitData and MosaicML Streaming, on the same S3 server.
+"""``bash bench/anchors.sh``: this loader beside LitData and MosaicML Streaming on one S3 server.
 
 One command, one run, one table per dataset size. The same samples (small JPEGs with a label and
 an id) are written in each one's format: tar shards (indexed with ``python -m loader.tars index``,
@@ -60,8 +60,10 @@ def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
         draw = ImageDraw.Draw(image)
         for _shape in range(3):
             x, y = (int(v) for v in rng.integers(0, side - 8, 2))
-            draw.ellipse([x, y, x + 8 + int(rng.integers(0, side // 3)), y + 12], fill=tuple(
-                int(v) for v in rng.integers(0, 256, 3)))
+            draw.ellipse(
+                [x, y, x + 8 + int(rng.integers(0, side // 3)), y + 12],
+                fill=tuple(int(v) for v in rng.integers(0, 256, 3)),
+            )
         data = io.BytesIO()
         image.save(data, format="JPEG", quality=88)
         images.append(data.getvalue())
@@ -148,7 +150,9 @@ def measure(
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir()
     environment = dict(
-        os.environ, BENCH_ANCHORS_LAYOUT=str(layout), BENCH_ANCHORS_CACHE=str(cache),
+        os.environ,
+        BENCH_ANCHORS_LAYOUT=str(layout),
+        BENCH_ANCHORS_CACHE=str(cache),
         PYTHONUNBUFFERED="1",
     )
     proxy.reset()
@@ -195,8 +199,14 @@ def measure(
 
 
 def prepare(
-    server: S3Server, proxy: CountingProxy, anchors: str, bucket: str, shards: int, per_shard: int,
-    side: int, directory: Path,
+    server: S3Server,
+    proxy: CountingProxy,
+    anchors: str,
+    bucket: str,
+    shards: int,
+    per_shard: int,
+    side: int,
+    directory: Path,
 ) -> dict[str, Any]:
     """Write and upload the three formats; index the tar shards through the proxy."""
     tars = write_tars(directory / "tars", shards, per_shard, side)
@@ -204,8 +214,15 @@ def prepare(
     for fmt in ("litdata", "mds"):
         shutil.rmtree(directory / fmt, ignore_errors=True)  # (LitData will not write over one)
         subprocess.run(
-            [anchors, "-m", "bench._anchor_write", fmt, str(directory / "tars"),
-             str(directory / fmt), str(per_shard)],
+            [
+                anchors,
+                "-m",
+                "bench._anchor_write",
+                fmt,
+                str(directory / "tars"),
+                str(directory / fmt),
+                str(per_shard),
+            ],
             check=True,
             cwd=Path(__file__).resolve().parent.parent,
         )
@@ -218,8 +235,17 @@ def prepare(
     proxy.reset()
     started = time.monotonic()
     subprocess.run(
-        [sys.executable, "-m", "loader.tars", "index", pattern, "--workers", "2",
-         "--storage-options", json.dumps(server.options(proxy.endpoint))],
+        [
+            sys.executable,
+            "-m",
+            "loader.tars",
+            "index",
+            pattern,
+            "--workers",
+            "2",
+            "--storage-options",
+            json.dumps(server.options(proxy.endpoint)),
+        ],
         check=True,
         stdout=subprocess.DEVNULL,
     )
@@ -247,8 +273,11 @@ def run_size(
         (directory / "layout.json").write_text(json.dumps(layout))
         print(
             f"\n{shards} shards x {per_shard} samples ({layout['samples']} samples; objects: "
-            + ", ".join(f"{k} {v} ({layout['sizes'][k] / 1e6:.1f} MB)" for k, v in layout["objects"].items())
-            + f"); index command: {layout['index_seconds']:.1f} s, {layout['index_requests']} requests",
+            + ", ".join(
+                f"{k} {v} ({layout['sizes'][k] / 1e6:.1f} MB)" for k, v in layout["objects"].items()
+            )
+            + f"); index command: {layout['index_seconds']:.1f} s, "
+            + f"{layout['index_requests']} requests",
             flush=True,
         )
         results: dict[str, list[tuple[Outcome, Outcome]]] = {name: [] for name in LOADERS}
@@ -272,10 +301,16 @@ def run_size(
 
 
 def _brief(first: Outcome, resume: Outcome) -> str:
-    parts = [f"first {first.first_s:.1f} s" if first.first_s is not None else f"failed: {first.error}"]
+    parts = [
+        f"first {first.first_s:.1f} s" if first.first_s is not None else f"failed: {first.error}"
+    ]
     if first.epoch_s:
         parts.append(f"epoch {first.epoch_samples / first.epoch_s:.0f} samples/s")
-    parts.append(f"resume {resume.first_s:.1f} s" if resume.first_s is not None else f"resume failed: {resume.error}")
+    parts.append(
+        f"resume {resume.first_s:.1f} s"
+        if resume.first_s is not None
+        else f"resume failed: {resume.error}"
+    )
     return ", ".join(parts)
 
 
@@ -283,27 +318,37 @@ def _span(values: list[float], form: str) -> str:
     if not values:
         return "—"
     low, high = min(values), max(values)
-    return form.format(low) if len(values) == 1 or form.format(low) == form.format(high) else (
-        f"{form.format(low)}–{form.format(high)}"
+    return (
+        form.format(low)
+        if len(values) == 1 or form.format(low) == form.format(high)
+        else (f"{form.format(low)}-{form.format(high)}")
     )
 
 
 def table(results: dict[str, list[tuple[Outcome, Outcome]]], layout: dict[str, Any]) -> str:
-    """The side-by-side table: each cell min–max over the runs (one value when they agree)."""
+    """The side-by-side table: each cell min-max over the runs (one value when they agree)."""
     rows: list[tuple[str, list[str]]] = []
 
     def row(label: str, pick: Any, form: str) -> None:
         cells = []
         for name in LOADERS:
-            values = [v for v in (pick(first, resume) for first, resume in results[name]) if v is not None]
-            failed = [o.error for first, resume in results[name] for o in (first, resume) if o.error]
+            values = [
+                v for v in (pick(first, resume) for first, resume in results[name]) if v is not None
+            ]
+            failed = [
+                o.error for first, resume in results[name] for o in (first, resume) if o.error
+            ]
             cell = _span(values, form)
             cells.append(cell if values or not failed else f"failed ({failed[0][:40]})")
         rows.append((label, cells))
 
     row("process start → first batch, s", lambda f, r: f.started_s, "{:.1f}")
     row("construct → first batch, s", lambda f, r: f.first_s, "{:.1f}")
-    row("requests before the first batch", lambda f, r: f.first.requests if f.first_s else None, "{:d}")
+    row(
+        "requests before the first batch",
+        lambda f, r: f.first.requests if f.first_s else None,
+        "{:d}",
+    )
     row("  of them LISTs", lambda f, r: f.first.lists if f.first_s else None, "{:d}")
     row("  MB served before it", lambda f, r: f.first.bytes / 1e6 if f.first_s else None, "{:.2f}")
     row(
@@ -311,41 +356,50 @@ def table(results: dict[str, list[tuple[Outcome, Outcome]]], layout: dict[str, A
         lambda f, r: f.epoch_samples / f.epoch_s if f.epoch_s else None,
         "{:.0f}",
     )
-    row("  MB served in the epoch", lambda f, r: f.epoch.bytes / 1e6 if f.epoch_s else None, "{:.1f}")
+    row(
+        "  MB served in the epoch",
+        lambda f, r: f.epoch.bytes / 1e6 if f.epoch_s else None,
+        "{:.1f}",
+    )
     row(
         "  every sample once",
         lambda f, r: (
-            1 if f.epoch_unique == f.epoch_samples == layout["samples"] else 0
-        ) if f.epoch_s else None,
+            (1 if f.epoch_unique == f.epoch_samples == layout["samples"] else 0)
+            if f.epoch_s
+            else None
+        ),
         "{:d}",
     )
     row("resume: process start → first batch, s", lambda f, r: r.started_s, "{:.1f}")
     row("resume: construct and load → first batch, s", lambda f, r: r.first_s, "{:.1f}")
     row("  requests before it", lambda f, r: r.first.requests if r.first_s else None, "{:d}")
-    widths = [max(len(label) for label, _ in rows)] + [
-        max(len(NAMES[name]), *(len(cells[i]) for _, cells in rows)) for i, name in enumerate(LOADERS)
-    ]
     lines = [
-        "| " + " | ".join([""] + [NAMES[n] for n in LOADERS]) + " |",
+        "| " + " | ".join(["", *(NAMES[n] for n in LOADERS)]) + " |",
         "|" + "|".join("---" for _ in range(len(LOADERS) + 1)) + "|",
     ]
     for label, cells in rows:
         if label.strip() == "every sample once":
-            cells = [{"1": "yes", "0": "no"}.get(c, c.replace("0–1", "not always")) for c in cells]
-        lines.append("| " + " | ".join([label] + cells) + " |")
-    del widths
+            cells = [{"1": "yes", "0": "no"}.get(c, c.replace("0-1", "not always")) for c in cells]
+        lines.append("| " + " | ".join([label, *cells]) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.anchors", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.anchors", description=__doc__.split("\n")[0]
+    )
     parser.add_argument(
-        "--size", action="append", default=None, metavar="SHARDSxSAMPLES",
+        "--size",
+        action="append",
+        default=None,
+        metavar="SHARDSxSAMPLES",
         help="a dataset: shards x samples per shard (default: 1000x20 and 10000x4)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs of each loader per size")
     parser.add_argument("--side", type=int, default=96, help="the JPEGs' side in pixels")
-    parser.add_argument("--no-epoch", dest="epoch", action="store_false", help="first batch and resume only")
+    parser.add_argument(
+        "--no-epoch", dest="epoch", action="store_false", help="first batch and resume only"
+    )
     parser.add_argument("--limit", type=float, default=900.0, help="seconds one run may take")
     parser.add_argument(
         "--anchors-python",
@@ -354,8 +408,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if not Path(args.anchors_python).exists():
-        parser.error(f"{args.anchors_python} does not exist: run bash bench/anchors.sh, which makes it")
-    sizes = [tuple(int(v) for v in s.lower().split("x")) for s in (args.size or ["1000x20", "10000x4"])]
+        parser.error(
+            f"{args.anchors_python} does not exist: run bash bench/anchors.sh, which makes it"
+        )
+    sizes = [
+        tuple(int(v) for v in s.lower().split("x")) for s in (args.size or ["1000x20", "10000x4"])
+    ]
     random.seed(0)
     server = S3Server(threaded=False)
     proxy = CountingProxy(server.endpoint)

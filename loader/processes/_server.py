@@ -27,8 +27,9 @@ When it starts: at the first loader that needs it (inside a test session: a fres
 since a fork would carry that test's state into later tests), or earlier: the pytest plugin starts
 it at a session's start, and :func:`start_early` at the end of the loader package's import
 (``DALI_LOADER_EARLY_SERVER=0`` turns that off), so the server imports DALI and parses what
-DALI's capture parses while the script goes on with its own imports and set-up. It lives until the trainer exits (it ends at end of stream on its
-socket, after the workers it forked), or until :func:`shutdown`; every later loader uses it.
+DALI's capture parses while the script goes on with its own imports and set-up. It lives until
+the trainer exits (it ends at end of stream on its socket, after the workers it forked), or
+until :func:`shutdown`; every later loader uses it.
 It shows as ``dali-loader-server (trainer PID)`` in ``ps``, its workers as
 ``dali-loader-worker-K (trainer PID)``.
 
@@ -216,6 +217,8 @@ def start_early() -> str | None:
     if (
         os.environ.get(EARLY_ENV, "1") == "0"
         or run_module in _NO_LOADER_MAINS
+        or "--multiprocessing-fork" in argv  # (a spawned child, whose parent_process() is not
+        # set yet while it imports: a loader's spawned worker, a pool's process)
         or method != "forkserver"
         or not supported()
         or worker_server.serving()

@@ -462,3 +462,55 @@ def test_the_server_and_its_workers_end_with_a_killed_trainer(tmp_path: Path) ->
         while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
             assert time.monotonic() < deadline, f"{process.cmdline()} outlived its trainer"
             time.sleep(0.05)
+
+
+IMPORT_ONLY = """
+import json
+import multiprocessing
+import sys
+
+import loader
+from loader.processes import _server
+
+
+def child(queue):  # a spawned child that imports the loader (a pool's process, a worker)
+    import loader  # noqa: F401
+    from loader.processes import _server
+
+    queue.put(_server.started_how())
+
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=child, args=(queue,))
+    process.start()
+    spawned = queue.get(timeout=120)
+    process.join()
+    print(json.dumps({"trainer": _server.started_how(), "spawned": spawned}))
+"""
+
+
+@pytest.mark.parametrize("early", ["", "0"])
+def test_importing_the_loader_starts_the_worker_server_in_a_trainer_only(
+    tmp_path: Path, early: str
+) -> None:
+    """``import loader`` in a script forks the worker server at once (its DALI import and the
+    capture's source analysis then overlap the script's own start), unless
+    ``DALI_LOADER_EARLY_SERVER=0``; a spawned child that imports the loader starts none."""
+    (tmp_path / "main.py").write_text(IMPORT_ONLY)
+    env = clean_env()
+    env.pop(_server.EARLY_ENV, None)
+    if early:
+        env[_server.EARLY_ENV] = early
+    done = subprocess.run(
+        [sys.executable, "main.py"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == {"trainer": None if early == "0" else "fork", "spawned": None}

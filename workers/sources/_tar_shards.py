@@ -182,7 +182,7 @@ class TarShards:
         if shard in self.damaged:
             return None
         try:
-            index = scan(self.urls[shard], io.BytesIO(memoryview(data)), seekable=True)
+            index = scan(self.urls[shard], io.BytesIO(data.tobytes()), seekable=True)
         except ValueError:
             return None
         return index if self._matches(shard, index) else None
