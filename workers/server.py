@@ -84,9 +84,10 @@ def _run(sock: socket.socket, *, fresh: bool) -> NoReturn:
     global _serving
     _serving = True
     code = 0
+    trainer = os.getppid()
     try:
         _reset_signals()
-        set_title(server_title(os.getppid()))
+        set_title(server_title(trainer))
         first = sw.receive_request(sock)
         if first is None:
             _exit(0)
@@ -104,6 +105,8 @@ def _run(sock: socket.socket, *, fresh: bool) -> NoReturn:
         server.serve()
     except BaseException:  # never return into the caller's code (a fork of the trainer)
         code = 1
+        if os.getppid() != trainer:  # (a trainer gone while this one warmed: a script that
+            _exit(code)  # imported the loader and ended; its environment may be changing)
         with contextlib.suppress(Exception):
             traceback.print_exc()
     _exit(code)
