@@ -44,7 +44,12 @@ def counted() -> None:
 
 def main(argv: list[str]) -> None:
     name, mode, endpoint, prefix, state = argv
-    runs = {"loader": run_loader, "litdata": run_litdata, "mosaic": run_mosaic}
+    runs = {
+        "loader": run_loader,
+        "loader-unindexed": run_unindexed,
+        "litdata": run_litdata,
+        "mosaic": run_mosaic,
+    }
     # (the cache: an empty directory, at the same path for a run and its resume: LitData's state
     # names its cache directory and refuses another)
     cache = os.environ["BENCH_ANCHORS_CACHE"]
@@ -100,13 +105,26 @@ def loader_step(jpegs: Any, cls: Any, ids: Any) -> dict[str, Any]:
     }
 
 
-def run_loader(mode: str, endpoint: str, prefix: str, state: str, cache: str) -> None:
+def run_unindexed(mode: str, endpoint: str, prefix: str, state: str, cache: str) -> None:
+    """This loader over a copy of the shards that was never indexed: its workers scan them
+    before the first batch; the lead worker's progress goes to stderr (the parent keeps it)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for quiet in ("botocore", "s3fs", "fsspec", "aiobotocore", "urllib3", "asyncio"):
+        logging.getLogger(quiet).setLevel(logging.WARNING)
+    run_loader(mode, endpoint, prefix, state, cache, layout_key="unindexed")
+
+
+def run_loader(
+    mode: str, endpoint: str, prefix: str, state: str, cache: str, layout_key: str = "tars"
+) -> None:
     import functools
 
     os.environ["DALI_LOADER_CACHE_DIR"] = cache  # (a new node's: nothing cached)
     from loader import Loader
 
-    urls, total = _listing(prefix)
+    urls, total = _listing(prefix, layout_key)
     options = _s3fs_options(endpoint)
     started = time.monotonic()
     source = functools.partial(loader_source, urls=urls, options=options)
@@ -126,11 +144,11 @@ def run_loader(mode: str, endpoint: str, prefix: str, state: str, cache: str) ->
         drive(loader, mode, started, total, save, lambda b: b["id"].reshape(-1).tolist())
 
 
-def _listing(prefix: str) -> tuple[str, int]:
+def _listing(prefix: str, key: str = "tars") -> tuple[str, int]:
     """(the tar shards' URL pattern, samples) from the bench's ``layout.json`` beside this run."""
     with open(os.environ["BENCH_ANCHORS_LAYOUT"]) as file:
         layout = json.load(file)
-    return layout["tars"], layout["samples"]
+    return layout[key], layout["samples"]
 
 
 def _s3fs_options(endpoint: str) -> dict[str, Any]:

@@ -136,6 +136,7 @@ class Outcome:
     epoch_unique: int = 0
     epoch: Counted = field(default_factory=Counted)
     error: str = ""
+    progress: list[str] = field(default_factory=list)  # the scan's progress lines (stderr)
 
 
 def measure(
@@ -191,9 +192,10 @@ def measure(
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+        errors.seek(0)
+        lines = [ln for ln in errors.read().decode(errors="replace").splitlines() if ln.strip()]
+        outcome.progress = [ln for ln in lines if "index" in ln and "loader.tars" in ln]
         if child.returncode:
-            errors.seek(0)
-            lines = [ln for ln in errors.read().decode(errors="replace").splitlines() if ln.strip()]
             outcome.error = (lines[-1] if lines else f"exit {child.returncode}")[:160]
     return outcome
 
@@ -207,6 +209,7 @@ def prepare(
     per_shard: int,
     side: int,
     directory: Path,
+    unindexed: bool = False,
 ) -> dict[str, Any]:
     """Write and upload the three formats; index the tar shards through the proxy."""
     tars = write_tars(directory / "tars", shards, per_shard, side)
@@ -231,6 +234,8 @@ def prepare(
     for fmt in ("tars", "litdata", "mds"):
         counts[fmt] = upload(server, directory / fmt, bucket, fmt)
         sizes[fmt] = sum(p.stat().st_size for p in (directory / fmt).rglob("*") if p.is_file())
+    if unindexed:  # (the same shards again, never indexed)
+        upload(server, directory / "tars", bucket, "raw")
     pattern = f"s3://{bucket}/tars/train-{{000000..{shards - 1:06d}}}.tar"
     proxy.reset()
     started = time.monotonic()
@@ -248,11 +253,14 @@ def prepare(
         ],
         check=True,
         stdout=subprocess.DEVNULL,
+        # (a new node's cache: no index this machine made before is reused)
+        env=dict(os.environ, DALI_LOADER_CACHE_DIR=str(directory / "index-cache")),
     )
     index = Counted.of(proxy.records(), bucket)
     return {
         "bucket": bucket,
         "tars": pattern,
+        "unindexed": pattern.replace("/tars/", "/raw/"),
         "samples": shards * per_shard,
         "objects": counts,
         "sizes": sizes,
@@ -267,8 +275,17 @@ def run_size(
     with tempfile.TemporaryDirectory(prefix="bench-anchors-") as scratch:
         directory = Path(scratch)
         bucket = f"anchors-{shards}"  # (one bucket per size)
+        unindexed = shards >= args.unindexed_from
         layout = prepare(
-            server, proxy, args.anchors_python, bucket, shards, per_shard, args.side, directory
+            server,
+            proxy,
+            args.anchors_python,
+            bucket,
+            shards,
+            per_shard,
+            args.side,
+            directory,
+            unindexed,
         )
         (directory / "layout.json").write_text(json.dumps(layout))
         print(
@@ -298,6 +315,34 @@ def run_size(
                 print(f"  run {repeat + 1} {name}: {_brief(first, resume)}", flush=True)
             order = order[1:] + order[:1]  # (each loader takes each place in turn)
         print(table(results, layout))
+        if unindexed:
+            run = measure(
+                sys.executable,
+                "loader-unindexed",
+                "first-only",
+                proxy,
+                bucket,
+                directory / "unindexed.state",
+                args.limit,
+            )
+            print(
+                f"\nthis loader over the same {shards} shards never indexed: "
+                + (
+                    f"first batch {run.first_s:.1f} s after construct "
+                    f"({run.started_s:.1f} s after the process started), "
+                    f"{run.first.requests} requests, {run.first.bytes / 1e6:.1f} MB before it"
+                    if run.first_s is not None
+                    else f"failed: {run.error}"
+                )
+                + f"; the scan's progress, as logged ({len(run.progress)} lines):",
+                flush=True,
+            )
+            for line in (
+                run.progress[:3]
+                + (["..."] if len(run.progress) > 4 else [])
+                + (run.progress[3:][-1:])
+            ):
+                print(f"    {line[:200]}")
 
 
 def _brief(first: Outcome, resume: Outcome) -> str:
@@ -396,6 +441,13 @@ def main(argv: list[str] | None = None) -> None:
         help="a dataset: shards x samples per shard (default: 1000x20 and 10000x4)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs of each loader per size")
+    parser.add_argument(
+        "--unindexed-from",
+        type=int,
+        default=10000,
+        metavar="SHARDS",
+        help="from this many shards on, also run this loader over a copy never indexed",
+    )
     parser.add_argument("--side", type=int, default=96, help="the JPEGs' side in pixels")
     parser.add_argument(
         "--no-epoch", dest="epoch", action="store_false", help="first batch and resume only"

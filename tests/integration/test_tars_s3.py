@@ -487,3 +487,26 @@ def test_a_worker_that_reads_whole_shards_reads_each_with_one_request_and_no_ind
     kinds = _kinds(counted.proxy.records())
     assert kinds["GET .idx"] == 0, kinds
     assert 40 <= kinds["GET .tar"] <= 48, kinds
+
+
+def test_the_index_command_reads_each_shard_with_one_get_and_no_head(
+    counted: Counted, tmp_path: Path
+) -> None:
+    """``python -m loader.tars index`` over 12 S3 shards, through the proxy: one listing, then
+    per shard one GET of its bytes (whose ETag and size are the identity it is indexed as) and
+    one PUT of its ``.idx``, and the summary: no HEAD (before: a HEAD per shard)."""
+    counted.upload(T.write_payload_tars(tmp_path, 12, 5, 500))
+    options = json.dumps(counted.server.options(counted.proxy.endpoint))
+    counted.proxy.reset()
+    done = subprocess.run(
+        [sys.executable, "-m", "loader.tars", "index", counted.url("train-{0000..0011}.tar")]
+        + ["--storage-options", options, "--workers", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "12 of 12 shards indexed" in done.stdout
+    kinds = _kinds(counted.proxy.records())
+    assert kinds == Counter(
+        {"LIST": 1, "GET .tar": 12, "PUT .idx": 12, "PUT .json": 1}
+    ), kinds

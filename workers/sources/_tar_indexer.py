@@ -12,6 +12,7 @@ cache. :mod:`workers.sources._tar_shards` decides which shards need it.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -22,6 +23,10 @@ from ._folder_index import CACHE_DIR_ENV
 from ._storage import Identity, Storage, local_path
 from ._tar_index import TarIndex, keep_cached, load_cached, lock_path, scan_whole_samples
 from ._wds_idx import fits, format_idx, header_mismatch, idx_url, last_member, parse_idx
+
+#: Shards of at most this many bytes are scanned from one whole GET where the store's reads tell
+#: the object's identity (S3): no HEAD first. Larger ones are streamed.
+WHOLE_SCAN_BYTES = 256 << 20
 
 logger = logging.getLogger("workers")
 
@@ -199,12 +204,22 @@ class Indexer:
             yield held
 
     def _scan(self, url: str, identity: Identity) -> TarIndex:
+        """Index the shard from its bytes. On S3, a shard of at most :data:`WHOLE_SCAN_BYTES`
+        is read whole with one GET, whose ETag and size must be the ``identity`` it is indexed
+        as (a shard replaced since it was listed raises ``IdentityChanged`` naming it); else
+        it is streamed."""
         started = time.monotonic()
-        with self.storage.open(local_path(url)) as stream:
-            counted = cast(IO[bytes], _Counted(stream, self))
-            index, _damage = scan_whole_samples(
-                url, counted, seekable=self.storage.local, size=identity[0]
-            )
+        storage = self.storage
+        if not storage.local and storage.read_tells(identity) and identity[0] <= WHOLE_SCAN_BYTES:
+            data = storage.read(url, 0, identity[0], expect=identity)
+            self.read_bytes += len(data)
+            index, _damage = scan_whole_samples(url, io.BytesIO(data.tobytes()), seekable=True)
+        else:
+            with storage.open(local_path(url)) as stream:
+                counted = cast(IO[bytes], _Counted(stream, self))
+                index, _damage = scan_whole_samples(
+                    url, counted, seekable=storage.local, size=identity[0]
+                )
         self.scanned += 1
         self.scanned_bytes += identity[0]
         logger.info(
