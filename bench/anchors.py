@@ -194,7 +194,7 @@ def measure(
             child.wait()
         errors.seek(0)
         lines = [ln for ln in errors.read().decode(errors="replace").splitlines() if ln.strip()]
-        outcome.progress = [ln for ln in lines if "index" in ln and "loader.tars" in ln]
+        outcome.progress = [ln for ln in lines if " loader " in ln and "index" in ln]
         if child.returncode:
             outcome.error = (lines[-1] if lines else f"exit {child.returncode}")[:160]
     return outcome
