@@ -498,14 +498,18 @@ def test_the_index_command_reads_each_shard_with_one_get_and_no_head(
     options = json.dumps(counted.server.options(counted.proxy.endpoint))
     counted.proxy.reset()
     done = subprocess.run(
-        [sys.executable, "-m", "loader.tars", "index", counted.url("train-{0000..0011}.tar")]
-        + ["--storage-options", options, "--workers", "2"],
+        [
+            sys.executable,
+            "-m",
+            "loader.tars",
+            "index",
+            counted.url("train-{0000..0011}.tar"),
+            *("--storage-options", options, "--workers", "2"),
+        ],
         capture_output=True,
         text=True,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "12 of 12 shards indexed" in done.stdout
     kinds = _kinds(counted.proxy.records())
-    assert kinds == Counter(
-        {"LIST": 1, "GET .tar": 12, "PUT .idx": 12, "PUT .json": 1}
-    ), kinds
+    assert kinds == Counter({"LIST": 1, "GET .tar": 12, "PUT .idx": 12, "PUT .json": 1}), kinds
