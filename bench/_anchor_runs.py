@@ -180,6 +180,26 @@ def _collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+#: The anchors' DataLoader arguments (the same work as this loader's).
+LOADER_ARGS = {
+    "batch_size": BATCH,
+    "num_workers": WORKERS,
+    "collate_fn": _collate,
+    "drop_last": False,
+}
+
+
+def drive_dataloader(loader: Any, mode: str, state: str, started: float, total: int) -> None:
+    """An anchor's StreamingDataLoader (LitData's or Mosaic's: the same state calls) driven."""
+    if mode == "resume":
+        loader.load_state_dict(torch.load(state, weights_only=False))
+
+    def save() -> None:
+        torch.save(loader.state_dict(), state)
+
+    drive(loader, mode, started, total, save, lambda b: b["id"].tolist())
+
+
 # -- LitData ------------------------------------------------------------------------------------
 
 
@@ -207,16 +227,7 @@ def run_litdata(mode: str, endpoint: str, prefix: str, state: str, cache: str) -
             "region_name": "us-east-1",
         },
     )
-    loader = StreamingDataLoader(
-        dataset, batch_size=BATCH, num_workers=WORKERS, collate_fn=_collate, drop_last=False
-    )
-    if mode == "resume":
-        loader.load_state_dict(torch.load(state, weights_only=False))
-
-    def save() -> None:
-        torch.save(loader.state_dict(), state)
-
-    drive(loader, mode, started, total, save, lambda b: b["id"].tolist())
+    drive_dataloader(StreamingDataLoader(dataset, **LOADER_ARGS), mode, state, started, total)
 
 
 # -- MosaicML Streaming -------------------------------------------------------------------------
@@ -243,16 +254,7 @@ def run_mosaic(mode: str, endpoint: str, prefix: str, state: str, cache: str) ->
     dataset = StreamingDataset(
         remote=f"s3://{prefix}/mds", local=cache, batch_size=BATCH, shuffle=True
     )
-    loader = StreamingDataLoader(
-        dataset, batch_size=BATCH, num_workers=WORKERS, collate_fn=_collate, drop_last=False
-    )
-    if mode == "resume":
-        loader.load_state_dict(torch.load(state, weights_only=False))
-
-    def save() -> None:
-        torch.save(loader.state_dict(), state)
-
-    drive(loader, mode, started, total, save, lambda b: b["id"].tolist())
+    drive_dataloader(StreamingDataLoader(dataset, **LOADER_ARGS), mode, state, started, total)
 
 
 if __name__ == "__main__":

@@ -315,12 +315,28 @@ class TarLoader:
         self._starts: list[int] = shards.starts.tolist()
         self._integers = [INTEGER_EXTS.get(name) for name in self.names]
 
-    def _table(self, shard: int) -> tuple[TarIndex, _Int64s, _Int64s]:
+    def _held(self, shard: int) -> tuple[TarIndex, _Int64s, _Int64s] | None:
+        """The table of ``shard`` if it is held (marked as the latest used)."""
         with self._lock:
             found = self._tables.get(shard)
             if found is not None:
                 self._tables.move_to_end(shard)
-                return found
+            return found
+
+    def _keep(self, shard: int, table: tuple[TarIndex, _Int64s, _Int64s]) -> None:
+        """Hold ``table`` for ``shard`` (the first one made wins), the last
+        :data:`_OPEN_INDEXES` only."""
+        with self._lock:
+            self._tables.setdefault(shard, table)
+            self._tables.move_to_end(shard)
+            while len(self._tables) > _OPEN_INDEXES:
+                self._tables.popitem(last=False)
+
+    def _table(self, shard: int) -> tuple[TarIndex, _Int64s, _Int64s]:
+        found = self._held(shard)
+        if found is not None:
+            return found
+        with self._lock:
             making = self._making.setdefault(shard, threading.Lock())
         with making:  # one fetch of an index, whichever thread asks first
             with self._lock:
@@ -334,11 +350,9 @@ class TarLoader:
             except (OSError, EOFError) as error:
                 raise storage_failure(self.shards.urls[shard], error) from error
             offsets, sizes = index.table(self.ext)
+            self._keep(shard, (index, offsets, sizes))
             with self._lock:
-                self._tables[shard] = (index, offsets, sizes)
                 self._making.pop(shard, None)
-                while len(self._tables) > _OPEN_INDEXES:
-                    self._tables.popitem(last=False)
         return index, offsets, sizes
 
     def describe(self, index: int) -> str:
@@ -351,9 +365,10 @@ class TarLoader:
         shard = bisect.bisect_right(self._starts, index) - 1
         sample = index - self._starts[shard]
         url = self.shards.urls[shard]
-        if self._fetcher is not None:  # (a whole shard's fetch brings its index)
-            self._fetcher.wait(shard)
-        table, offsets, sizes = self._table(shard)
+        held = self._held(shard)
+        if held is None and self._fetcher is not None:  # (a whole shard's fetch brings its
+            self._fetcher.wait(shard)  # index: waited for, not fetched beside it)
+        table, offsets, sizes = held or self._table(shard)
         # (Python lists from here: numpy's per-call cost is most of a sample's on small rows)
         row_offsets, row_sizes = offsets[sample].tolist(), sizes[sample].tolist()
         if min(row_sizes) < 0:
@@ -424,18 +439,11 @@ class TarLoader:
         worker that reads every sample of the shard reads it whole, with one request, and
         indexes it from those bytes (what the summary says of it checked): no ``.idx`` to fetch
         first. Otherwise the shard's index first, then the rows' byte range."""
-        with self._lock:
-            held = shard in self._tables
-        if not held and len(rows) >= int(self.shards.counts[shard]) > 0:
+        if self._held(shard) is None and len(rows) >= int(self.shards.counts[shard]) > 0:
             data = self._checked_read(shard, 0, self.shards.identities[shard][0])
             index = self.shards.index_of_bytes(shard, data)
             if index is not None:
-                offsets, sizes = index.table(self.ext)
-                with self._lock:
-                    self._tables.setdefault(shard, (index, offsets, sizes))
-                    self._tables.move_to_end(shard)
-                    while len(self._tables) > _OPEN_INDEXES:
-                        self._tables.popitem(last=False)
+                self._keep(shard, (index, *index.table(self.ext)))
                 return 0, data
         _table, offsets, sizes = self._table(shard)
         ends = np.where(sizes[rows] < 0, 0, offsets[rows] + sizes[rows])
