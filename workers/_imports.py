@@ -16,7 +16,8 @@ that imported torch has it already. ``DALI_LOADER_DEFER_TORCH=0`` turns it off.
 :func:`warm_source_analysis` does, in the worker server, the part of a first trace that does not
 run DALI: DALI 2.4's capture parses each file that calls an operator (libcst; 0.1-0.8 s per file
 and process on the 2-core machine), and caches the result per file; parsed once in the server,
-every forked worker finds it cached.
+every forked worker finds it cached; and the result is kept on disk for the next process
+(:mod:`workers._analysis_cache`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from types import ModuleType
+
+from . import _analysis_cache
 
 logger = logging.getLogger("loader")
 
@@ -106,8 +109,10 @@ def dali_files_traced() -> list[str]:
 
 def warm_source_analysis(files: Sequence[str]) -> list[str]:
     """Parse ``files`` the way DALI's capture does at a first trace, without running anything,
-    so that processes forked afterwards find them in DALI's cache. Only with the DALI release
-    this was checked with (:data:`VERIFIED_DALI`); returns the files parsed."""
+    so that processes forked afterwards find them in DALI's cache; a file analysed before, by
+    any process of this user's, is loaded from the disk cache instead, and one parsed here is
+    written to it (:mod:`workers._analysis_cache`). Only with the DALI release this was checked
+    with (:data:`VERIFIED_DALI`); returns the files parsed or loaded."""
     if not dali_verified():
         return []
     try:
@@ -115,17 +120,23 @@ def warm_source_analysis(files: Sequence[str]) -> list[str]:
     except ImportError:
         return []
     parse = getattr(_source_analysis, "_get_module_info", None)
-    if parse is None:
+    if parse is None or not isinstance(getattr(_source_analysis, "_file_cache", None), dict):
         return []
     done = []
     for path in dict.fromkeys(files):
         if not path.endswith(".py") or not os.path.isfile(path):
             continue
+        if _analysis_cache.load(path, _source_analysis):
+            done.append(path)
+            continue
         try:
-            if parse(compile("", path, "exec")) is not None:
-                done.append(path)
+            if parse(compile("", path, "exec")) is None:
+                continue
         except Exception:  # a file DALI cannot parse is parsed (and refused) at trace time
             logger.debug("source analysis of %s not warmed", path, exc_info=True)
+            continue
+        done.append(path)
+        _analysis_cache.store(path, _source_analysis)
     return done
 
 
