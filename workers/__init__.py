@@ -10,7 +10,7 @@ from ipc.wire import Position, Sampling
 
 from ._entry import run_worker
 from ._error_text import FAILING_SAMPLES
-from ._imports import prepare_worker_server
+from ._imports import modules_of, prepare_worker_server
 from ._phase import Phase
 from ._shard import Shard
 from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
@@ -71,6 +71,7 @@ __all__ = [
     "every_shard_steps",
     "index_dataset",
     "list_files",
+    "modules_of",
     "plan_epoch",
     "prepare_worker_server",
     "run_worker",

@@ -24,9 +24,11 @@ def run_worker(
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
-    from ._imports import import_dali_modules
+    from ._imports import import_dali_modules, warm_spawned_worker
 
     import_dali_modules()
+    if environ is None:  # (spawned: the server's parsing did not happen for this worker)
+        warm_spawned_worker(spec.source, spec.step, spec.feeders)
     from ._main import run_worker as serve
 
     serve(spec, conn, stack, alive)

@@ -23,6 +23,7 @@ every forked worker finds it cached; and the result is kept on disk for the next
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -32,6 +33,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from types import ModuleType
+from typing import Any
 
 from . import _analysis_cache
 
@@ -138,6 +140,28 @@ def warm_source_analysis(files: Sequence[str]) -> list[str]:
         done.append(path)
         _analysis_cache.store(path, _source_analysis)
     return done
+
+
+def modules_of(*functions: Any) -> list[tuple[str, str | None]]:
+    """(module name, source file) of each function (partials unwrapped), in order, once."""
+    found: dict[str, str | None] = {}
+    for function in functions:
+        while isinstance(function, functools.partial):
+            function = function.func
+        name = getattr(function, "__module__", None)
+        if not isinstance(name, str) or name in found:
+            continue
+        path = getattr(sys.modules.get(name), "__file__", None)
+        found[name] = path if isinstance(path, str) else None
+    return list(found.items())
+
+
+def warm_spawned_worker(*functions: Any) -> list[str]:
+    """In a spawned worker (no server parsed anything for it): DALI's own traced files and those
+    of the loader's ``functions``, loaded from the disk cache or parsed and kept there
+    (:func:`warm_source_analysis`), so that the next spawned worker loads them."""
+    files = [path for _, path in modules_of(*functions) if path]
+    return warm_source_analysis([*dali_files_traced(), *files])
 
 
 def prepare_worker_server(files: Sequence[str]) -> None:

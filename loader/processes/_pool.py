@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from ipc import ChannelClosed, ControlChannel, wire
 from ipc.signals import STOP_SIGNAL
-from workers import Shard, WorkerSpec, run_worker
+from workers import Shard, WorkerSpec, modules_of, run_worker
 
 from . import _server
 from ._server_worker import ServerWorker
@@ -264,7 +264,7 @@ def start_worker_server(specs: Sequence[WorkerSpec] = ()) -> _server.WorkerServe
     loader's workers: those find them done instead of each importing and parsing them."""
     server = _server.running(by_loader=True)
     functions = [f for spec in specs[:1] for f in (spec.source, spec.step, spec.feeders)]
-    found = _server.modules_of(*functions)
+    found = modules_of(*functions)
     server.prepare([name for name, _ in found], [path for _, path in found if path])
     return server
 

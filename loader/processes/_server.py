@@ -42,7 +42,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
-import functools
 import inspect
 import logging
 import multiprocessing
@@ -55,7 +54,6 @@ import time
 import traceback
 from collections.abc import Sequence
 from multiprocessing import spawn
-from typing import Any
 
 import psutil
 
@@ -403,17 +401,3 @@ def _close_at_exit() -> None:
     if server is not None:
         server.forget()
     _reap_retired()
-
-
-def modules_of(*functions: Any) -> list[tuple[str, str | None]]:
-    """(module name, source file) of each function (partials unwrapped), in order, once."""
-    found: dict[str, str | None] = {}
-    for function in functions:
-        while isinstance(function, functools.partial):
-            function = function.func
-        name = getattr(function, "__module__", None)
-        if not isinstance(name, str) or name in found:
-            continue
-        path = getattr(sys.modules.get(name), "__file__", None)
-        found[name] = path if isinstance(path, str) else None
-    return list(found.items())

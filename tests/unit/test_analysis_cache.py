@@ -230,3 +230,35 @@ def test_the_process_pickling_is_left_as_it_was(step_file: Path, cache: Path) ->
     warm_source_analysis([str(step_file)])
     with pytest.raises((TypeError, pickle.PicklingError)):
         pickle.dumps(types.MappingProxyType({}))
+
+
+def test_spawned_workers_keep_the_analysis_and_the_next_ones_load_it(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import functools
+
+    from nvidia.dali.experimental.dynamic import _batch
+
+    from loader import Loader
+    from tests import timing_pipelines
+
+    step_file = Path(timing_pipelines.__file__)
+    expected = {
+        _analysis_cache._entry_path(cache, Path(_batch.__file__).read_text()),
+        _analysis_cache._entry_path(cache, step_file.read_text()),
+    }
+    source = functools.partial(timing_pipelines.quick_source, total=64, batch_size=8)
+
+    def epoch() -> list[int]:
+        with Loader(
+            source, timing_pipelines.id_step, batch_size=8, num_workers=1, start_method="spawn"
+        ) as loader:
+            return sorted(int(i) for batch in loader for i in batch["id"].reshape(-1))
+
+    ids = epoch()  # (spawned workers get this test's environment: the cache above)
+    assert ids == list(range(64))
+    assert expected <= set(entries(cache)), entries(cache)
+    for entry in expected:
+        os.utime(entry, (1, 1))
+    assert epoch() == ids
+    assert all(entry.stat().st_mtime > 1 for entry in expected), "not loaded by the next worker"
