@@ -513,3 +513,29 @@ def test_the_index_command_reads_each_shard_with_one_get_and_no_head(
     assert "12 of 12 shards indexed" in done.stdout
     kinds = _kinds(counted.proxy.records())
     assert kinds == Counter({"LIST": 1, "GET .tar": 12, "PUT .idx": 12, "PUT .json": 1}), kinds
+
+
+def test_a_resume_builds_its_sources_again_from_the_shards_its_workers_opened(
+    counted: Counted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume's seek builds each worker's source again, at the saved position: from the shards
+    that worker opened at its start (the set the job's plan was made from), not by reading the
+    summary again, though the node's copy of it is gone by then. The epoch still ends with
+    every sample once."""
+    monkeypatch.setenv("DALI_LOADER_CACHE_DIR", str(tmp_path / "node-cache"))
+    paths = T.write_payload_tars(tmp_path / "shards", 16, 4, 100)
+    counted.upload(paths)
+    pattern = "train-{0000..0015}.tar"
+    assert "16 of 16 shards indexed" in counted.index(pattern)
+    with counted.loader(pattern) as loader:
+        batches = iter(loader)
+        first = [i for _ in range(6) for i in ids(next(batches))]
+        state = loader.state_dict()
+    counted.proxy.reset()
+    with counted.loader(pattern) as loader:  # (constructed: its workers have opened the shards)
+        shutil.rmtree(tmp_path / "node-cache")
+        loader.load_state_dict(state)
+        rest = [i for batch in loader for i in ids(batch)]
+    assert sorted(first + rest) == list(range(64))
+    kinds = _kinds(counted.proxy.records())
+    assert kinds["GET .json"] == 1, kinds  # the start's, for the node; none for the seek

@@ -18,6 +18,7 @@ import pytest
 
 from tests import tar_pipelines as T
 from workers.sources import _storage
+from workers.sources._epoch_order import EpochOrder, orders_at
 from workers.sources._tar_index import split_name
 from workers.sources._tars import TarOrder, open_shards, parse_ext
 
@@ -75,6 +76,26 @@ def test_a_window_order_is_a_permutation_fixed_by_seed_and_epoch(
     shard_of = order // 7
     groups = [set(shard_of[a:b].tolist()) for a, b in _runs(shard_of, window, shards.counts)]
     assert all(len(group) <= window for group in groups)
+
+
+def test_the_orders_inside_groups_are_each_groups_own_epoch_order() -> None:
+    """All groups permuted in one pass give what each group's own order gives (the order of a
+    saved run must not move with how it is computed): group ``g`` of ``size`` samples starting
+    at ``first`` holds ``first + EpochOrder(size, epoch, key_g).at(offset)``."""
+    rng = np.random.default_rng(5)
+    for _trial in range(20):
+        sizes = rng.integers(1, 40, int(rng.integers(1, 60)))
+        epoch, seed = int(rng.integers(0, 4)), int(rng.integers(0, 10**6))
+        seeds = [int(s) for s in rng.integers(0, 2**32, len(sizes))]
+        group = rng.integers(0, len(sizes), 500)
+        offsets = np.array([int(rng.integers(0, sizes[g])) for g in group.tolist()])
+        got = orders_at(sizes, seeds, epoch, group, offsets)
+        expected = [
+            int(EpochOrder(int(sizes[g]), epoch, seeds[g], True).at(np.array([o]))[0])
+            for g, o in zip(group.tolist(), offsets.tolist(), strict=True)
+        ]
+        assert got.tolist() == expected, seed
+    assert orders_at(np.array([3]), [1], 0, np.array([], int), np.array([], int)).size == 0
 
 
 def _runs(shard_of: np.ndarray, window: int, counts: np.ndarray) -> list[tuple[int, int]]:

@@ -89,3 +89,51 @@ class EpochOrder:
                 low ^= _hash(high, key) & self._low_mask
         result: _Uint64s = (high << self._low_bits) | low
         return result
+
+
+def orders_at(
+    totals: np.ndarray[Any, Any],
+    seeds: list[int],
+    epoch: int,
+    group: np.ndarray[Any, Any],
+    offsets: np.ndarray[Any, Any],
+) -> np.ndarray[Any, Any]:
+    """Many epoch orders at once: for each ``i``,
+    ``EpochOrder(totals[g], epoch, seeds[g], True).at(offsets[i])`` with ``g = group[i]`` (the
+    same values), evaluated for every group together instead of one group at a time."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    if offsets.size == 0:
+        return offsets.copy()
+    limits = np.asarray(totals, dtype=np.int64)
+    if limits.min(initial=1) < 1:
+        raise ValueError("the dataset is empty")
+    bits = np.array([max(2, (int(t) - 1).bit_length()) for t in limits.tolist()], np.uint64)
+    low_bits = bits // _u64(2)
+    one = _u64(1)
+    low_mask = (one << low_bits) - one
+    high_mask = (one << (bits - low_bits)) - one
+    keys = np.array(
+        [np.random.SeedSequence([s, epoch]).generate_state(_ROUNDS, np.uint64) for s in seeds],
+        dtype=np.uint64,
+    ).reshape(len(seeds), _ROUNDS)
+
+    def permute(values: _Uint64s, at: np.ndarray[Any, Any]) -> _Uint64s:
+        shift, lows, highs = low_bits[at], low_mask[at], high_mask[at]
+        high, low = values >> shift, values & lows
+        for round_index in range(_ROUNDS):
+            key = keys[at, round_index]
+            if round_index % 2 == 0:
+                high ^= _hash(low, key) & highs
+            else:
+                low ^= _hash(high, key) & lows
+        result: _Uint64s = (high << shift) | low
+        return result
+
+    group = np.asarray(group, dtype=np.intp)
+    values = permute(offsets.astype(np.uint64), group)
+    bounds = limits.astype(np.uint64)[group]
+    outside = np.flatnonzero(values >= bounds)
+    while outside.size:
+        values[outside] = permute(values[outside], group[outside])
+        outside = outside[values[outside] >= bounds[outside]]
+    return values.astype(np.int64)

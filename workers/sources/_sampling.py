@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
@@ -45,6 +45,8 @@ logger = logging.getLogger("workers")
 
 #: Batches whose arrays a source keeps referenced after yielding them.
 _KEEP_ALIVE = 4
+#: The epochs whose plan of batches is kept (this one and the next).
+_PLANS_KEPT = 2
 
 #: Largest sample (bytes) that is stacked with the rest of its batch into one dense array.
 _STACK_BYTES = 1024
@@ -125,6 +127,9 @@ class BatchedSamples:
         )
         self.epoch = shard.epoch
         self.position = shard.position
+        #: the batches of the last epochs planned (asked for at the start, again when the epoch
+        #: runs, and by the worker's records of it): one plan of an epoch is computed once
+        self._plans: OrderedDict[int, list[Batch]] = OrderedDict()
         # the worker's, handed over by ``bind``; until then, a control state of its own
         self._control = SampleControl()
         self._feed = FeedState()
@@ -163,17 +168,24 @@ class BatchedSamples:
         return self.steps
 
     def batches_for_epoch(self, epoch: int) -> list[Batch]:
-        """(indices, padded rows) of every batch of ``epoch`` this shard yields."""
-        shard = self.shard
-        return shard_batches(
-            self.sampling,
-            epoch,
-            shard.index,
-            shard.count,
-            self.position,
-            self.orders,
-            ranks=shard.world_size,
-        )
+        """(indices, padded rows) of every batch of ``epoch`` this shard yields (the same list
+        each time it is asked for: not to be changed)."""
+        plan = self._plans.get(epoch)
+        if plan is None:
+            shard = self.shard
+            plan = shard_batches(
+                self.sampling,
+                epoch,
+                shard.index,
+                shard.count,
+                self.position,
+                self.orders,
+                ranks=shard.world_size,
+            )
+            self._plans[epoch] = plan
+            while len(self._plans) > _PLANS_KEPT:
+                self._plans.popitem(last=False)
+        return plan
 
     def load_sample(self, index: int, epoch: int) -> Any:
         """Sample ``index`` as loaded for ``epoch``: ``load(index)``, or ``load(index, epoch)``."""
