@@ -37,6 +37,19 @@ def say(**record: Any) -> None:
     sys.stdout.flush()
 
 
+def set_up() -> None:
+    """The script's own set-up between importing its data library and building the loader
+    (``BENCH_ANCHORS_SETUP`` seconds of CPU: matrix products, as a model's construction would
+    spend them; 0 by default). The same for every loader."""
+    seconds = float(os.environ.get("BENCH_ANCHORS_SETUP", "0") or 0)
+    if seconds <= 0:
+        return
+    until = time.monotonic() + seconds
+    weights = torch.randn(512, 512)
+    while time.monotonic() < until:
+        weights = torch.tanh(weights @ weights)
+
+
 def counted() -> None:
     """Wait until the parent has counted what was served so far."""
     sys.stdin.readline()
@@ -124,6 +137,7 @@ def run_loader(
     os.environ["DALI_LOADER_CACHE_DIR"] = cache  # (a new node's: nothing cached)
     from loader import Loader
 
+    set_up()
     urls, total = _listing(prefix, layout_key)
     options = _s3fs_options(endpoint)
     started = time.monotonic()
@@ -214,6 +228,7 @@ def run_litdata(mode: str, endpoint: str, prefix: str, state: str, cache: str) -
         "allow_http": "true",
     }
 
+    set_up()
     _, total = _listing(prefix)
     started = time.monotonic()
     dataset = StreamingDataset(
@@ -249,6 +264,7 @@ def run_mosaic(mode: str, endpoint: str, prefix: str, state: str, cache: str) ->
         AWS_DEFAULT_REGION="us-east-1",
     )
     clean_stale_shared_memory()
+    set_up()
     _, total = _listing(prefix)
     started = time.monotonic()
     dataset = StreamingDataset(

@@ -14,6 +14,12 @@ Each loader then runs, each in a fresh process with an empty cache (a new node's
   sample once?) and save the loader's state at half the epoch;
 * **resume**: a new process loads that state and takes its first batch (seconds, requests).
 
+Each size starts with one more run of this loader to its first batch with no analysis of DALI's
+on disk yet (a machine's first job: :mod:`workers._analysis_cache`); the runs in the table find
+it, as every later job on a machine does. ``--setup S`` gives every script ``S`` seconds of its
+own CPU work between importing its data library and building the loader, as a model's
+construction would (this loader's worker server imports DALI meanwhile).
+
 The same work in each: batch 32, 2 worker processes, shuffled, each JPEG decoded and resized to
 64x64 (DALI's decoder here, Pillow in the anchors' DataLoader workers). The anchors run in their own
 environment (``--anchors-python``; ``bench/anchors.sh`` makes it from
@@ -140,9 +146,17 @@ class Outcome:
 
 
 def measure(
-    python: str, name: str, mode: str, proxy: CountingProxy, bucket: str, state: Path, limit: float
+    python: str,
+    name: str,
+    mode: str,
+    proxy: CountingProxy,
+    bucket: str,
+    state: Path,
+    limit: float,
+    extra: dict[str, str] | None = None,
 ) -> Outcome:
-    """One run of ``bench._anchor_runs`` (see there), counted through ``proxy``."""
+    """One run of ``bench._anchor_runs`` (see there), counted through ``proxy``; ``extra``:
+    environment variables of this run."""
     outcome = Outcome()
     layout = state.parent / "layout.json"
     # (LitData's state names its cache directory: its resume needs the same path, emptied;
@@ -155,6 +169,7 @@ def measure(
         BENCH_ANCHORS_LAYOUT=str(layout),
         BENCH_ANCHORS_CACHE=str(cache),
         PYTHONUNBUFFERED="1",
+        **(extra or {}),
     )
     proxy.reset()
     command = [python, "-m", "bench._anchor_runs", name, mode, proxy.endpoint, bucket, str(state)]
@@ -294,19 +309,34 @@ def run_size(
                 f"{k} {v} ({layout['sizes'][k] / 1e6:.1f} MB)" for k, v in layout["objects"].items()
             )
             + f"); index command: {layout['index_seconds']:.1f} s, "
-            + f"{layout['index_requests']} requests",
+            + f"{layout['index_requests']} requests"
+            + (f"; each script's set-up: {args.setup:g} s of CPU" if args.setup else ""),
             flush=True,
+        )
+        # DALI's source analysis, which this loader keeps on disk (workers._analysis_cache): the
+        # first run of this size starts with none (a machine's first job), the rest find it
+        analysis = {"DALI_LOADER_ANALYSIS_CACHE": str(directory / "analysis-cache")}
+        cold = measure(
+            sys.executable,
+            "loader",
+            "first-only",
+            proxy,
+            bucket,
+            directory / "cold.state",
+            args.limit,
+            analysis,
         )
         results: dict[str, list[tuple[Outcome, Outcome]]] = {name: [] for name in LOADERS}
         order = list(LOADERS)
         for repeat in range(args.repeats):
             for name in order:
                 python = sys.executable if name == "loader" else args.anchors_python
+                extra = analysis if name == "loader" else None
                 state = directory / f"{name}.state"
                 mode = "first" if args.epoch else "first-only"
-                first = measure(python, name, mode, proxy, bucket, state, args.limit)
+                first = measure(python, name, mode, proxy, bucket, state, args.limit, extra)
                 resume = (
-                    measure(python, name, "resume", proxy, bucket, state, args.limit)
+                    measure(python, name, "resume", proxy, bucket, state, args.limit, extra)
                     if state.exists()
                     else Outcome(error="no state saved")
                 )
@@ -315,6 +345,16 @@ def run_size(
                 print(f"  run {repeat + 1} {name}: {_brief(first, resume)}", flush=True)
             order = order[1:] + order[:1]  # (each loader takes each place in turn)
         print(table(results, layout))
+        print(
+            "\nthis loader's first job on a machine (DALI's source analysis not on disk yet): "
+            + (
+                f"construct -> first batch {cold.first_s:.1f} s "
+                f"({cold.started_s:.1f} s after the process started)"
+                if cold.first_s is not None and cold.started_s is not None
+                else f"failed: {cold.error}"
+            ),
+            flush=True,
+        )
         if unindexed:
             run = measure(
                 sys.executable,
@@ -454,6 +494,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--limit", type=float, default=900.0, help="seconds one run may take")
     parser.add_argument(
+        "--setup",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds of CPU each script spends between importing its data library and "
+        "building the loader (a model's construction); 0 by default",
+    )
+    parser.add_argument(
         "--anchors-python",
         default=os.environ.get("BENCH_ANCHORS_PYTHON", ".venv-anchors/bin/python"),
         help="the anchors' environment's python (bench/anchors.sh makes .venv-anchors)",
@@ -466,6 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [
         tuple(int(v) for v in s.lower().split("x")) for s in (args.size or ["1000x20", "10000x4"])
     ]
+    os.environ["BENCH_ANCHORS_SETUP"] = str(args.setup)  # (every run's script inherits it)
     random.seed(0)
     server = S3Server(threaded=False)
     proxy = CountingProxy(server.endpoint)
