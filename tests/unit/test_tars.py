@@ -624,3 +624,55 @@ def test_read_ahead_is_bounded_in_shards_and_in_bytes_past_the_first(
         assert sorted(fetcher._buffers) == fetched
     finally:
         fetcher.close()
+
+
+def _tar_bytes(form: int, names: list[str], seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=form) as tar:
+        for name in names:
+            payload = rng.bytes(int(rng.integers(0, 3000)))
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+        folder = tarfile.TarInfo("folder/")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("form", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_a_shard_read_whole_is_indexed_from_its_headers_as_tarfile_reads_it(form: int) -> None:
+    """The fast reading of a whole shard's headers gives what ``tarfile`` gives, or stands
+    aside (long names, pax headers) and lets it read; a shard cut short or with a damaged
+    header is never taken as whole by it."""
+    from workers.sources._tar_index import _members, _plain_members, scan
+
+    def by_tarfile(data: bytes) -> tuple[Any, Any]:
+        members, _offset, damage = _members("t.tar", io.BytesIO(data), seekable=True, size=None)
+        return members, damage
+
+    rng = np.random.default_rng(form)
+    plain = [f"s{i:04d}.jpg" for i in range(30)]
+    for names in (
+        plain,
+        [f"{'x' * 120}/s{i}.cls" for i in range(4)],
+        [f"é{i}.id" for i in range(4)],
+    ):
+        data = _tar_bytes(form, names, seed=len(names))
+        fast = _plain_members(data)
+        members, damage = by_tarfile(data)
+        assert damage is None
+        if names is plain or form == tarfile.USTAR_FORMAT:
+            assert fast == members  # (ustar splits a long name into its prefix field)
+        assert fast is None or fast == members
+        assert scan("t.tar", io.BytesIO(data), seekable=True).samples == len(names)
+        variants = [data[:cut] for cut in (len(data) - 1, len(data) - 1024, len(data) // 2, 700)]
+        for at in rng.choice(len(data), 40, replace=False).tolist():
+            damaged = bytearray(data)
+            damaged[at] ^= 0x41
+            variants.append(bytes(damaged))
+        for variant in variants:
+            fast = _plain_members(variant)
+            members, damage = by_tarfile(variant)
+            assert fast is None or (damage is None and fast == members)

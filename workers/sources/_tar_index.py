@@ -24,7 +24,9 @@ Under ``on_error="skip"`` such a shard gives its samples before the damage inste
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import logging
 import os
 import tarfile
@@ -209,6 +211,14 @@ def scan_whole_samples(
     that is not whole (truncated, corrupt, a member that breaks WebDataset's rules) gives the
     index of its samples before the damage (the sample the damage falls in left out: its other
     members may be gone), and the error :func:`scan` raises."""
+    if isinstance(stream, io.BytesIO):  # (a shard read whole: most are plain, read them fast)
+        plain = _plain_members(stream.getvalue())
+        if plain is not None:
+            with contextlib.suppress(ValueError):  # (the slow path words the error)
+                builder = IndexBuilder(url)
+                for name, data, length, at in plain:
+                    builder.add(name, data, length, url, at)
+                return builder.build(), None
     members, offset, damage = _members(url, stream, seekable=seekable, size=size)
     if damage is None:
         builder = IndexBuilder(url)
@@ -221,6 +231,52 @@ def scan_whole_samples(
     index = _before(url, members, offset)
     index.damage = str(damage)
     return index, damage
+
+
+_BLOCK = 512
+_ZEROS = bytes(2 * _BLOCK)
+_OCTAL = frozenset(b"01234567")
+
+
+def _plain_members(data: bytes) -> list[_Member] | None:
+    """The members of a whole tar in ``data`` read straight from its headers, when every
+    header is a plain one (ustar or GNU, a regular file or a directory, an octal size, its
+    checksum right) and the last member is followed by the two zero blocks that end an archive:
+    what :func:`_members` gives for it, without ``tarfile``'s cost per header. None for anything
+    else (long names, pax headers, links, damage): :func:`_members` reads those."""
+    members: list[_Member] = []
+    offset, end = 0, len(data)
+    while True:
+        header = data[offset : offset + _BLOCK]
+        if len(header) < _BLOCK:
+            return None  # (no end-of-archive blocks)
+        if header == _ZEROS[:_BLOCK]:
+            # the end: the second zero block after it, and nothing but zeros to the end
+            return members if data[offset : offset + 2 * _BLOCK] == _ZEROS else None
+        kind = header[156:157]
+        checksum = header[148:156].rstrip(b"\0 ")
+        size_field = header[124:136].rstrip(b"\0 ").lstrip(b" ")
+        if (
+            kind not in (b"0", b"\0", b"5")
+            or not checksum
+            or not _OCTAL.issuperset(checksum)
+            or not _OCTAL.issuperset(size_field)
+            or int(checksum, 8) != sum(header) - sum(header[148:156]) + 8 * 32
+        ):
+            return None
+        size = int(size_field or b"0", 8)
+        name_bytes = header[:100].split(b"\0", 1)[0]
+        prefix = header[345:500].split(b"\0", 1)[0]  # (joined as ``tarfile`` joins it)
+        try:
+            name = name_bytes.decode() if not prefix else f"{prefix.decode()}/{name_bytes.decode()}"
+        except UnicodeDecodeError:
+            return None
+        start = offset + _BLOCK
+        if start + size > end:
+            return None  # (truncated)
+        if kind == b"0" or (kind == b"\0" and not name.endswith("/")):
+            members.append((name, start, size, f"at byte {offset}"))
+        offset = start + -(-size // _BLOCK) * _BLOCK
 
 
 def _members(
