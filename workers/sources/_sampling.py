@@ -127,9 +127,7 @@ class BatchedSamples:
         )
         self.epoch = shard.epoch
         self.position = shard.position
-        #: the batches of the last epochs planned (asked for at the start, again when the epoch
-        #: runs, and by the worker's records of it): one plan of an epoch is computed once
-        self._plans: OrderedDict[int, list[Batch]] = OrderedDict()
+        self._plans: OrderedDict[int, list[Batch]] = OrderedDict()  # (see batches_for_epoch)
         # the worker's, handed over by ``bind``; until then, a control state of its own
         self._control = SampleControl()
         self._feed = FeedState()
@@ -168,8 +166,9 @@ class BatchedSamples:
         return self.steps
 
     def batches_for_epoch(self, epoch: int) -> list[Batch]:
-        """(indices, padded rows) of every batch of ``epoch`` this shard yields (the same list
-        each time it is asked for: not to be changed)."""
+        """(indices, padded rows) of every batch of ``epoch`` this shard yields: planned once
+        (it is asked for at the start, when the epoch runs and by the worker's records of it)
+        and kept for the last two epochs, so the same list each time: not to be changed."""
         plan = self._plans.get(epoch)
         if plan is None:
             shard = self.shard
