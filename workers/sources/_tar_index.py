@@ -234,7 +234,7 @@ def scan_whole_samples(
 
 
 _BLOCK = 512
-_ZEROS = bytes(2 * _BLOCK)
+_ZERO_BLOCK = bytes(_BLOCK)
 _OCTAL = frozenset(b"01234567")
 
 
@@ -250,9 +250,9 @@ def _plain_members(data: bytes) -> list[_Member] | None:
         header = data[offset : offset + _BLOCK]
         if len(header) < _BLOCK:
             return None  # (no end-of-archive blocks)
-        if header == _ZEROS[:_BLOCK]:
-            # the end: the second zero block after it, and nothing but zeros to the end
-            return members if data[offset : offset + 2 * _BLOCK] == _ZEROS else None
+        if header == _ZERO_BLOCK:  # the end of the archive: a second zero block must follow
+            whole = data[offset + _BLOCK : offset + 2 * _BLOCK] == _ZERO_BLOCK
+            return members if whole else None
         kind = header[156:157]
         checksum = header[148:156].rstrip(b"\0 ")
         size_field = header[124:136].rstrip(b"\0 ").lstrip(b" ")
