@@ -211,14 +211,6 @@ def scan_whole_samples(
     that is not whole (truncated, corrupt, a member that breaks WebDataset's rules) gives the
     index of its samples before the damage (the sample the damage falls in left out: its other
     members may be gone), and the error :func:`scan` raises."""
-    if isinstance(stream, io.BytesIO):  # (a shard read whole: most are plain, read them fast)
-        plain = _plain_members(stream.getvalue())
-        if plain is not None:
-            with contextlib.suppress(ValueError):  # (the slow path words the error)
-                builder = IndexBuilder(url)
-                for name, data, length, at in plain:
-                    builder.add(name, data, length, url, at)
-                return builder.build(), None
     members, offset, damage = _members(url, stream, seekable=seekable, size=size)
     if damage is None:
         builder = IndexBuilder(url)
@@ -231,6 +223,20 @@ def scan_whole_samples(
     index = _before(url, members, offset)
     index.damage = str(damage)
     return index, damage
+
+
+def scan_bytes(url: str, data: bytes) -> tuple[TarIndex, ValueError | None]:
+    """:func:`scan_whole_samples` of a shard held whole in memory (read with one GET): its
+    headers read straight when they are all plain ones (:func:`_plain_members`), else, and for
+    every error's words, by ``tarfile``."""
+    plain = _plain_members(data)
+    if plain is not None:
+        with contextlib.suppress(ValueError):  # (the slow path words the error)
+            builder = IndexBuilder(url)
+            for name, offset, length, at in plain:
+                builder.add(name, offset, length, url, at)
+            return builder.build(), None
+    return scan_whole_samples(url, io.BytesIO(data), seekable=True)
 
 
 _BLOCK = 512

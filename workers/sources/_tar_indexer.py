@@ -12,7 +12,6 @@ cache. :mod:`workers.sources._tar_shards` decides which shards need it.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -21,7 +20,14 @@ from typing import IO, Any, Literal, cast
 from . import _index_file
 from ._folder_index import CACHE_DIR_ENV
 from ._storage import Identity, Storage, local_path
-from ._tar_index import TarIndex, keep_cached, load_cached, lock_path, scan_whole_samples
+from ._tar_index import (
+    TarIndex,
+    keep_cached,
+    load_cached,
+    lock_path,
+    scan_bytes,
+    scan_whole_samples,
+)
 from ._wds_idx import fits, format_idx, header_mismatch, idx_url, last_member, parse_idx
 
 #: Shards of at most this many bytes are scanned from one whole GET where the store's reads tell
@@ -213,7 +219,7 @@ class Indexer:
         if not storage.local and storage.read_tells(identity) and identity[0] <= WHOLE_SCAN_BYTES:
             data = storage.read(url, 0, identity[0], expect=identity)
             self.read_bytes += len(data)
-            index, _damage = scan_whole_samples(url, io.BytesIO(data.tobytes()), seekable=True)
+            index, _damage = scan_bytes(url, data.tobytes())
         else:
             with storage.open(local_path(url)) as stream:
                 counted = cast(IO[bytes], _Counted(stream, self))

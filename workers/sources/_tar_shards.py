@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import itertools
 import json
 import logging
@@ -59,7 +58,7 @@ from ._storage import (
     local_path,
     storage_for,
 )
-from ._tar_index import TarIndex, scan
+from ._tar_index import TarIndex, scan_bytes
 from ._tar_indexer import Indexer, Source, index_command
 from ._tar_summary import (
     ShardEntry,
@@ -181,11 +180,8 @@ class TarShards:
         None when it is not (the ``.idx`` path then decides: a warning, a rescan, an error)."""
         if shard in self.damaged:
             return None
-        try:
-            index = scan(self.urls[shard], io.BytesIO(data.tobytes()), seekable=True)
-        except ValueError:
-            return None
-        return index if self._matches(shard, index) else None
+        index, damage = scan_bytes(self.urls[shard], data.tobytes())
+        return index if damage is None and self._matches(shard, index) else None
 
     def confirm(self, shard: int) -> None:
         """Ask the store for the identity of a shard known from the summary only (one HEAD);
