@@ -57,6 +57,13 @@ def directory() -> Path | None:
     return Path(home) / "dali-capture-loader" / "source-analysis"
 
 
+def usable_directory(create: bool) -> Path | None:
+    """The cache's directory where it may be read (``create``: and written, made if missing);
+    None when the cache is off or the directory is not this user's alone."""
+    base = directory()
+    return base if base is not None and _usable(base, create) else None
+
+
 def _usable(path: Path, create: bool) -> bool:
     """Whether ``path`` is a directory of this user's that nobody else may write to."""
     if create:
@@ -108,8 +115,8 @@ def load(path: str, analysis: types.ModuleType) -> bool:
     held = analysis._file_cache.get(path)
     if held is not None and held[0] is entry and held[1] is not None:
         return True
-    base = directory()
-    if base is None or not _usable(base, create=False):
+    base = usable_directory(create=False)
+    if base is None:
         return False
     cached = _entry_path(base, "".join(lines))
     try:
@@ -135,8 +142,8 @@ def store(path: str, analysis: types.ModuleType) -> bool:
     held = analysis._file_cache.get(path)
     if not lines or held is None or held[1] is None or held[0] is not linecache.cache.get(path):
         return False
-    base = directory()
-    if base is None or not _usable(base, create=True):
+    base = usable_directory(create=True)
+    if base is None:
         return False
     target = _entry_path(base, "".join(lines))
     buffer = io.BytesIO()
@@ -150,17 +157,25 @@ def store(path: str, analysis: types.ModuleType) -> bool:
     except (RecursionError, pickle.PicklingError, TypeError, AttributeError):
         logger.debug("source analysis of %s does not pickle: not cached", path, exc_info=True)
         return False
+    if not write_whole(target, buffer.getbuffer()):
+        logger.debug("source analysis of %s: not written to %s", path, base)
+        return False
+    _prune(base)
+    return True
+
+
+def write_whole(target: Path, data: bytes | memoryview) -> bool:
+    """Write ``data`` to ``target`` whole or not at all (a reader at the same time sees the old
+    file or the new one); False when it could not be written."""
     partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
         with open(partial, "wb") as file:
-            file.write(buffer.getbuffer())
-        os.replace(partial, target)  # (whole or not at all, for a reader at the same time)
+            file.write(data)
+        os.replace(partial, target)
     except OSError:
-        logger.debug("source analysis of %s: not written to %s", path, base, exc_info=True)
         with contextlib.suppress(OSError):
             partial.unlink()
         return False
-    _prune(base)
     return True
 
 

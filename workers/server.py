@@ -184,11 +184,14 @@ class Server:
         os.set_blocking(self._wake_write, False)
 
     def warm(self) -> None:
-        """Import DALI and the worker's modules, and parse DALI's own traced files and the main
-        module's file for DALI's capture, before any request needs them."""
+        """Import DALI and the worker's modules, parse DALI's own traced files and the main
+        module's file for DALI's capture, and import the storage backends the script's earlier
+        runs opened (:mod:`workers._warm_storage`), before any request needs them."""
+        from . import _warm_storage
         from ._imports import prepare_worker_server
 
         prepare_worker_server([self._setup.main_path] if self._setup.main_path else [])
+        _warm_storage.warm(self._setup.main_path or self._setup.main_name)
         gc.freeze()
 
     def serve(self) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from collections import Counter
@@ -539,3 +541,101 @@ def test_a_resume_builds_its_sources_again_from_the_shards_its_workers_opened(
     assert sorted(first + rest) == list(range(64))
     kinds = _kinds(counted.proxy.records())
     assert kinds["GET .json"] == 1, kinds  # the start's, for the node; none for the seek
+
+
+# -- a job's start, as a script: what its worker server has imported ahead ----------------------
+
+STORAGE_SCRIPT = """
+import functools, sys
+from loader import Loader
+from tests import tar_pipelines as T
+
+
+def source(shard, urls, options, report):
+    with open(report, "a") as file:  # (what this worker's server had imported)
+        file.write(f"{'s3fs' in sys.modules}\\n")
+    return T.id_tars(shard, urls, storage_options=options)
+
+
+if __name__ == "__main__":
+    urls, options, report = sys.argv[1], eval(sys.argv[2]), sys.argv[3]
+    made = functools.partial(source, urls=urls, options=options, report=report)
+    with Loader(made, T.cls_id_step, batch_size=4, num_workers=2) as loader:
+        print(sorted(int(i) for i in next(iter(loader))["id"].ravel()))
+"""
+
+
+def test_the_next_run_of_a_script_finds_the_storage_client_its_last_run_opened_imported(
+    counted: Counted, tmp_path: Path
+) -> None:
+    """A script run as a user runs it (its own main, the worker server started early): its
+    workers open s3fs; the next run's server imports s3fs while it warms, so its workers start
+    with it; with the cache switched off, nothing is remembered."""
+    counted.upload(T.write_payload_tars(tmp_path / "shards", 8, 4, 50))
+    script = tmp_path / "train.py"
+    script.write_text(STORAGE_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+
+    def run(name: str, analysis: str) -> list[str]:
+        report = tmp_path / f"{name}.txt"
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST")},
+            "PYTHONPATH": str(root),
+            "DALI_LOADER_ANALYSIS_CACHE": analysis,
+            "DALI_LOADER_CACHE_DIR": str(tmp_path / f"node-{name}"),
+        }
+        options = repr(counted.server.options(counted.proxy.endpoint))
+        done = subprocess.run(
+            [sys.executable, str(script), counted.url("train-{0000..0007}.tar"), options, report],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return sorted(report.read_text().split())
+
+    analysis = str(tmp_path / "analysis")
+    assert run("first", analysis) == ["False", "False"]
+    assert run("second", analysis) == ["True", "True"]
+    assert run("off", "0") == ["False", "False"]
+
+
+def test_a_worker_sets_its_store_client_up_ahead_and_without_a_request(counted: Counted) -> None:
+    """In a loader's worker (its pool's token set), s3fs's client is set up on a thread of its
+    own as the storage is made, so that the first read does not wait for it; that sends nothing
+    to the store. Elsewhere (a trainer, the index command) no thread is started. (In a process of
+    its own, as a worker is: fsspec's event loop then stays out of this one.)"""
+    code = textwrap.dedent(
+        """
+        import sys, threading, time
+        from workers._control import STARTED_TOGETHER
+        from workers.sources._storage import storage_for
+
+        url, options = sys.argv[1], eval(sys.argv[2])
+        elsewhere = storage_for(url, options, retries=7)
+        started = any(t.name == "dali-loader-connect" for t in threading.enumerate())
+        token = STARTED_TOGETHER.set("pool-token")
+        try:
+            worker = storage_for(url, {**options, "skip_instance_cache": True}, retries=8)
+        finally:
+            STARTED_TOGETHER.reset(token)
+        deadline = time.monotonic() + 30
+        while worker.fs._s3 is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(started, worker.fs._s3 is not None, elsewhere.fs._s3 is not None)
+        """
+    )
+    options = repr(counted.server.options(counted.proxy.endpoint))
+    counted.proxy.reset()
+    done = subprocess.run(
+        [sys.executable, "-c", code, counted.url("a.tar"), options],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "False"]
+    assert counted.proxy.records() == []

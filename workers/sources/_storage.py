@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import inspect
 import logging
 import os
 import posixpath
@@ -31,6 +32,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import IO, Any, TypeVar
 
 import numpy as np
+
+from .. import _warm_storage
+from .._control import STARTED_TOGETHER
 
 logger = logging.getLogger("workers")
 
@@ -260,6 +264,32 @@ class LocalStorage(Storage):
         return _local_identity(os.stat(path))
 
 
+def _connect_ahead(fs: Any, protocol: str) -> None:
+    """In a loader's worker building its sources: set up the client of a filesystem that does so
+    at its first call (s3fs's ``set_session``: botocore's service model, the credentials, the
+    endpoint; 0.1-0.2 s) on a thread of its own while the worker goes on (waiting for the node's
+    summary, planning), so that its first read finds it ready. Only where the filesystem guards
+    that set-up with a lock (s3fs 2025 and later), which makes a read wait for a set-up under way
+    instead of starting a second client; a failure here is left to that read to report."""
+    set_session = getattr(fs, "set_session", None)
+    if (
+        not STARTED_TOGETHER.get()
+        or not inspect.iscoroutinefunction(set_session)
+        or getattr(fs, "_set_session_lock", None) is None
+    ):
+        return
+
+    def connect() -> None:
+        from fsspec.asyn import sync
+
+        try:
+            sync(fs.loop, set_session)
+        except Exception:
+            logger.debug("the %s:// client was not set up ahead", protocol, exc_info=True)
+
+    threading.Thread(target=connect, name="dali-loader-connect", daemon=True).start()
+
+
 class RemoteStorage(Storage):
     """Objects behind an fsspec filesystem (``s3://`` through ``s3fs``...)."""
 
@@ -280,6 +310,8 @@ class RemoteStorage(Storage):
                 f"reading {protocol}:// URLs needs the fsspec backend for {protocol} "
                 f"({error}); for s3:// install s3fs: pip install 'dali-capture-loader[s3]'"
             ) from error
+        _warm_storage.opened(protocol)  # (the next server of this script imports it ahead)
+        _connect_ahead(self.fs, protocol)
         self.protocol, self.retries = protocol, retries
         #: objects whose identity a HEAD confirmed (stores whose reads do not tell it)
         self._checked: set[tuple[str, Identity]] = set()

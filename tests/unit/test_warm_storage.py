@@ -1,0 +1,161 @@
+"""The storage backends a starting worker server imports (workers._warm_storage): those the
+script's earlier runs opened, from a record beside DALI's source analysis. Each ``warm`` runs in
+a fresh interpreter, as a starting server is one (the test process has s3fs imported)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from workers import _warm_storage
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "/srv/jobs/train.py"
+
+pytest.importorskip("s3fs")
+
+
+@pytest.fixture()
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "analysis"
+    monkeypatch.setenv("DALI_LOADER_ANALYSIS_CACHE", str(directory))
+    monkeypatch.setattr(_warm_storage, "_noted", set())
+    return directory
+
+
+def records(directory: Path) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text()) for path in sorted(directory.glob("*.storage.json"))]
+
+
+def warm_in_fresh_interpreter(
+    directory: Path, script: str, modules: tuple[str, ...] = ("s3fs",), setup: str = ""
+) -> dict[str, Any]:
+    """``warm(script)`` in a new interpreter: what it returned, which of ``modules`` it left
+    imported, and the warnings it gave."""
+    code = textwrap.dedent(
+        f"""
+        import json, sys, warnings
+        {setup}
+        from workers import _warm_storage
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            imported = _warm_storage.warm({script!r})
+        print(json.dumps({{
+            "imported": imported,
+            "modules": [name for name in {modules!r} if name in sys.modules],
+            "warnings": [str(w.message) for w in caught],
+        }}))
+        """
+    )
+    env = dict(os.environ, DALI_LOADER_ANALYSIS_CACHE=str(directory), PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=directory.parent
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_protocol_a_worker_opened_is_imported_by_the_next_server_of_that_script(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert warm_in_fresh_interpreter(cache, SCRIPT)["modules"] == []  # (nothing recorded yet)
+    monkeypatch.setattr(_warm_storage, "_script", SCRIPT)
+    _warm_storage.opened("s3")
+    (record,) = records(cache)
+    assert record["script"] == SCRIPT and set(record["protocols"]) == {"s3"}
+    warmed = warm_in_fresh_interpreter(cache, SCRIPT)
+    assert warmed["imported"] == ["s3"] and warmed["modules"] == ["s3fs"]
+    other = warm_in_fresh_interpreter(cache, "/srv/jobs/evaluate.py")
+    assert other["imported"] == [] and other["modules"] == []  # (another script's record)
+
+
+def test_a_worker_writes_the_record_once_and_only_for_remote_protocols_of_a_known_script(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _warm_storage.opened("s3")  # no script (a process that is no server's worker)
+    assert not cache.exists() or records(cache) == []
+    monkeypatch.setattr(_warm_storage, "_script", SCRIPT)
+    _warm_storage.opened("file")
+    _warm_storage.opened("memory")
+    assert not cache.exists() or records(cache) == []
+    _warm_storage.opened("s3")
+    (path,) = cache.glob("*.storage.json")
+    first = path.stat().st_mtime_ns
+    monkeypatch.setattr(_warm_storage, "_noted", set())  # (as a second worker of the same run)
+    time.sleep(0.01)
+    _warm_storage.opened("s3")
+    assert path.stat().st_mtime_ns == first  # recorded recently: not written again
+    _warm_storage.opened("gs")
+    assert set(records(cache)[0]["protocols"]) == {"s3", "gs"}
+
+
+def test_a_protocol_unused_for_a_month_is_no_longer_imported_and_a_stale_one_is_refreshed(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_warm_storage, "_script", SCRIPT)
+    _warm_storage.opened("s3")
+    (path,) = cache.glob("*.storage.json")
+    old = time.time() - _warm_storage.FORGET_AFTER - 60
+    path.write_text(json.dumps({"script": SCRIPT, "protocols": {"s3": old}}))
+    assert warm_in_fresh_interpreter(cache, SCRIPT)["modules"] == []
+    monkeypatch.setattr(_warm_storage, "_noted", set())
+    _warm_storage.opened("s3")  # (a run opens it again: its time is renewed)
+    assert time.time() - records(cache)[0]["protocols"]["s3"] < 60
+    assert warm_in_fresh_interpreter(cache, SCRIPT)["modules"] == ["s3fs"]
+
+
+def test_a_damaged_record_an_unknown_protocol_or_the_switch_off_import_nothing(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_warm_storage, "_script", SCRIPT)
+    _warm_storage.opened("s3")
+    (path,) = cache.glob("*.storage.json")
+    path.write_text('{"protocols": {"s3": ')
+    assert warm_in_fresh_interpreter(cache, SCRIPT)["imported"] == []
+    path.write_text(json.dumps({"protocols": {"no-such-store": time.time()}}))
+    assert warm_in_fresh_interpreter(cache, SCRIPT)["imported"] == []
+    path.write_text(json.dumps({"protocols": {"s3": time.time()}}))
+    code = "from workers import _warm_storage; import sys; "
+    code += f"print(_warm_storage.warm({SCRIPT!r}), 's3fs' in sys.modules)"
+    env = dict(os.environ, DALI_LOADER_ANALYSIS_CACHE="0", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.stdout.split() == ["[]", "False"], done.stderr
+
+
+def test_a_backend_whose_import_starts_a_thread_is_dropped_with_a_warning(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A thread in the server would be missing in every worker it forks."""
+    (tmp_path / "threaded_store.py").write_text(
+        textwrap.dedent(
+            """
+            import threading
+            from fsspec import AbstractFileSystem
+
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
+
+            class ThreadedStore(AbstractFileSystem):
+                protocol = "threadedstore"
+            """
+        )
+    )
+    register = (
+        f"sys.path.insert(0, {str(tmp_path)!r}); import fsspec; "
+        "fsspec.register_implementation('threadedstore', 'threaded_store.ThreadedStore')"
+    )
+    monkeypatch.setattr(_warm_storage, "_script", SCRIPT)
+    _warm_storage.opened("threadedstore")
+    _warm_storage.opened("s3")
+    warmed = warm_in_fresh_interpreter(cache, SCRIPT, setup=register)
+    assert warmed["imported"] == ["s3"]
+    assert any("threadedstore:// backend started a thread" in w for w in warmed["warnings"])
+    assert set(records(cache)[0]["protocols"]) == {"s3"}  # not tried again
