@@ -18,7 +18,9 @@ Each size starts with one more run of this loader to its first batch with no ana
 on disk yet (a machine's first job: :mod:`workers._analysis_cache`); the runs in the table find
 it, as every later job on a machine does. ``--setup S`` gives every script ``S`` seconds of its
 own CPU work between importing its data library and building the loader, as a model's
-construction would (this loader's worker server imports DALI meanwhile).
+construction would (this loader's worker server imports DALI meanwhile); after each size's table
+the starts and resumes are measured again with ``--also-setup S`` seconds of it (2 by default),
+in the same run.
 
 The same work in each: batch 32, 2 worker processes, shuffled, each JPEG decoded and resized to
 64x64 (DALI's decoder here, Pillow in the anchors' DataLoader workers). The anchors run in their own
@@ -345,6 +347,8 @@ def run_size(
                 print(f"  run {repeat + 1} {name}: {_brief(first, resume)}", flush=True)
             order = order[1:] + order[:1]  # (each loader takes each place in turn)
         print(table(results, layout))
+        if args.also_setup > 0:
+            with_setup(args, proxy, bucket, directory, analysis, layout)
         print(
             "\nthis loader's first job on a machine (DALI's source analysis not on disk yet): "
             + (
@@ -385,6 +389,47 @@ def run_size(
                 print(f"    {line[:200]}")
 
 
+#: The rows of the table measured again with a script's set-up (first batch and resume).
+START_ROWS = (
+    "process start → first batch, s",
+    "construct → first batch, s",
+    "resume: construct and load → first batch, s",
+)
+
+
+def with_setup(
+    args: argparse.Namespace,
+    proxy: CountingProxy,
+    bucket: str,
+    directory: Path,
+    analysis: dict[str, str],
+    layout: dict[str, Any],
+) -> None:
+    """Each loader's start and resume again (no epoch), with ``--also-setup`` seconds of the
+    script's own CPU work before it builds its loader, as a training script builds its model."""
+    seconds = args.also_setup
+    results: dict[str, list[tuple[Outcome, Outcome]]] = {name: [] for name in LOADERS}
+    order = list(LOADERS)
+    for repeat in range(args.repeats):
+        for name in order:
+            python = sys.executable if name == "loader" else args.anchors_python
+            extra = {"BENCH_ANCHORS_SETUP": str(seconds)}
+            extra.update(analysis if name == "loader" else {})
+            state = directory / f"{name}-setup.state"
+            first = measure(python, name, "first-only", proxy, bucket, state, args.limit, extra)
+            resume = (
+                measure(python, name, "resume", proxy, bucket, state, args.limit, extra)
+                if state.exists()
+                else Outcome(error="no state saved")
+            )
+            state.unlink(missing_ok=True)
+            results[name].append((first, resume))
+            print(f"  run {repeat + 1} {name}, set-up {seconds:g} s: {_brief(first, resume)}")
+        order = order[1:] + order[:1]
+    print(f"\nthe same starts with {seconds:g} s of each script's own set-up (a model's):")
+    print(table(results, layout, only=START_ROWS), flush=True)
+
+
 def _brief(first: Outcome, resume: Outcome) -> str:
     parts = [
         f"first {first.first_s:.1f} s" if first.first_s is not None else f"failed: {first.error}"
@@ -410,8 +455,13 @@ def _span(values: list[float], form: str) -> str:
     )
 
 
-def table(results: dict[str, list[tuple[Outcome, Outcome]]], layout: dict[str, Any]) -> str:
-    """The side-by-side table: each cell min-max over the runs (one value when they agree)."""
+def table(
+    results: dict[str, list[tuple[Outcome, Outcome]]],
+    layout: dict[str, Any],
+    only: tuple[str, ...] = (),
+) -> str:
+    """The side-by-side table: each cell min-max over the runs (one value when they agree);
+    ``only``: these rows (by label), else all."""
     rows: list[tuple[str, list[str]]] = []
 
     def row(label: str, pick: Any, form: str) -> None:
@@ -463,6 +513,8 @@ def table(results: dict[str, list[tuple[Outcome, Outcome]]], layout: dict[str, A
         "|" + "|".join("---" for _ in range(len(LOADERS) + 1)) + "|",
     ]
     for label, cells in rows:
+        if only and label not in only:
+            continue
         if label.strip() == "every sample once":
             cells = [{"1": "yes", "0": "no"}.get(c, c.replace("0-1", "not always")) for c in cells]
         lines.append("| " + " | ".join([label, *cells]) + " |")
@@ -500,6 +552,14 @@ def main(argv: list[str] | None = None) -> None:
         metavar="SECONDS",
         help="seconds of CPU each script spends between importing its data library and "
         "building the loader (a model's construction); 0 by default",
+    )
+    parser.add_argument(
+        "--also-setup",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="measure each loader's start and resume again with this much set-up (after the "
+        "table; 0: not)",
     )
     parser.add_argument(
         "--anchors-python",
