@@ -160,7 +160,7 @@ def store(path: str, analysis: types.ModuleType) -> bool:
     if not write_whole(target, buffer.getbuffer()):
         logger.debug("source analysis of %s: not written to %s", path, base)
         return False
-    _prune(base)
+    prune(base)
     return True
 
 
@@ -179,10 +179,10 @@ def write_whole(target: Path, data: bytes | memoryview) -> bool:
     return True
 
 
-def _prune(base: Path) -> None:
-    """Keep the :data:`MAX_ENTRIES` files used last."""
+def prune(base: Path, suffix: str = _SUFFIX) -> None:
+    """Keep the :data:`MAX_ENTRIES` files named ``*suffix`` used last."""
     try:
-        entries = [(p.stat().st_mtime, p) for p in base.glob("*" + _SUFFIX)]
+        entries = [(p.stat().st_mtime, p) for p in base.glob("*" + suffix)]
     except OSError:
         return
     if len(entries) <= MAX_ENTRIES:

@@ -12,7 +12,8 @@ its workers are forked with them imported.
 The record lives in the directory of DALI's source analysis (:mod:`workers._analysis_cache`),
 under its rules and its switch (``DALI_LOADER_ANALYSIS_CACHE=0`` turns both off): one file per
 script and interpreter, named by a hash of the main module's path (or name) and of
-``sys.executable``. A protocol no run has opened for :data:`FORGET_AFTER` seconds is no longer
+``sys.executable``; the records of the :data:`~workers._analysis_cache.MAX_ENTRIES` scripts run
+last are kept. A protocol no run has opened for :data:`FORGET_AFTER` seconds is no longer
 imported. Only what fsspec's own registry names is imported, and only its class
 (``fsspec.get_filesystem_class``): no client, no connection. A backend whose import started a
 thread (which the server's forks would not carry) is dropped from the record, with a warning.
@@ -20,15 +21,16 @@ thread (which the server's forks would not carry) is dropped from the record, wi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import sys
 import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 from . import _analysis_cache
 
@@ -73,6 +75,8 @@ def _write(path: Path, protocols: dict[str, float]) -> None:
     data = json.dumps({"script": _script, "protocols": protocols}, sort_keys=True).encode()
     if not _analysis_cache.write_whole(path, data):
         logger.debug("storage record %s not written", path)
+        return
+    _analysis_cache.prune(path.parent, _SUFFIX)  # (the records of the scripts run last)
 
 
 def opened(protocol: str) -> None:
@@ -106,12 +110,15 @@ def warm(script: str | None) -> list[str]:
         return []
     path = _record_path(base, script)
     protocols = _read(path)
+    if protocols:
+        with contextlib.suppress(OSError):
+            os.utime(path)  # (used: kept longest)
     recent = [name for name, when in protocols.items() if time.time() - when < FORGET_AFTER]
     imported = [name for name in sorted(recent) if _import_backend(name, path, protocols)]
     return imported
 
 
-def _import_backend(protocol: str, path: Path, protocols: dict[str, Any]) -> bool:
+def _import_backend(protocol: str, path: Path, protocols: dict[str, float]) -> bool:
     try:
         import fsspec
         from fsspec.registry import known_implementations

@@ -159,3 +159,20 @@ def test_a_backend_whose_import_starts_a_thread_is_dropped_with_a_warning(
     assert warmed["imported"] == ["s3"]
     assert any("threadedstore:// backend started a thread" in w for w in warmed["warnings"])
     assert set(records(cache)[0]["protocols"]) == {"s3"}  # not tried again
+
+
+def test_the_records_of_the_scripts_run_last_are_kept(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers import _analysis_cache
+
+    monkeypatch.setattr(_analysis_cache, "MAX_ENTRIES", 3)
+    for number in range(5):
+        monkeypatch.setattr(_warm_storage, "_script", f"/srv/jobs/job{number}.py")
+        monkeypatch.setattr(_warm_storage, "_noted", set())
+        _warm_storage.opened("s3")
+        for path in cache.glob("*.storage.json"):  # (older files: older times, as in real use)
+            if json.loads(path.read_text())["script"] != _warm_storage._script:
+                os.utime(path, (path.stat().st_mtime - 10,) * 2)
+    kept = sorted(r["script"] for r in records(cache))
+    assert kept == [f"/srv/jobs/job{n}.py" for n in (2, 3, 4)]
