@@ -676,3 +676,28 @@ def test_a_shard_read_whole_is_indexed_from_its_headers_as_tarfile_reads_it(form
             fast = _plain_members(variant)
             members, damage = by_tarfile(variant)
             assert fast is None or (damage is None and fast == members)
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_a_shards_directory_and_name_are_worked_out_once_as_the_storage_splits_them(
+    local: bool,
+) -> None:
+    """The start splits each shard's URL once (``places_of``), the same as the storage's own
+    ``dirname`` and ``basename``, odd URLs included."""
+    from workers.sources._tar_shards import places_of
+
+    remote = [
+        "s3://bucket/train-0.tar",
+        "s3://bucket/a/b/c/train-1.tar",
+        "s3://bucket//doubled.tar",
+        "s3://bucket/a//b.tar",
+        "s3://top.tar",
+        "gs://bucket/dir/",
+        "az://bucket/ü nicode/x y.tar",
+    ]
+    paths = ["/data/train-0.tar", "relative/x.tar", "x.tar", "/data//y.tar", "/z.tar"]
+    storage = (
+        _storage.LocalStorage() if local else _storage.RemoteStorage.__new__(_storage.RemoteStorage)
+    )
+    urls = paths if local else remote
+    assert places_of(storage, urls) == [(storage.dirname(u), storage.basename(u)) for u in urls]
