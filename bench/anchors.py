@@ -328,27 +328,14 @@ def run_size(
             args.limit,
             analysis,
         )
-        results: dict[str, list[tuple[Outcome, Outcome]]] = {name: [] for name in LOADERS}
-        order = list(LOADERS)
-        for repeat in range(args.repeats):
-            for name in order:
-                python = sys.executable if name == "loader" else args.anchors_python
-                extra = analysis if name == "loader" else None
-                state = directory / f"{name}.state"
-                mode = "first" if args.epoch else "first-only"
-                first = measure(python, name, mode, proxy, bucket, state, args.limit, extra)
-                resume = (
-                    measure(python, name, "resume", proxy, bucket, state, args.limit, extra)
-                    if state.exists()
-                    else Outcome(error="no state saved")
-                )
-                state.unlink(missing_ok=True)
-                results[name].append((first, resume))
-                print(f"  run {repeat + 1} {name}: {_brief(first, resume)}", flush=True)
-            order = order[1:] + order[:1]  # (each loader takes each place in turn)
+        mode = "first" if args.epoch else "first-only"
+        results = run_each(args, proxy, bucket, directory, mode, analysis, {})
         print(table(results, layout))
         if args.also_setup > 0:
-            with_setup(args, proxy, bucket, directory, analysis, layout)
+            seconds = {"BENCH_ANCHORS_SETUP": str(args.also_setup)}
+            results = run_each(args, proxy, bucket, directory, "first-only", analysis, seconds)
+            print(f"\nthe same starts with {args.also_setup:g} s of each script's own set-up:")
+            print(table(results, layout, only=START_ROWS), flush=True)
         print(
             "\nthis loader's first job on a machine (DALI's source analysis not on disk yet): "
             + (
@@ -389,7 +376,8 @@ def run_size(
                 print(f"    {line[:200]}")
 
 
-#: The rows of the table measured again with a script's set-up (first batch and resume).
+#: The rows of the table measured again with ``--also-setup`` seconds of the script's own CPU
+#: work before it builds its loader, as a training script builds its model.
 START_ROWS = (
     "process start → first batch, s",
     "construct → first batch, s",
@@ -397,37 +385,35 @@ START_ROWS = (
 )
 
 
-def with_setup(
+def run_each(
     args: argparse.Namespace,
     proxy: CountingProxy,
     bucket: str,
     directory: Path,
+    mode: str,
     analysis: dict[str, str],
-    layout: dict[str, Any],
-) -> None:
-    """Each loader's start and resume again (no epoch), with ``--also-setup`` seconds of the
-    script's own CPU work before it builds its loader, as a training script builds its model."""
-    seconds = args.also_setup
+    extra: dict[str, str],
+) -> dict[str, list[tuple[Outcome, Outcome]]]:
+    """Each loader's run in ``mode`` and its resume, ``--repeats`` times, each loader in each
+    place in turn; ``extra``: environment of every run (``analysis``: of this loader's too)."""
     results: dict[str, list[tuple[Outcome, Outcome]]] = {name: [] for name in LOADERS}
     order = list(LOADERS)
     for repeat in range(args.repeats):
         for name in order:
             python = sys.executable if name == "loader" else args.anchors_python
-            extra = {"BENCH_ANCHORS_SETUP": str(seconds)}
-            extra.update(analysis if name == "loader" else {})
-            state = directory / f"{name}-setup.state"
-            first = measure(python, name, "first-only", proxy, bucket, state, args.limit, extra)
+            environment = {**extra, **(analysis if name == "loader" else {})}
+            state = directory / f"{name}.state"
+            first = measure(python, name, mode, proxy, bucket, state, args.limit, environment)
             resume = (
-                measure(python, name, "resume", proxy, bucket, state, args.limit, extra)
+                measure(python, name, "resume", proxy, bucket, state, args.limit, environment)
                 if state.exists()
                 else Outcome(error="no state saved")
             )
             state.unlink(missing_ok=True)
             results[name].append((first, resume))
-            print(f"  run {repeat + 1} {name}, set-up {seconds:g} s: {_brief(first, resume)}")
+            print(f"  run {repeat + 1} {name}: {_brief(first, resume)}", flush=True)
         order = order[1:] + order[:1]
-    print(f"\nthe same starts with {seconds:g} s of each script's own set-up (a model's):")
-    print(table(results, layout, only=START_ROWS), flush=True)
+    return results
 
 
 def _brief(first: Outcome, resume: Outcome) -> str:

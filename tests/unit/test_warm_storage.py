@@ -31,6 +31,15 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return directory
 
 
+@pytest.fixture()
+def recorded(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The record of ``SCRIPT``, once one of its workers opened s3."""
+    monkeypatch.setattr(_warm_storage, "_script", SCRIPT)
+    _warm_storage.opened("s3")
+    (path,) = cache.glob("*.storage.json")
+    return path
+
+
 def records(directory: Path) -> list[dict[str, Any]]:
     return [json.loads(path.read_text()) for path in sorted(directory.glob("*.storage.json"))]
 
@@ -99,13 +108,10 @@ def test_a_worker_writes_the_record_once_and_only_for_remote_protocols_of_a_know
 
 
 def test_a_protocol_unused_for_a_month_is_no_longer_imported_and_a_stale_one_is_refreshed(
-    cache: Path, monkeypatch: pytest.MonkeyPatch
+    cache: Path, recorded: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_warm_storage, "_script", SCRIPT)
-    _warm_storage.opened("s3")
-    (path,) = cache.glob("*.storage.json")
     old = time.time() - _warm_storage.FORGET_AFTER - 60
-    path.write_text(json.dumps({"script": SCRIPT, "protocols": {"s3": old}}))
+    recorded.write_text(json.dumps({"script": SCRIPT, "protocols": {"s3": old}}))
     assert warm_in_fresh_interpreter(cache, SCRIPT)["modules"] == []
     monkeypatch.setattr(_warm_storage, "_noted", set())
     _warm_storage.opened("s3")  # (a run opens it again: its time is renewed)
@@ -114,16 +120,13 @@ def test_a_protocol_unused_for_a_month_is_no_longer_imported_and_a_stale_one_is_
 
 
 def test_a_damaged_record_an_unknown_protocol_or_the_switch_off_import_nothing(
-    cache: Path, monkeypatch: pytest.MonkeyPatch
+    cache: Path, recorded: Path
 ) -> None:
-    monkeypatch.setattr(_warm_storage, "_script", SCRIPT)
-    _warm_storage.opened("s3")
-    (path,) = cache.glob("*.storage.json")
-    path.write_text('{"protocols": {"s3": ')
+    recorded.write_text('{"protocols": {"s3": ')
     assert warm_in_fresh_interpreter(cache, SCRIPT)["imported"] == []
-    path.write_text(json.dumps({"protocols": {"no-such-store": time.time()}}))
+    recorded.write_text(json.dumps({"protocols": {"no-such-store": time.time()}}))
     assert warm_in_fresh_interpreter(cache, SCRIPT)["imported"] == []
-    path.write_text(json.dumps({"protocols": {"s3": time.time()}}))
+    recorded.write_text(json.dumps({"protocols": {"s3": time.time()}}))
     code = "from workers import _warm_storage; import sys; "
     code += f"print(_warm_storage.warm({SCRIPT!r}), 's3fs' in sys.modules)"
     env = dict(os.environ, DALI_LOADER_ANALYSIS_CACHE="0", PYTHONPATH=str(ROOT))
