@@ -83,6 +83,9 @@ def _trainer(*args: str) -> tuple[subprocess.Popen[str], list[int]]:
         [sys.executable, "-m", "tests.integration.trainer_script", *args],
         cwd=ROOT,
         env=env,
+        # (SIGINT as a terminal gives it: a suite started in the background by a shell without
+        # job control inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
