@@ -229,6 +229,9 @@ class Hello:
     #: what the source leaves out of every epoch, one line each (a damaged tar shard under
     #: on_error="skip": its name, what is wrong, what of it is read)
     left_out: tuple[str, ...] = ()
+    #: where the start went: ``(name, begin_ns, end_ns, pid)`` (``time.perf_counter_ns``), the
+    #: worker's own spans (its pid) and those of the server it was forked from (workers._startup)
+    startup: tuple[tuple[str, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

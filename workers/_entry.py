@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from multiprocessing.connection import Connection
 
@@ -21,14 +22,21 @@ def run_worker(
     the way: :mod:`workers._imports`). A worker forked from a server that imported DALI already
     gets ``environ``, the trainer's environment when it was started, in place of the server's."""
     leave_to_trainer()  # first: a cluster's signal to the job during the imports is the trainer's
+    from . import _startup
+
+    spawned = _startup.started_ns() is None  # (a forked worker's start was noted at its fork)
+    if spawned:
+        _startup.process_started()
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
     from ._imports import import_dali_modules, warm_spawned_worker
 
-    import_dali_modules()
+    with _startup.span("import DALI") if spawned else contextlib.nullcontext():
+        import_dali_modules()
     if environ is None:  # (spawned: the server's parsing did not happen for this worker)
-        warm_spawned_worker(spec.source, spec.step, spec.feeders)
+        with _startup.span("DALI's source analysis") if spawned else contextlib.nullcontext():
+            warm_spawned_worker(spec.source, spec.step, spec.feeders)
     from ._main import run_worker as serve
 
     serve(spec, conn, stack, alive)

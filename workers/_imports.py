@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-from . import _analysis_cache
+from . import _analysis_cache, _startup
 
 logger = logging.getLogger("loader")
 
@@ -168,6 +168,8 @@ def prepare_worker_server(files: Sequence[str]) -> None:
     """What a worker server does before it forks any worker: import DALI and the worker's
     modules (torch deferred), and parse DALI's own traced files, the main module's and
     ``files`` for DALI's capture (:func:`warm_source_analysis`)."""
-    import_dali_modules()
+    with _startup.span("import DALI"):
+        import_dali_modules()
     main = getattr(sys.modules.get("__main__"), "__file__", None)
-    warm_source_analysis([*dali_files_traced(), *([main] if main else []), *files])
+    with _startup.span("DALI's source analysis"):
+        warm_source_analysis([*dali_files_traced(), *([main] if main else []), *files])

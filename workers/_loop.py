@@ -41,7 +41,7 @@ from typing import Any
 from ipc import ChannelClosed, ControlChannel, wire
 from ipc.wire import Position
 
-from . import _dali, _error_text
+from . import _dali, _error_text, _startup
 from ._capture_loops import CaptureLoops
 from ._control import REPORT_PROGRESS, SampleControl
 from ._isolation import FailingSamples, can_isolate
@@ -99,7 +99,11 @@ class Worker:
         self.publisher = Publisher(self.spec, self.channel, self.ctx, self.wait_for_trainer)
         # epoch 0 from its start, or (a replacement) where its predecessor stopped, its random
         # generators as they were at that batch
-        sources = self.build(self.shard, self.spec.random)
+        begun = _startup.started_ns()
+        if begun is not None:
+            _startup.record("worker start", begun, time.perf_counter_ns())
+        with _startup.span("sources"):
+            sources = self.build(self.shard, self.spec.random)
         self.activity.idle()
         self.channel.send(
             wire.Hello(
@@ -110,6 +114,7 @@ class Worker:
                 sources.sampling(),
                 sources.first_epoch_steps,
                 () if sources.sampled is None else sources.sampled.left_out,
+                _startup.spans(),
             )
         )
 

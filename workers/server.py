@@ -49,6 +49,7 @@ from typing import NoReturn
 from ipc import server_wire as sw
 from ipc.signals import leave_to_trainer
 
+from . import _startup
 from ._title import server_title, set_title
 
 logger = logging.getLogger("loader")
@@ -191,7 +192,8 @@ class Server:
         from ._imports import prepare_worker_server
 
         prepare_worker_server([self._setup.main_path] if self._setup.main_path else [])
-        _warm_storage.warm(self._setup.main_path or self._setup.main_name)
+        with _startup.span("storage backends"):
+            _warm_storage.warm(self._setup.main_path or self._setup.main_name)
         gc.freeze()
 
     def serve(self) -> None:
@@ -240,14 +242,21 @@ class Server:
             raise TypeError(f"unexpected worker server request {type(request).__name__}")
 
     def _prepare(self, request: sw.Prepare) -> None:
-        from ._imports import warm_source_analysis
-
         if self._main_state == "pending":
             try:
-                self._main_state = "imported" if import_main(self._setup) else "none"
+                with _startup.span("main module"):
+                    imported = import_main(self._setup)
+                self._main_state = "imported" if imported else "none"
             except BaseException:  # each worker imports it again and reports (docstring)
                 self._main_state = "failed"
                 logger.debug("worker server: the main module did not import", exc_info=True)
+        with _startup.span("the loader's modules"):
+            self._import_modules(request)
+
+    def _import_modules(self, request: sw.Prepare) -> None:
+        """The modules of the loader's functions, and DALI's analysis of their files."""
+        from ._imports import warm_source_analysis
+
         for name in request.modules:
             if name in ("__main__", "__mp_main__"):
                 continue
@@ -275,6 +284,7 @@ class Server:
 
     def _start_child(self, fds: list[int]) -> NoReturn:
         """In the forked child: drop the server's descriptors and become the worker."""
+        _startup.process_started()
         code = 1
         try:
             signal.set_wakeup_fd(-1)

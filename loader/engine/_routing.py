@@ -82,6 +82,7 @@ class Router:
         elif isinstance(record, wire.Sought):
             session.on_sought(record)
         elif isinstance(record, wire.Hello):
+            self._timeline.started(session.index, record)
             self._roster.send(session, session.on_hello(record))
         elif isinstance(record, wire.SamplesFailed):
             self._roster.tell_others(session, self._healing.samples_failed(session, record))

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, make_dataclass
 from operator import itemgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ipc import wire
 
@@ -218,6 +218,18 @@ BatchRecord = tuple[int, int, int, wire.StageTimes]
 #: for the workers, epoch, the epoch's step of the batch it returned (-1: it raised
 #: StopIteration), the worker that made it (-1: none).
 NextRecord = tuple[int, int, int, int, int, int]
+#: A part of a worker's start: its name, begin and end (``perf_counter_ns``).
+StartSpan = tuple[str, int, int]
+
+
+class StartSpans(NamedTuple):
+    """Where one worker's start went, from the loader's creation on: in the worker's process
+    (``own``: ``worker start``, ``sources``, and, spawned, ``import DALI``) and in the worker
+    server it was forked from (``server``: its imports, warming and preparing this loader)."""
+
+    own: tuple[StartSpan, ...]
+    server: tuple[StartSpan, ...]
+
 
 #: Records kept per worker, and of the trainer, for windows and the trace (about 100 bytes each).
 CAPACITY = 8192
@@ -326,6 +338,8 @@ class Timeline:
     #: when the first next() that returned a batch left (the traced first step is before it)
     warm_ns: int | None = None
     left_ns: int | None = None  # when the latest next() left
+    #: where each worker's latest start went: its own spans, then its server's (wire.Hello)
+    starts: dict[int, StartSpans] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.workers = [WorkerTrack(self.capacity) for _ in range(self.num_workers)]
@@ -336,6 +350,18 @@ class Timeline:
         while len(self.workers) < num_workers:
             self.workers.append(WorkerTrack(self.capacity))
         self.num_workers = len(self.workers)
+
+    def started(self, worker: int, hello: wire.Hello) -> None:
+        """``worker``'s process said Hello: keep where its start went, from the loader's creation
+        on (a span that began before it is cut there; one that ended before it is left out)."""
+        own: list[StartSpan] = []
+        server: list[StartSpan] = []
+        for name, begin, end, pid in hello.startup:
+            if end > self.origin_ns:
+                (own if pid == hello.pid else server).append(
+                    (name, max(begin, self.origin_ns), end)
+                )
+        self.starts[worker] = StartSpans(tuple(own), tuple(server))
 
     def batch(self, worker: int, step: int, message: wire.BatchReady) -> None:
         """A batch arrived from ``worker`` (``step``: the epoch's step of it)."""

@@ -10,7 +10,15 @@ process (the trainer's pid) holds one track (thread) for the trainer and one per
   before a batch that waited for a command;
 * the trainer's track has a ``next`` span for each ``next(loader)`` (``waited_ms`` in its args:
   how much of it was spent waiting for the workers, the rest is handing the batch out) and a
-  ``train`` span for the time between two of them.
+  ``train`` span for the time between two of them;
+* where the start went (category ``start``, from the loader's creation on): on a worker's track,
+  ``worker start`` (from its fork, or a spawned worker's entry, to its sources; a spawned one also
+  shows its ``import DALI`` and ``DALI's source analysis``) and ``sources`` (building them: for
+  tar shards, the node's summary and the epoch's plan); on a ``worker server`` track after the
+  workers', what the server still did after the loader was made: ``import DALI``, ``DALI's
+  source analysis``, ``storage backends`` (:mod:`workers._warm_storage`), ``main module``, ``the
+  loader's modules``. A start right after ``import loader`` shows the server's import of DALI
+  before every worker's fork; the first batch's trace (``dali`` of step 0) follows ``sources``.
 
 One file per rank: under a launcher with more than one rank, each rank writes its own file
 (:func:`rank_path`): ``{rank}`` in the file's name is replaced by the rank, else ``.rank<k>`` goes
@@ -33,7 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..engine._stats import Timeline, batch_end
+from ..engine._stats import StartSpan, Timeline, batch_end
 
 _TRAINER_TID = 0
 #: In a trace path, replaced by the rank.
@@ -80,6 +88,7 @@ def trace_events(
     for index in range(min(len(worker_names), len(timeline.workers))):
         for epoch, step, blocked, times in timeline.worker_records(index, start):
             spans.batch(index + 1, {"epoch": epoch, "step": step}, blocked, times)
+    spans.starts(timeline, start, len(worker_names))
     return {
         "traceEvents": spans.events,
         "displayTimeUnit": "ms",
@@ -101,35 +110,27 @@ class _Spans:
         self.events += [
             _meta("process_name", pid, _TRAINER_TID, name),
             _meta("thread_name", pid, _TRAINER_TID, "trainer"),
-            {
-                "ph": "M",
-                "name": "thread_sort_index",
-                "pid": pid,
-                "tid": 0,
-                "args": {"sort_index": 0},
-            },
+            _sort_index(pid, _TRAINER_TID),
         ]
         for index, worker_name in enumerate(worker_names):
             tid = index + 1
             self.events.append(_meta("thread_name", pid, tid, worker_name))
-            self.events.append(
-                {
-                    "ph": "M",
-                    "name": "thread_sort_index",
-                    "pid": pid,
-                    "tid": tid,
-                    "args": {"sort_index": tid},
-                }
-            )
+            self.events.append(_sort_index(pid, tid))
 
     def span(
-        self, tid: int, label: str, begin_ns: int, length_ns: int, args: dict[str, Any]
+        self,
+        tid: int,
+        label: str,
+        begin_ns: int,
+        length_ns: int,
+        args: dict[str, Any],
+        category: str | None = None,
     ) -> None:
         self.events.append(
             {
                 "ph": "X",
                 "name": label,
-                "cat": "trainer" if tid == _TRAINER_TID else "worker",
+                "cat": category or ("trainer" if tid == _TRAINER_TID else "worker"),
                 "pid": self.pid,
                 "tid": tid,
                 "ts": (begin_ns - self.origin_ns) / 1e3,
@@ -137,6 +138,25 @@ class _Spans:
                 "args": args,
             }
         )
+
+    def starts(self, timeline: Timeline, start_ns: int, num_workers: int) -> None:
+        """Each worker's latest start on its track, and what the worker server did for it on
+        a track of its own (after the workers'), each span once."""
+        server: dict[StartSpan, None] = {}
+        for index, parts in sorted(timeline.starts.items()):
+            if index >= num_workers:
+                continue
+            for name, begin, end in parts.own:
+                if end >= start_ns:
+                    self.span(index + 1, name, begin, end - begin, {}, "start")
+            server.update(dict.fromkeys(s for s in parts.server if s[2] >= start_ns))
+        if not server:
+            return
+        tid = num_workers + 1
+        self.events.append(_meta("thread_name", self.pid, tid, "worker server"))
+        self.events.append(_sort_index(self.pid, tid))
+        for name, begin, end in sorted(server, key=lambda s: s[1]):
+            self.span(tid, name, begin, end - begin, {}, "start")
 
     def batch(self, tid: int, args: dict[str, Any], blocked: int, times: Any) -> None:
         """One worker's batch: idle, load, DALI, blocked on a slot, publish, in turn."""
@@ -181,3 +201,14 @@ def _latest(timeline: Timeline) -> int:
 
 def _meta(kind: str, pid: int, tid: int, name: str) -> dict[str, Any]:
     return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
+
+
+def _sort_index(pid: int, tid: int) -> dict[str, Any]:
+    """Tracks in the order of their ids: the trainer's, the workers', the worker server's."""
+    return {
+        "ph": "M",
+        "name": "thread_sort_index",
+        "pid": pid,
+        "tid": tid,
+        "args": {"sort_index": tid},
+    }

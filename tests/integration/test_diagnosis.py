@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 
 from loader import Loader
 from tests import timing_pipelines as T
+from tests.integration.test_worker_server import clean_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -102,8 +105,14 @@ def test_the_trace_holds_every_batch_span_by_span(tmp_path: Path) -> None:
     spans = [e for e in events if e["ph"] == "X"]
     assert all(e["dur"] >= 0 for e in spans)
     by_track: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    starts: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
     for span in spans:
-        by_track[span["tid"]].append(span)
+        if span["cat"] == "start":
+            assert span["name"] not in starts[span["tid"]]  # each once
+            starts[span["tid"]][span["name"]] = span
+        else:
+            by_track[span["tid"]].append(span)
+    _check_starts(names, starts, by_track)
 
     # the trainer: one next() per batch received and one per epoch's end, in order
     calls = [s for s in by_track[0] if s["name"] == "next"]
@@ -145,6 +154,25 @@ def test_the_trace_holds_every_batch_span_by_span(tmp_path: Path) -> None:
         assert read >= 0.9 * len(batches) * BATCH * SLEEP * 1000
 
 
+def _check_starts(
+    names: dict[int, str],
+    starts: dict[int, dict[str, dict[str, Any]]],
+    by_track: dict[int, list[dict[str, Any]]],
+) -> None:
+    """Each worker's start on its track (its process, then its sources, before its first
+    batch), and what the worker server did for this loader on a track after the workers'."""
+    assert names[3] == "worker server"
+    assert set(starts) == {1, 2, 3}
+    prepared = starts[3]["the loader's modules"]  # (the server warmed before this loader)
+    for tid in (1, 2):
+        began, sources = starts[tid]["worker start"], starts[tid]["sources"]
+        assert began["ts"] >= prepared["ts"] + prepared["dur"] - 0.01  # forked after it
+        assert sources["ts"] >= began["ts"] + began["dur"] - 0.01
+        first = min(s["ts"] for s in by_track[tid] if s["name"] == "dali")
+        assert sources["ts"] + sources["dur"] <= first + 0.01
+        assert sources["dur"] > 0
+
+
 def test_save_trace_keeps_the_last_seconds(tmp_path: Path) -> None:
     source = functools.partial(T.quick_source, total=2 * BATCH * 10, batch_size=BATCH)
     with Loader(source, T.id_step, batch_size=BATCH, num_workers=2) as loader:
@@ -157,7 +185,11 @@ def test_save_trace_keeps_the_last_seconds(tmp_path: Path) -> None:
             loader.save_trace(tmp_path / "x.json", seconds=0)
 
     def epochs(trace: dict[str, Any]) -> set[int]:
-        return {e["args"]["epoch"] for e in trace["traceEvents"] if e["ph"] == "X"}
+        return {
+            e["args"]["epoch"]
+            for e in trace["traceEvents"]
+            if e["ph"] == "X" and e["cat"] != "start"
+        }
 
     assert epochs(whole) == {0, 1}
     assert epochs(last) == {1}
@@ -168,3 +200,59 @@ def test_a_trace_path_in_a_missing_folder_is_refused(tmp_path: Path) -> None:
         Loader(_sleeping(), T.id_step, batch_size=BATCH, trace=tmp_path / "no" / "t.json")
     with pytest.raises(TypeError, match="file path"):
         Loader(_sleeping(), T.id_step, batch_size=BATCH, trace=3)  # type: ignore[arg-type]
+
+
+START_SCRIPT = """
+import json, sys
+import numpy as np
+from loader import Loader, sharded_source
+
+def sample(index):
+    return np.array([index], dtype=np.int64)
+
+def source(shard):
+    return sharded_source(shard, 32, sample, 8)
+
+def step(ids):  # (DALI imported here only: the trainer never imports it)
+    import nvidia.dali.experimental.dynamic as ndd
+    return {"id": ndd.cast(ids, dtype=ndd.int64)}
+
+if __name__ == "__main__":
+    with Loader(source, step, batch_size=8, num_workers=2) as loader:
+        for batch in loader:
+            pass
+        loader.save_trace(sys.argv[1])
+"""
+
+
+def test_the_trace_shows_where_a_start_right_after_the_imports_went(tmp_path: Path) -> None:
+    """A script that makes its loader right after ``import loader``: the worker server forked
+    at that import is still importing DALI, and the trace shows it, then the workers' own
+    start and sources, before their first batch."""
+    script = tmp_path / "start_script.py"
+    script.write_text(START_SCRIPT)
+    trace = tmp_path / "start.json"
+    done = subprocess.run(
+        [sys.executable, str(script), str(trace)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=clean_env(),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    starts = {(e["tid"], e["name"]): e for e in events if e.get("cat") == "start"}
+    assert names[3] == "worker server"
+    server = [name for tid, name in sorted(starts, key=lambda k: starts[k]["ts"]) if tid == 3]
+    assert server[0] == "import DALI" and "the loader's modules" in server, server
+    dali = starts[(3, "import DALI")]
+    assert dali["ts"] >= 0 and dali["dur"] > 50_000  # (µs: DALI's import takes ~1 s here)
+    dali_end = dali["ts"] + dali["dur"]
+    for tid in (1, 2):
+        began, sources = starts[(tid, "worker start")], starts[(tid, "sources")]
+        assert began["ts"] >= dali_end - 10  # forked once the server had DALI
+        assert sources["ts"] >= began["ts"]
+        first = min(e["ts"] for e in events if e["tid"] == tid and e["name"] == "dali")
+        assert sources["ts"] + sources["dur"] <= first + 10

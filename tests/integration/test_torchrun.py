@@ -406,6 +406,7 @@ def test_each_rank_writes_its_trace_and_every_rank_gets_the_same_advice(tmp_path
         assert names == {
             0: "trainer",
             **{w + 1: f"worker {w} (shard {2 * rank + w}/4, pid {pids[w]})" for w in (0, 1)},
+            3: "worker server",  # (what it did for the loader: its start's spans)
         }
         spans = {(e["tid"], e["name"]) for e in events if e["ph"] == "X"}
         assert {(0, "next"), (1, "load"), (1, "dali"), (2, "load"), (2, "dali")} <= spans
