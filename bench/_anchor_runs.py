@@ -69,12 +69,23 @@ def main(argv: list[str]) -> None:
     runs[name](mode, endpoint, prefix, state, cache)
 
 
-def drive(batches: Any, mode: str, started: float, total: int, save: Any, ids_of: Any) -> None:
-    """The same loop for each loader: first batch, then the epoch with a save at its half."""
+def drive(
+    batches: Any,
+    mode: str,
+    started: float,
+    total: int,
+    save: Any,
+    ids_of: Any,
+    after_first: Any = None,
+) -> None:
+    """The same loop for each loader: first batch, then the epoch with a save at its half;
+    ``after_first``: called once the requests before the first batch are counted."""
     iterator = iter(batches)
     first = next(iterator)
     say(at="first", seconds=time.monotonic() - started)
     counted()
+    if after_first is not None:
+        after_first()
     if mode == "resume":
         return
     seen = list(ids_of(first))
@@ -155,7 +166,36 @@ def run_loader(
             with open(state, "w") as file:
                 json.dump(loader.state_dict(), file)
 
-        drive(loader, mode, started, total, save, lambda b: b["id"].reshape(-1).tolist())
+        drive(
+            loader,
+            mode,
+            started,
+            total,
+            save,
+            lambda b: b["id"].reshape(-1).tolist(),
+            functools.partial(say_start, loader, state),
+        )
+
+
+def say_start(loader: Any, state: str) -> None:
+    """Where this loader's start went, from its trace (``save_trace``): the worker server's
+    spans after the loader was made, then each worker's (the longest of the workers), and the
+    traced first step (its first ``dali`` span); seconds, in the order they began."""
+    trace = loader.save_trace(f"{state}.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    os.unlink(trace)
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    phases: dict[str, list[float]] = {}
+    firsts: dict[int, dict[str, Any]] = {}
+    for event in sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"]):
+        if event.get("cat") == "start":
+            where = "server" if names.get(event["tid"]) == "worker server" else "workers"
+            phases.setdefault(f"{where}: {event['name']}", []).append(event["dur"] / 1e6)
+        elif event["name"] == "dali" and event["tid"] not in firsts:
+            firsts[event["tid"]] = event
+    if firsts:
+        phases["workers: traced first step"] = [e["dur"] / 1e6 for e in firsts.values()]
+    say(at="start", phases={name: max(values) for name, values in phases.items()})
 
 
 def _listing(prefix: str, key: str = "tars") -> tuple[str, int]:

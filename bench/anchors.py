@@ -145,6 +145,8 @@ class Outcome:
     epoch: Counted = field(default_factory=Counted)
     error: str = ""
     progress: list[str] = field(default_factory=list)  # the scan's progress lines (stderr)
+    #: this loader's start from its trace: phase -> seconds (the longest worker's), in order
+    start: dict[str, float] = field(default_factory=dict)
 
 
 def measure(
@@ -198,6 +200,8 @@ def measure(
                     proxy.reset()
                     child.stdin.write("\n")
                     child.stdin.flush()
+                elif record["at"] == "start":
+                    outcome.start = record["phases"]
                 elif record["at"] == "epoch":
                     outcome.epoch_s = record["seconds"]
                     outcome.epoch_samples = record["samples"]
@@ -331,11 +335,13 @@ def run_size(
         mode = "first" if args.epoch else "first-only"
         results = run_each(args, proxy, bucket, directory, mode, analysis, {})
         print(table(results, layout))
+        print(start_phases(results), flush=True)
         if args.also_setup > 0:
             seconds = {"BENCH_ANCHORS_SETUP": str(args.also_setup)}
             results = run_each(args, proxy, bucket, directory, "first-only", analysis, seconds)
             print(f"\nthe same starts with {args.also_setup:g} s of each script's own set-up:")
-            print(table(results, layout, only=START_ROWS), flush=True)
+            print(table(results, layout, only=START_ROWS))
+            print(start_phases(results), flush=True)
         print(
             "\nthis loader's first job on a machine (DALI's source analysis not on disk yet): "
             + (
@@ -414,6 +420,15 @@ def run_each(
             print(f"  run {repeat + 1} {name}: {_brief(first, resume)}", flush=True)
         order = order[1:] + order[:1]
     return results
+
+
+def start_phases(results: dict[str, list[tuple[Outcome, Outcome]]]) -> str:
+    """Where this loader's first start of the table went, from its trace (``save_trace``)."""
+    runs = [first for first, _resume in results["loader"] if first.start]
+    if not runs:
+        return "this loader's start, from its trace: none saved"
+    phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in runs[0].start.items())
+    return f"this loader's start (run 1), from its trace: {phases}"
 
 
 def _brief(first: Outcome, resume: Outcome) -> str:
