@@ -17,6 +17,13 @@ last are kept. A protocol no run has opened for :data:`FORGET_AFTER` seconds is 
 imported. Only what fsspec's own registry names is imported, and only its class
 (``fsspec.get_filesystem_class``): no client, no connection. A backend whose import started a
 thread (which the server's forks would not carry) is dropped from the record, with a warning.
+
+For ``s3://`` the server also loads botocore's data once (the S3 service model, its endpoint
+rules, the partitions: :func:`_load_botocore_data`, by making a client it never uses: no request,
+no thread); each worker it forks gives that data to the session of its S3 filesystem
+(:func:`with_session`), whose client set-up then takes ~0.01 s instead of ~0.1 s on the path to
+the first read. Only where s3fs would have made a plain session itself (no ``session`` and no
+session keyword among the options) and with the same ``AWS_DATA_PATH``.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 from . import _analysis_cache
 
@@ -48,6 +56,11 @@ _BUILT_IN = frozenset({"file", "local", "memory"})
 _script: str | None = None
 #: Protocols this process has noted already.
 _noted: set[str] = set()
+#: botocore's data loader with the S3 client's data loaded (the server's, inherited by its
+#: workers), and the ``AWS_DATA_PATH`` it was loaded under; None: not loaded
+_botocore_data: tuple[Any, str | None] | None = None
+#: Protocols served by s3fs.
+_S3 = frozenset({"s3", "s3a"})
 
 
 def _record_path(base: Path, script: str) -> Path:
@@ -115,7 +128,62 @@ def warm(script: str | None) -> list[str]:
             os.utime(path)  # (used: kept longest)
     recent = [name for name, when in protocols.items() if time.time() - when < FORGET_AFTER]
     imported = [name for name in sorted(recent) if _import_backend(name, path, protocols)]
+    if _S3.intersection(imported):
+        _load_botocore_data()
     return imported
+
+
+def _load_botocore_data() -> None:
+    """Load what an S3 client's set-up reads from botocore's data files, into a data loader that
+    the workers' sessions share (:func:`with_session`): by making a client, with placeholder
+    credentials, that is never used."""
+    global _botocore_data
+    threads = set(threading.enumerate())
+    try:
+        import botocore.loaders
+        import botocore.session
+
+        session = botocore.session.Session()
+        loader = botocore.loaders.create_loader(session.get_config_variable("data_path"))
+        session.register_component("data_loader", loader)
+        session.create_client(
+            "s3",
+            region_name="us-east-1",
+            aws_access_key_id="unused",
+            aws_secret_access_key="unused",
+        )
+    except Exception:  # (the workers' sessions load it themselves)
+        logger.debug("worker server: botocore's S3 data was not loaded ahead", exc_info=True)
+        return
+    if set(threading.enumerate()) - threads:  # (not seen: botocore's clients start none)
+        return
+    _botocore_data = (loader, os.environ.get("AWS_DATA_PATH"))
+
+
+def with_session(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for ``fsspec.filesystem(protocol, ...)``, with an aiobotocore session that
+    has the server's botocore data (:func:`_load_botocore_data`) where s3fs would have made a
+    plain session itself; else ``options`` as they are."""
+    if (
+        _botocore_data is None
+        or protocol not in _S3
+        or "session" in options
+        or os.environ.get("AWS_DATA_PATH") != _botocore_data[1]
+    ):
+        return options
+    try:
+        import inspect
+
+        import s3fs
+        from aiobotocore.session import AioSession
+    except ImportError:
+        return options
+    named = inspect.signature(s3fs.S3FileSystem.__init__).parameters
+    if any(key not in named for key in options):  # (s3fs gives the others to its session)
+        return options
+    session = AioSession()
+    session.register_component("data_loader", _botocore_data[0])
+    return {**options, "session": session}
 
 
 def _import_backend(protocol: str, path: Path, protocols: dict[str, float]) -> bool:

@@ -179,3 +179,57 @@ def test_the_records_of_the_scripts_run_last_are_kept(
                 os.utime(path, (path.stat().st_mtime - 10,) * 2)
     kept = sorted(r["script"] for r in records(cache))
     assert kept == [f"/srv/jobs/job{n}.py" for n in (2, 3, 4)]
+
+
+def test_a_server_that_imports_s3fs_loads_botocores_s3_data_for_its_workers_sessions(
+    recorded: Path, cache: Path
+) -> None:
+    """The server loads botocore's S3 data once (no thread); a session made for a worker's S3
+    filesystem shares it, and a client made from that session reads no data file again. Options
+    that s3fs would give its own session (a profile) or a session of the user's keep theirs."""
+    setup = "import botocore.loaders"
+    code = f"""
+        from workers import _warm_storage
+        opened = []
+        real = botocore.loaders.JSONFileLoader.load_file
+        def counted(self, path):  # (each data file read from disk)
+            opened.append(path)
+            return real(self, path)
+        botocore.loaders.JSONFileLoader.load_file = counted
+        import threading
+        _warm_storage.warm({SCRIPT!r})
+        threads = threading.active_count()
+        loaded_in_server, opened[:] = list(opened), []
+        loader = _warm_storage._botocore_data[0]
+        plain = {{"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"}}
+        given = _warm_storage.with_session("s3", plain)
+        import s3fs
+        from fsspec.asyn import sync
+        fs = s3fs.S3FileSystem(**given)
+        sync(fs.loop, fs.set_session)
+        print(json.dumps({{
+            "threads_after_warm": threads,
+            "loaded_in_server": loaded_in_server,
+            "shared": given["session"].get_component("data_loader") is loader,
+            "loaded_by_the_client": opened,
+            "profile": "session" in _warm_storage.with_session("s3", {{**plain, "profile": "p"}}),
+            "users": _warm_storage.with_session("s3", {{**plain, "session": 1}})["session"],
+            "gcs": "session" in _warm_storage.with_session("gcs", plain),
+        }}))
+    """
+    env = dict(os.environ, DALI_LOADER_ANALYSIS_CACHE=str(cache), PYTHONPATH=str(ROOT))
+    env.pop("AWS_DATA_PATH", None)
+    done = subprocess.run(
+        [sys.executable, "-c", f"import json\n{setup}\n" + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cache.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["threads_after_warm"] == 1
+    assert any("service-2" in name for name in found["loaded_in_server"]), found
+    assert found["shared"] is True
+    assert found["loaded_by_the_client"] == [], found  # (all of it found in the shared loader)
+    assert found["profile"] is False and found["users"] == 1 and found["gcs"] is False

@@ -304,7 +304,7 @@ class RemoteStorage(Storage):
                 "pip install 'dali-capture-loader[s3]'"
             ) from error
         try:
-            self.fs = fsspec.filesystem(protocol, **options)
+            self.fs = fsspec.filesystem(protocol, **_warm_storage.with_session(protocol, options))
         except ImportError as error:
             raise ImportError(
                 f"reading {protocol}:// URLs needs the fsspec backend for {protocol} "
