@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -172,8 +173,6 @@ def with_session(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
     ):
         return options
     try:
-        import inspect
-
         import s3fs
         from aiobotocore.session import AioSession
     except ImportError:

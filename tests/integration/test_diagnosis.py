@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -16,7 +14,7 @@ import pytest
 
 from loader import Loader
 from tests import timing_pipelines as T
-from tests.integration.test_worker_server import clean_env
+from tests.integration.test_worker_server import run_python
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -107,8 +105,8 @@ def test_the_trace_holds_every_batch_span_by_span(tmp_path: Path) -> None:
     by_track: dict[int, list[dict[str, Any]]] = defaultdict(list)
     starts: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
     for span in spans:
-        if span["cat"] == "start":
-            assert span["name"] not in starts[span["tid"]]  # each once
+        if span["cat"] == "start":  # (a worker's once; the server may prepare twice: the latest)
+            assert span["tid"] == 3 or span["name"] not in starts[span["tid"]]
             starts[span["tid"]][span["name"]] = span
         else:
             by_track[span["tid"]].append(span)
@@ -163,7 +161,7 @@ def _check_starts(
     batch), and what the worker server did for this loader on a track after the workers'."""
     assert names[3] == "worker server"
     assert set(starts) == {1, 2, 3}
-    prepared = starts[3]["the loader's modules"]  # (the server warmed before this loader)
+    prepared = starts[3]["the loader's modules"]  # (its latest: just before the forks)
     for tid in (1, 2):
         began, sources = starts[tid]["worker start"], starts[tid]["sources"]
         assert began["ts"] >= prepared["ts"] + prepared["dur"] - 0.01  # forked after it
@@ -232,15 +230,7 @@ def test_the_trace_shows_where_a_start_right_after_the_imports_went(tmp_path: Pa
     script = tmp_path / "start_script.py"
     script.write_text(START_SCRIPT)
     trace = tmp_path / "start.json"
-    done = subprocess.run(
-        [sys.executable, str(script), str(trace)],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=clean_env(),
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_python(tmp_path, str(script), str(trace), timeout=150)
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     starts = {(e["tid"], e["name"]): e for e in events if e.get("cat") == "start"}

@@ -109,6 +109,22 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_python(
+    directory: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 200
+) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in ``directory`` with :func:`clean_env` (or ``env``); it must succeed."""
+    done = subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env() if env is None else env,
+        cwd=directory,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def run_script(
     tmp_path: Path, top: str, server: str | None
 ) -> tuple[dict[str, object], list[tuple[int, str]]]:
@@ -315,15 +331,7 @@ def test_an_early_server_imports_the_modules_it_was_forked_in_again(tmp_path: Pa
     the loader's workers find mylib.source, and the early server is the one used."""
     (tmp_path / "mylib.py").write_text(EARLY_PACKAGE)
     (tmp_path / "main.py").write_text(EARLY_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, "main.py"],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=clean_env(),
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(tmp_path, "main.py")
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found == {"early": "fork", "same": True, "xs": [0, 0, 0, 0, 1, 1, 1, 1]}
 
@@ -503,14 +511,6 @@ def test_importing_the_loader_starts_the_worker_server_in_a_trainer_only(
     env.pop(_server.EARLY_ENV, None)
     if early:
         env[_server.EARLY_ENV] = early
-    done = subprocess.run(
-        [sys.executable, "main.py"],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(tmp_path, "main.py", env=env)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found == {"trainer": None if early == "0" else "fork", "spawned": None}
