@@ -11,11 +11,11 @@ What ties them together is one line, ``LoaderTrainer`` (``loader.hf``) in place 
 ``cut_padding=True``, so its last batch on each rank comes cut to its real rows and
 ``evaluate()`` sees every sample once.
 
-``--events FILE`` appends one JSON line per event: ``batch`` (each training batch as the model
-sees it: Trainer's ``global_step`` before it, ``batch.info``'s epoch and step, a digest of its
-bytes), ``eval`` (the sample ids the predictions cover, the metrics) and ``end`` (a digest of the
-weights). ``--kill-after-save K`` SIGKILLs the process once the checkpoint of step K is saved,
-as a crash.
+``--events FILE`` appends one JSON line per event: ``start`` (the transformers version that
+runs), ``batch`` (each training batch as the model sees it: Trainer's ``global_step`` before it,
+``batch.info``'s epoch and step, a digest of its bytes), ``eval`` (the sample ids the predictions
+cover, the metrics) and ``end`` (a digest of the weights). ``--kill-after-save K`` SIGKILLs the
+process once the checkpoint of step K is saved, as a crash.
 
 DALI runs in the workers; the script imports torch and transformers only inside ``main``: every
 worker imports this module and needs neither.
@@ -92,6 +92,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    import transformers
     from transformers import TrainerCallback, TrainingArguments
 
     from loader import ensure_sample_dataset
@@ -104,6 +105,8 @@ def main() -> None:
         if args.events is not None:
             with open(args.events, "a") as f:
                 f.write(json.dumps({"rank": rank, **record}) + "\n")
+
+    log({"event": "start", "transformers": transformers.__version__, "resume": args.resume})
 
     class Net(torch.nn.Module):
         def __init__(self, classes: int) -> None:

@@ -196,19 +196,20 @@ def _output_arrays(base: np.ndarray[Any, Any], placement: OutputPlacement) -> An
 
 def memfd_regions(name: str, owner: str, num_slots: int, limit: int | None) -> Any:
     """A region factory for :class:`ipc.SlotWriter`: memfd arenas named ``name``, together at
-    most ``limit`` bytes (and never more than the memory available now); errors name ``owner``."""
-    import psutil
+    most ``limit`` bytes (and never more than the memory available now, under the cgroup's memory
+    limit too); errors name ``owner``."""
+    from .limits import available_memory
 
     def create(arena_id: int, slot_size: int, needed: int) -> Arena:
         if limit is not None and slot_size * num_slots > limit:
             slot_size = max(needed, (limit // num_slots) // PAGE * PAGE)
         total = slot_size * num_slots
-        available = psutil.virtual_memory().available
+        available = available_memory()
         if (limit is not None and total > limit) or total > available:
             why = (
                 f"shm_limit is {limit} bytes"
                 if limit is not None and total > limit
-                else f"only {available} bytes of memory are available"
+                else f"only {available} bytes of memory are available{_under_limit()}"
             )
             raise SharedMemoryError(
                 f"{owner} needs {needed * num_slots} bytes ({needed * num_slots / 2**20:.1f} MiB: "
@@ -218,6 +219,18 @@ def memfd_regions(name: str, owner: str, num_slots: int, limit: int | None) -> A
         return Arena.create(arena_id, slot_size, num_slots, label=name)
 
     return create
+
+
+def _under_limit() -> str:
+    from .limits import memory_limit
+
+    found = memory_limit()
+    if found is None:
+        return ""
+    return (
+        f" (under the memory limit of {found.limit / 2**20:,.0f} MiB of its cgroup, "
+        f"{found.directory}, which counts the slots: a container's memory limit)"
+    )
 
 
 class SlotView:

@@ -9,6 +9,11 @@ ignore :data:`TRAINERS_SIGNALS` while their trainer lives; they still end with i
 pipe, and the parent-death signal where the trainer is the parent), and a trainer that does not
 handle the signal dies of it as it would, its workers after it.
 
+A process of the loader starts with those signals blocked (:func:`blocked_for_start` around its
+fork or spawn in the trainer) and ignores them before it unblocks them (:func:`leave_to_trainer`),
+so a Ctrl-C while it starts (its interpreter, its imports) neither kills it with a traceback nor
+is lost to the trainer, which receives it as the block ends.
+
 The trainer reaches its own workers with signals no cluster sends:
 
 * :data:`STACK_SIGNAL`: write every thread's stack to the stack pipe (faulthandler), then the
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+from collections.abc import Iterator
 
 #: What a job's processes receive from a cluster manager or a terminal: the trainer's to handle.
 TRAINERS_SIGNALS: tuple[signal.Signals, ...] = (
@@ -40,9 +46,24 @@ STOP_SIGNAL: int = signal.SIGRTMIN + 4
 
 
 def leave_to_trainer() -> None:
-    """Ignore :data:`TRAINERS_SIGNALS` in this process (a worker server or a worker), and take
-    :data:`STOP_SIGNAL` back to its default action (terminate)."""
+    """Ignore :data:`TRAINERS_SIGNALS` in this process (a worker server or a worker), then
+    unblock them (one that arrived while they were blocked since the start is dropped), and
+    take :data:`STOP_SIGNAL` back to its default action (terminate)."""
     for signum in TRAINERS_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TRAINERS_SIGNALS)
     with contextlib.suppress(OSError, ValueError):
         signal.signal(STOP_SIGNAL, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def blocked_for_start() -> Iterator[None]:
+    """Around the fork or spawn of a worker server or worker in the trainer: block
+    :data:`TRAINERS_SIGNALS` in this thread, which the child inherits (through ``exec`` too)
+    until its :func:`leave_to_trainer`. Here the block only defers them: one that arrives
+    meanwhile is delivered when the previous mask comes back."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, TRAINERS_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -35,12 +35,16 @@ class WorkerDiedError(LoaderError):
         pid: int | None,
         exitcode: int | None,
         signal_name: str | None,
+        out_of_memory: bool = False,
     ) -> None:
         super().__init__(message)
         self.worker = worker
         self.pid = pid
         self.exitcode = exitcode
         self.signal_name = signal_name
+        #: True when the kernel's out-of-memory killer took it (a cgroup's or the machine's
+        #: ``oom_kill`` counter grew while it ran, and it died of ``SIGKILL``)
+        self.out_of_memory = out_of_memory
 
 
 class WorkerTimeoutError(LoaderError):

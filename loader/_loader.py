@@ -216,8 +216,10 @@ class Loader:
         again). With a ``torch.distributed`` group up it is a collective (every rank gets the
         same global dict); without one it describes this rank's shards. A query: no message to
         the workers. Needs :func:`sharded_source` or :func:`sharded_files` (or their kin).
+        It stays valid after a Ctrl-C (``KeyboardInterrupt``) anywhere in the loop, even one that
+        stopped the workers (docs/checkpointing.md, "Interrupted: Ctrl-C").
         """
-        return self._require().state()
+        return self._require(interrupted=True).state()
 
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """Continue from a state of :meth:`state_dict`, on this or another layout.
@@ -316,11 +318,11 @@ class Loader:
         target = _trace.rank_path(path, config.rank, config.world_size)
         return _trace.write_trace(target, trace)
 
-    def _require(self) -> Run:
+    def _require(self, *, interrupted: bool = False) -> Run:
         run = self._run
         if run is None or self._closed:
             raise LoaderClosedError("the loader is closed")
-        run.require()
+        run.require(interrupted=interrupted)
         return run
 
 

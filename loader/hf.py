@@ -23,7 +23,12 @@ One line in a training script::
   loader state first, and Trainer's fast-forward (``get_resumed_dataloader``, accelerate's
   ``skip_first_batches``, which would rebuild a torch ``DataLoader``) returns the loader as it
   is: it already starts at the first batch not trained on. Trainer's step counting, gradient
-  accumulation and learning-rate schedule are its own, unchanged.
+  accumulation and learning-rate schedule are its own, unchanged. transformers 5.20-5.24 have
+  no ``get_resumed_dataloader`` (their ``Trainer`` calls ``transformers.trainer``'s
+  ``skip_first_batches`` itself): there, for the time of ``train()``, that name calls the
+  trainer's ``get_resumed_dataloader`` instead (our loader as it is; any other dataloader goes
+  to accelerate's ``skip_first_batches`` as before), so every version the extras allow resumes
+  the same way.
 * **Another number of ranks** than the checkpoint's is refused with a ``ValueError`` that says
   what to do: Trainer counts its steps per rank, so on another world size it would start
   another epoch than the one the loader's state continues.
@@ -33,15 +38,23 @@ One line in a training script::
   other numbers of rows (a dataset they split unevenly), Trainer's gather pads them to equal
   shapes and cuts the padding off again.
 * ``batch.info`` survives Trainer's device transfer (it rebuilds the batch as
-  ``type(batch)({...})``).
+  ``type(batch)({...})``): ``compute_loss(model, inputs, ...)`` gets it as ``inputs.info``, in
+  training and in evaluation. ``model(**inputs)`` passes the batch's keys only, so the model
+  itself never sees it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
+import logging
 import os
-from collections.abc import Callable
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from transformers import Trainer
@@ -52,6 +65,8 @@ from .engine._views import carry_info
 
 #: The file of the loader's state in a Trainer checkpoint directory.
 STATE_NAME = "loader_state.json"
+
+logger = logging.getLogger(__name__)
 
 
 class _Samples:
@@ -173,16 +188,23 @@ class LoaderTrainerMixin:
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         if isinstance(eval_dataset, _Samples):  # (Trainer.evaluate passes self.eval_dataset)
             return eval_dataset.loader
+        if isinstance(eval_dataset, Loader):  # evaluate(eval_dataset=loader)
+            return eval_dataset
         if eval_dataset is None and self.eval_loader is not None:
             return self.eval_loader
         return super().get_eval_dataloader(eval_dataset)  # type: ignore[misc]
 
     def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
         """The loader as it is: its loaded state starts it at the first batch not trained on
-        (Trainer's own count of those, ``num_batches``, is what it continues from)."""
+        (Trainer's own count of those, ``num_batches``, is what it continues from). Another
+        dataloader goes to ``Trainer``'s own hook, or, on a ``Trainer`` without one
+        (transformers 5.20-5.24), to accelerate's ``skip_first_batches`` as there."""
         if isinstance(dataloader, Loader):
             return dataloader
-        return super().get_resumed_dataloader(dataloader, num_batches)  # type: ignore[misc]
+        parent = getattr(super(), "get_resumed_dataloader", None)
+        if parent is not None:
+            return parent(dataloader, num_batches)
+        return _original_skip_first_batches()(dataloader, num_batches)
 
     def num_examples(self, dataloader: Any) -> int:
         if isinstance(dataloader, Loader):
@@ -218,7 +240,8 @@ class LoaderTrainerMixin:
             state = read_state(checkpoint)
             check_world_size(state, self.args.world_size, checkpoint)  # type: ignore[attr-defined]
             self.train_loader.load_state_dict(state)
-        return super().train(checkpoint, *args, **kwargs)  # type: ignore[misc]
+        with _resume_hook(self):
+            return super().train(checkpoint, *args, **kwargs)  # type: ignore[misc]
 
 
 class LoaderTrainer(LoaderTrainerMixin, Trainer):
@@ -264,3 +287,99 @@ def check_world_size(state: dict[str, Any], world_size: int, checkpoint: str) ->
             f"loader's state continues. Resume on {saved} rank(s) (Loader.load_state_dict "
             "itself takes any layout, for a training loop that counts its own steps)"
         )
+
+
+# ---------------------------------------------------------------------- transformers 5.20-5.24
+# Their Trainer fast-forwards a resumed epoch with ``skip_first_batches(dataloader, n)``, a name
+# that ``transformers.trainer`` imported from accelerate; 5.25 calls the
+# ``get_resumed_dataloader`` hook instead. While a LoaderTrainerMixin trains on a Trainer without
+# the hook, that module's name is a _SkipFirstBatches: it calls the hook of the trainer that is
+# training in this thread (a context variable: threads and nested trainers each see their own),
+# and is accelerate's function for anyone else. It is put in place by the first train() running
+# and taken out by the last one to end (a count under a lock).
+
+_training: contextvars.ContextVar[LoaderTrainerMixin | None] = contextvars.ContextVar(
+    "loader_hf_training", default=None
+)
+_hook_lock = threading.Lock()
+_hook_users = 0
+
+
+def _has_resume_hook() -> bool:
+    """Whether the installed ``transformers.Trainer`` fast-forwards a resumed epoch through
+    ``get_resumed_dataloader`` (transformers 5.25 and later)."""
+    return callable(getattr(Trainer, "get_resumed_dataloader", None))
+
+
+class _SkipFirstBatches:
+    """``transformers.trainer.skip_first_batches`` while a LoaderTrainerMixin trains on a
+    Trainer without ``get_resumed_dataloader``."""
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        self.original = original
+
+    def __call__(self, dataloader: Any, num_batches: int = 0) -> Any:
+        trainer = _training.get()
+        if trainer is not None:
+            return trainer.get_resumed_dataloader(dataloader, num_batches)
+        if isinstance(dataloader, Loader):  # (a LoaderTrainer's loader is always in its train())
+            return dataloader
+        return self.original(dataloader, num_batches)
+
+
+def _trainer_module() -> Any:
+    return sys.modules[Trainer.__module__]
+
+
+def _original_skip_first_batches() -> Callable[..., Any]:
+    current = getattr(_trainer_module(), "skip_first_batches", None)
+    if isinstance(current, _SkipFirstBatches):
+        return current.original
+    if current is not None:
+        return current  # type: ignore[no-any-return]
+    from accelerate import skip_first_batches
+
+    return skip_first_batches  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def _resume_hook(trainer: LoaderTrainerMixin) -> Iterator[None]:
+    """For the time of ``trainer.train()``: on a Trainer without ``get_resumed_dataloader``,
+    its fast-forward calls ``trainer.get_resumed_dataloader`` (nothing changes on one with)."""
+    global _hook_users
+    module = _trainer_module()
+    if _has_resume_hook():
+        yield
+        return
+    with _hook_lock:
+        original = getattr(module, "skip_first_batches", None)
+        if original is None:
+            warnings.warn(
+                f"{module.__name__} has neither Trainer.get_resumed_dataloader nor "
+                "skip_first_batches: this transformers is not one that LoaderTrainer supports "
+                "(see the extra 'hf'), and a resume in the middle of an epoch may fail",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        else:
+            if not isinstance(original, _SkipFirstBatches):
+                logger.debug(
+                    "Trainer has no get_resumed_dataloader: %s.skip_first_batches calls it "
+                    "during train()",
+                    module.__name__,
+                )
+                module.skip_first_batches = _SkipFirstBatches(original)
+            _hook_users += 1
+    if original is None:
+        yield
+        return
+    token = _training.set(trainer)
+    try:
+        yield
+    finally:
+        _training.reset(token)
+        with _hook_lock:
+            _hook_users -= 1
+            current = getattr(module, "skip_first_batches", None)
+            if _hook_users == 0 and isinstance(current, _SkipFirstBatches):
+                module.skip_first_batches = current.original

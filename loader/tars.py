@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
 
+from ipc.limits import usable_cpus
 from workers import IndexProgress, index_dataset, write_tars
 
 _COMMANDS = ("write", "index")
@@ -161,7 +161,7 @@ def _index(args: argparse.Namespace) -> int:
         print("error: --workers must be >= 1", file=sys.stderr)
         return 2
     urls = args.urls[0] if len(args.urls) == 1 else args.urls
-    processes = args.workers or len(os.sched_getaffinity(0))
+    processes = args.workers or usable_cpus()
     print(f"indexing {' '.join(args.urls)} with {processes} processes", flush=True)
     try:
         state = index_dataset(

@@ -21,7 +21,7 @@ import warnings
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ipc import ChannelClosed, ControlChannel, wire
+from ipc import ChannelClosed, ControlChannel, limits, wire
 from ipc.signals import STACK_SIGNAL, leave_to_trainer
 
 from ._loop import ShutdownRequested, Stop, Worker
@@ -102,6 +102,7 @@ def run_worker(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Con
     """Process entry point. Never returns normally: the process exits when serving ends."""
     set_title(worker_title(spec.shard.worker, spec.parent_pid))
     leave_to_trainer()  # a cluster's SIGTERM, Ctrl-C's SIGINT: the trainer's to handle
+    limits.raise_oom_score(limits.WORKER_OOM_SCORE_ADJ)  # out of memory: a worker, not the trainer
     channel = ControlChannel(conn)
     worker = Worker(spec, channel)
     faulthandler.enable(file=stack.fileno(), all_threads=True)

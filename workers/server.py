@@ -46,6 +46,7 @@ from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from typing import NoReturn
 
+from ipc import limits
 from ipc import server_wire as sw
 from ipc.signals import leave_to_trainer
 
@@ -88,6 +89,7 @@ def _run(sock: socket.socket, *, fresh: bool) -> NoReturn:
     trainer = os.getppid()
     try:
         _reset_signals()
+        limits.raise_oom_score(limits.SERVER_OOM_SCORE_ADJ)
         set_title(server_title(trainer))
         first = sw.receive_request(sock)
         if first is None:

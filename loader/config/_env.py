@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ipc import limits
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -107,11 +109,9 @@ def discover_placement(rank: int | None, world_size: int | None) -> Placement:
 
 
 def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+    """CPUs this process may use: its affinity, cut to the whole CPUs of its cgroup's CPU quota
+    (a container's ``--cpus`` / ``limits.cpu``: 0.5 and 1.5 give 1), at least 1."""
+    return limits.usable_cpus()
 
 
 def sharers(local_world_size: int = 1) -> int:
@@ -186,7 +186,8 @@ DEFAULT_MEMORY_FRACTION = 0.5
 
 def memory_budget(limit: int | float | None, local_world_size: int = 1) -> int:
     """Bytes this rank's workers may hold: ``limit`` bytes, or a fraction (0, 1] of the memory
-    available now split among this machine's sharers (None: :data:`DEFAULT_MEMORY_FRACTION`)."""
+    available now (the machine's, or the room under this process's cgroup memory limit when that is
+    less) split among this machine's sharers (None: :data:`DEFAULT_MEMORY_FRACTION`)."""
     if limit is None:
         limit = DEFAULT_MEMORY_FRACTION
     if isinstance(limit, bool) or not isinstance(limit, (int, float)):
@@ -203,9 +204,7 @@ def memory_budget(limit: int | float | None, local_world_size: int = 1) -> int:
             "memory_limit as a float is a fraction of the available memory, in (0, 1]; got "
             f"{limit!r} (pass an int for bytes, e.g. memory_limit=8 * 2**30)"
         )
-    import psutil
-
-    available = int(psutil.virtual_memory().available)
+    available = limits.available_memory()
     return max(1, int(available * limit) // sharers(local_world_size))
 
 

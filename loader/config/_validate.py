@@ -5,8 +5,11 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import io
+import os
 import pickle
 import sys
+import types
 from typing import Any
 
 #: Added to the error of a worker that died before it could report anything (exit code 1).
@@ -15,6 +18,86 @@ MAIN_GUARD_HINT = (
     "A worker starts by importing the trainer's main module: code that runs a Loader or a "
     'training job at import time belongs under `if __name__ == "__main__":`'
 )
+#: The same, for a trainer whose main module has no file (its workers do not import it).
+NO_MAIN_FILE_HINT = (
+    "it died before it could report anything, so its Python traceback is on its stderr (above)"
+)
+
+
+def main_file() -> str | None:
+    """The file of the trainer's main module, which a new process (the worker server, a
+    spawned worker) runs again as ``__mp_main__``; None when it has none: ``python -c``, a REPL
+    or a notebook (no ``__file__``), or a script Python read from standard input (``python -``,
+    a pipe, a heredoc: ``__file__`` is ``"<stdin>"``, a name, not a file; its text is gone)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not isinstance(path, str) or not path or (path.startswith("<") and path.endswith(">")):
+        return None
+    return os.path.abspath(path)
+
+
+def died_early_hint() -> str:
+    """What to add to the error of a worker that died before it could report anything."""
+    return MAIN_GUARD_HINT if main_file() is not None else NO_MAIN_FILE_HINT
+
+
+def _where_main_is(main: object) -> str:
+    """How the trainer's main module, which has no file, was given to Python."""
+    if getattr(main, "__file__", None) == "<stdin>":
+        return "a script read from standard input (`python -`, a pipe or a heredoc)"
+    if sys.argv[:1] == ["-c"]:
+        return "code given with `python -c`"
+    return "an interactive session (REPL or notebook)"
+
+
+def _unimportable_main(subject: str, name: str) -> str:
+    """The refusal of ``subject`` (``"step (step)"``, or ``"..., which"`` of what a partial's
+    arguments refer to), named ``name``, defined in a main module that has no file."""
+    where = _where_main_is(sys.modules.get("__main__"))
+    if where.startswith("an interactive"):
+        return (
+            f"{subject} is defined in {where}; spawned workers cannot import it. Put it in a .py "
+            "file and import it"
+        )
+    return (
+        f"{subject} is defined in {where}; workers cannot import it: they find the trainer's "
+        "functions by importing its main module again from its file, and this one has none. "
+        f"Save the script to a file and run it as `python train.py`, or move {name} to a "
+        "module that the script imports"
+    )
+
+
+class _MainReferences(pickle.Pickler):
+    """Pickles into a buffer that is dropped, noting the classes and functions of ``__main__``
+    it meets (saved by reference: a worker looks them up in its own ``__main__``)."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.found: list[str] = []
+
+    def persistent_id(self, obj: Any) -> None:
+        if (
+            isinstance(obj, (type, types.FunctionType))
+            and getattr(obj, "__module__", None) == "__main__"
+        ):
+            self.found.append(getattr(obj, "__qualname__", repr(obj)))
+        return None
+
+
+def _check_pickles(fn: Any, what: str, name: str, *, partial: bool) -> None:
+    """``fn`` pickles, and names nothing of a main module that workers cannot import."""
+    references = _MainReferences()
+    try:
+        references.dump(fn)
+    except Exception as error:
+        if partial:
+            raise TypeError(
+                f"{what}: the arguments of this partial cannot be pickled: {error}"
+            ) from error
+        raise TypeError(f"{what} ({name}) cannot be sent to a worker: {error}") from error
+    if references.found and main_file() is None:
+        names = ", ".join(dict.fromkeys(references.found))
+        whose = f"{what}: the arguments of this partial" if partial else f"{what} ({name})"
+        raise TypeError(_unimportable_main(f"{whose} refer to {names}, which", names))
 
 
 def check_not_importing_main() -> None:
@@ -42,12 +125,7 @@ def check_importable(fn: Any, what: str) -> None:
     """
     if isinstance(fn, functools.partial):
         check_importable(fn.func, what)
-        try:
-            pickle.dumps(fn)
-        except Exception as error:
-            raise TypeError(
-                f"{what}: the arguments of this partial cannot be pickled: {error}"
-            ) from error
+        _check_pickles(fn, what, repr(fn), partial=True)
         return
     if not callable(fn):
         raise TypeError(f"{what} must be a function, got {type(fn).__name__}")
@@ -72,12 +150,8 @@ def check_importable(fn: Any, what: str) -> None:
     if module is None:
         raise TypeError(f"{what} ({name}) has no module; define it at module level in a file")
     if module == "__main__":
-        main = sys.modules.get("__main__")
-        if main is None or not getattr(main, "__file__", None):
-            raise TypeError(
-                f"{what} ({name}) is defined in an interactive session (REPL or notebook); "
-                "spawned workers cannot import it. Put it in a .py file and import it"
-            )
+        if main_file() is None:
+            raise TypeError(_unimportable_main(f"{what} ({name})", name))
     else:
         try:
             imported = importlib.import_module(module)
@@ -91,10 +165,7 @@ def check_importable(fn: Any, what: str) -> None:
                 f"{what} ({module}.{qualname}) is not reachable by its name in its module; "
                 "define it at module level"
             )
-    try:
-        pickle.dumps(fn)
-    except Exception as error:
-        raise TypeError(f"{what} ({name}) cannot be sent to a worker: {error}") from error
+    _check_pickles(fn, what, name, partial=False)
 
 
 def _is_external_source_instance(obj: object) -> bool:

@@ -19,7 +19,9 @@ condition.
 
 Invariants: only the trainer's thread that iterates calls into it; a failure closes the pool
 before the exception leaves, so nothing is left running behind an error (what the wait raises
-too: :meth:`Coordinator._wait` fails the pool first).
+too: :meth:`Coordinator._wait` fails the pool first). The one exception that leaves with the pool
+up is an interruption (Ctrl-C) of a batch wait while it was blocked, which left every session as
+it was (:mod:`loader.engine._interrupts`): the run asks :meth:`Coordinator.interrupted_cleanly`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ipc.wire import Position, Sampling
 
 from .._errors import SlotsExhaustedError
 from ..processes._pool import WorkerPool
-from . import _failures
+from . import _failures, _interrupts
 from ._agreement import Agreement
 from ._healing import Healing
 from ._order import ArrivalOrder, InOrder, Take
@@ -82,6 +84,12 @@ class Coordinator:
         router = Router(self.roster, healing, self.agreement, self.order, self.timeline, stream_of)
         self._waiter = Waiter(self.roster, pool, healing, router, self.agreement)
         self.failure: BaseException | None = None
+        #: what :attr:`failure` was, in words (never empty once there is a failure)
+        self.failure_reason = ""
+        #: an interruption a batch wait let through with the pool up (until the run asks)
+        self._clean_interrupt: BaseException | None = None
+        #: the epoch the workers were ready for when a failure stopped them (see next_epoch)
+        self._next_epoch_at_stop: int | None = None
         self._closed = False
 
     @property
@@ -93,6 +101,12 @@ class Coordinator:
     def reference(self) -> wire.Signature | None:
         """The signature every worker agrees on (None before one arrived)."""
         return self.agreement.reference
+
+    @property
+    def interrupted(self) -> bool:
+        """The pool was stopped by an interruption (Ctrl-C) that was not clean: the sessions
+        still say what was handed out (``state_dict()`` reads them)."""
+        return self.failure is not None and _interrupts.is_interruption(self.failure)
 
     @property
     def wait_ns(self) -> int:
@@ -113,7 +127,7 @@ class Coordinator:
             remaining = late.heard_at + timeout - time.monotonic()
             if remaining <= 0:
                 raise self._fail(_failures.not_started(late, timeout))
-            self._wait(late, (remaining, ""), startup=True)
+            self._wait(late, (remaining, ""), "the workers were starting", startup=True)
         self.agreement.expect(self.sessions)
 
     def start_epoch(self, epoch: int, base_steps: list[int] | None = None, cursor: int = 0) -> None:
@@ -130,7 +144,11 @@ class Coordinator:
     def finish_epoch(self) -> None:
         """Wait for the end of the epoch whose batches were all delivered (a trainer that stops
         after ``len(loader)`` batches never asks for the end itself)."""
-        self._until(lambda s: bool(s.queue) or not s.open_in_epoch, self.healing.wait_limit)
+        self._until(
+            lambda s: bool(s.queue) or not s.open_in_epoch,
+            self.healing.wait_limit,
+            "waiting for the end of the epoch",
+        )
         extra = next((s for s in self.sessions if s.queue), None)
         if extra is not None:
             raise self._fail(
@@ -148,7 +166,7 @@ class Coordinator:
                 self.roster.release(session, descriptor)
             if not isinstance(session.target, Idle):
                 self.roster.send(session, session.abort_epoch(epoch))
-        self._until(_idle, self._command_limit)
+        self._until(_idle, self._command_limit, f"the workers were leaving epoch {epoch}")
         self.agreement.expect(self.sessions)
 
     def seek(self, position: Position, random: list[wire.RandomStates] | None = None) -> list[int]:
@@ -159,7 +177,7 @@ class Coordinator:
         for index, session in enumerate(self.sessions):
             states = b"" if random is None else random[index]
             self.roster.send(session, session.seek(position, states))
-        self._until(_idle, self._command_limit)
+        self._until(_idle, self._command_limit, f"the workers were seeking epoch {position.epoch}")
         self.agreement.expect(self.sessions)
         return [s.resumed_steps or 0 for s in self.sessions]
 
@@ -168,15 +186,26 @@ class Coordinator:
 
         A worker's traced first batch is bounded by ``startup_timeout`` (with ``timeout`` set);
         once it delivered a batch, the ordinary per-batch ``timeout`` applies to the rest."""
-        self._until(lambda s: not s.signature_pending, self.healing.wait_limit)
+        self._until(
+            lambda s: not s.signature_pending,
+            self.healing.wait_limit,
+            "waiting for the workers' first (traced) batches",
+            resumable=True,
+        )
 
     def _until(
-        self, done: Callable[[WorkerSession], bool], limit: Callable[[WorkerSession], Limit]
+        self,
+        done: Callable[[WorkerSession], bool],
+        limit: Callable[[WorkerSession], Limit],
+        doing: str,
+        *,
+        resumable: bool = False,
     ) -> None:
         """Wait until ``done`` holds for every session, re-checked after everything that
-        arrives (a worker replaced meanwhile is judged by its new process)."""
+        arrives (a worker replaced meanwhile is judged by its new process). ``doing``: the
+        words for an interruption; ``resumable``: see :meth:`_wait`."""
         while (waiting := next((s for s in self.sessions if not done(s)), None)) is not None:
-            self._wait(waiting, limit(waiting))
+            self._wait(waiting, limit(waiting), doing, resumable=resumable)
 
     def _command_limit(self, session: WorkerSession) -> Limit:
         """A command's answer includes rebuilding the sources: the trace's limit."""
@@ -202,7 +231,8 @@ class Coordinator:
                 if all(s.reader.all_held for s in blocked):
                     self._collect_views(blocked[0])
             waiting = self.sessions[decision.worker]
-            self._wait(waiting, self.healing.wait_limit(waiting))
+            doing = f"waiting for batch {step} ({waiting.describe()})"
+            self._wait(waiting, self.healing.wait_limit(waiting), doing, resumable=True)
 
     def _deliver(self, session: WorkerSession, step: int) -> Delivery:
         descriptor = session.queue[0]
@@ -212,6 +242,17 @@ class Coordinator:
             if error is not None:
                 raise self._fail(error)
         return session.deliver(step)
+
+    def handed_out(self, delivery: Delivery) -> None:
+        """``delivery`` reached the user: counted as received (the run's last step)."""
+        self.sessions[delivery.info.worker].handed_out(delivery.descriptor)
+
+    def take_back(self, delivery: Delivery) -> None:
+        """``delivery`` did not reach the user after all (an interruption stopped ``next()``
+        before it returned): not counted, whether :meth:`handed_out` had counted it or not."""
+        session = self.sessions[delivery.info.worker]
+        if session.reader is delivery.reader:
+            session.take_back(delivery.descriptor)
 
     def release_at_once(self, worker: int, reader: SlotReader, descriptor: wire.BatchReady) -> None:
         """The batch is a private copy (``copy=True``): its slot goes back now."""
@@ -251,7 +292,10 @@ class Coordinator:
     def next_epoch(self) -> int | None:
         """The epoch every worker starts at its next ``StartEpoch`` without a seek: the one
         after the epoch it runs or ran, or the one its sources were built for (None when the
-        workers differ, which a seek settles)."""
+        workers differ, which a seek settles). After a failure: as it was when the pool
+        stopped (what ``state_dict()`` needs after an interruption)."""
+        if self.failure is not None:
+            return self._next_epoch_at_stop
         epochs = {s.next_epoch for s in self.sessions}
         return next(iter(epochs)) if len(epochs) == 1 else None
 
@@ -304,25 +348,48 @@ class Coordinator:
         )
 
     # ------------------------------------------------------------------------------ the wait
-    def _wait(self, wanted: WorkerSession, limit: Limit, *, startup: bool = False) -> None:
+    def _wait(
+        self,
+        wanted: WorkerSession,
+        limit: Limit,
+        doing: str,
+        *,
+        startup: bool = False,
+        resumable: bool = False,
+    ) -> None:
         """Wait until something arrives, then handle everything that did (see
         :class:`~loader.engine._waiting.Waiter`). Anything that escapes (a failure, a torn
-        record, an interrupt) closes the pool first."""
+        record, an interrupt) closes the pool first, but for an interruption of a
+        ``resumable`` wait (the run's waits for a batch) while it was blocked: it left every
+        session as it was, so it goes through with the pool up (:meth:`interrupted_cleanly`).
+        ``doing``: what the trainer was waiting for, in the words of an interruption."""
+        self._clean_interrupt = None
         try:
             self._waiter.wait(wanted, limit, startup)
         except BaseException as error:
-            if self.failure is None:
-                self._fail(error)
+            blocked = self._waiter.blocked
+            if resumable and blocked and _interrupts.is_interruption(error):
+                self._clean_interrupt = error
+            elif self.failure is None:
+                self._fail(error, doing if blocked else f"{doing}, handling what the workers sent")
             raise
 
-    # ------------------------------------------------------------------------------ failing
-    def fail(self, error: BaseException) -> BaseException:
-        """Record a failure found outside the loop (across ranks) and stop the pool."""
-        return self._fail(error)
+    def interrupted_cleanly(self, error: BaseException) -> bool:
+        """Whether ``error`` is an interruption that a batch wait let through with every
+        session as it was (the pool up). Asked once, by the run that caught it."""
+        clean, self._clean_interrupt = self._clean_interrupt is error, None
+        return clean
 
-    def _fail(self, error: BaseException) -> BaseException:
+    # ------------------------------------------------------------------------------ failing
+    def fail(self, error: BaseException, doing: str = "") -> BaseException:
+        """Record a failure found outside the loop (across ranks; the run's interruptions)."""
+        return self._fail(error, doing)
+
+    def _fail(self, error: BaseException, doing: str = "") -> BaseException:
         """Record the failure and stop the pool; returns the error for the caller to raise."""
         if self.failure is None:
+            self._next_epoch_at_stop = self.next_epoch()
+            self.failure_reason = _interrupts.reason(error, doing)
             self.failure = error
         for session in self.sessions:
             session.go(Stopped(failed=True))

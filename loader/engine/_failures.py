@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ipc import wire
+from ipc import limits, wire
 from ipc.signals import STACK_SIGNAL
 from workers import FAILING_SAMPLES
 
@@ -29,7 +29,7 @@ from .._errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from ..config._validate import MAIN_GUARD_HINT
+from ..config._validate import died_early_hint
 from ..processes._pool import describe_exit
 from ._session import WorkerSession
 
@@ -135,27 +135,62 @@ def died(session: WorkerSession) -> tuple[BaseException, str]:
     text, signal_name = describe_exit(exitcode)
     stack = handle.read_stack(0.2)
     handle.mark_exited()
+    oom = out_of_memory(handle.oom_kills_at_start) if signal_name == "SIGKILL" else None
     last = (
         "no batch yet"
         if session.last_step is None
         else f"last step sent {session.epoch_step(session.last_step)}"
     )
+    if oom is not None:
+        making = (
+            "its first step"
+            if session.last_step is None
+            else f"step {session.epoch_step(session.last_step) + 1}"
+        )
+        text = f"was killed by the kernel's out-of-memory killer (SIGKILL) while making {making}"
+    unexpectedly = "" if oom is not None else " unexpectedly"
     message = (
-        f"{session.describe()} {text} unexpectedly [{where(session, session.epoch, None)}, {last}]"
+        f"{session.describe()} {text}{unexpectedly} [{where(session, session.epoch, None)}, {last}]"
     )
+    if oom is not None:
+        message += f": {oom}"
     if stack.strip():
         message += f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
     elif session.hello is None and exitcode == 1:
-        message += f": {MAIN_GUARD_HINT}"
+        message += f": {died_early_hint()}"
     error = WorkerDiedError(
         message,
         worker=session.index,
         pid=handle.pid,
         exitcode=exitcode,
         signal_name=signal_name,
+        out_of_memory=oom is not None,
     )
     cause = f"{text}" + (f"; its stack: {top_frames(stack)}" if stack.strip() else "")
     return error, cause
+
+
+def out_of_memory(before: dict[str, int]) -> str | None:
+    """What ran out, when an out-of-memory kill counter grew since ``before`` (a worker's
+    start); None when none did (a ``SIGKILL`` from something else)."""
+    grew = limits.oom_grew(before, limits.oom_kills())
+    if not grew:
+        return None
+    memory = limits.memory_limit()
+    if memory is not None and str(memory.directory) in grew:
+        where_ = (
+            f"its memory cgroup's limit of {memory.limit / 2**20:,.0f} MiB "
+            f"({memory.directory}) was reached"
+        )
+    elif any(name != "vmstat" for name in grew):
+        where_ = f"a memory cgroup's limit was reached ({', '.join(sorted(grew))})"
+    else:
+        where_ = "the machine ran out of memory"
+    return (
+        f"{where_}. Give the job more memory (the container's memory limit), or make each "
+        "worker hold less: fewer workers (num_workers), a smaller batch_size or prefetch, "
+        "smaller decoded images; a sample that decodes to far more than others may be the cause"
+    )
 
 
 def read_stack(session: WorkerSession) -> str:
@@ -224,6 +259,34 @@ def timed_out(session: WorkerSession, timeout: float, setting: str) -> tuple[Bas
     if stack.strip():
         cause += f"; stuck in: {top_frames(stack)}"
     return error, cause
+
+
+#: Shared slots past this share of a cgroup memory limit (or room under it below
+#: :data:`LOW_ROOM`) are warned about: the kernel's out-of-memory killer is near.
+SLOTS_SHARE = 0.5
+LOW_ROOM = 0.1
+
+
+def memory_risk(slot_bytes: Sequence[tuple[int, int, int]]) -> str | None:
+    """A warning's text when the workers' CPU slots (``(worker, slots, bytes each)``, one per
+    worker's current arena) crowd this process's cgroup memory limit, else None."""
+    memory = limits.memory_limit()
+    if memory is None or not slot_bytes:
+        return None
+    total = sum(count * size for _, count, size in slot_bytes)
+    if total < SLOTS_SHARE * memory.limit and memory.room >= LOW_ROOM * memory.limit:
+        return None
+    largest = max(size for _, _, size in slot_bytes)
+    slots = max(count for _, count, _ in slot_bytes)
+    mib = 2**20
+    return (
+        f"the workers' shared-memory slots hold {total / mib:,.0f} MiB ({len(slot_bytes)} "
+        f"workers x up to {slots} slots of up to {largest / mib:,.1f} MiB) under a memory limit "
+        f"of {memory.limit / mib:,.0f} MiB ({memory.directory}), of which "
+        f"{memory.usage / mib:,.0f} MiB are in use now: the slots count against the limit, and "
+        "the kernel's out-of-memory killer ends a worker (or the trainer) when it is reached. "
+        "Lower prefetch, num_workers or the batch size, or raise the container's memory limit"
+    )
 
 
 def disagreement(sessions: Sequence[WorkerSession]) -> tuple[BaseException | None, list[str]]:

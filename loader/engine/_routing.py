@@ -16,6 +16,7 @@ end of stream the wait reads from the channel itself.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,8 @@ class Router:
         self._order = order
         self._timeline = timeline
         self._stream_of = stream_of
+        self._slots: dict[int, tuple[int, int]] = {}  # worker -> its CPU arena's slots, bytes each
+        self._warned_memory = False
 
     def drain(self, session: WorkerSession) -> None:
         """Handle every record the worker sent so far (one receive)."""
@@ -62,6 +65,15 @@ class Router:
         for record in records:
             self._dispatch(session, record)
 
+    def _check_memory(self) -> None:
+        """Warn once when the slots crowd a container's memory limit (the OOM killer's turn)."""
+        if self._warned_memory:
+            return
+        text = _failures.memory_risk([(w, n, b) for w, (n, b) in sorted(self._slots.items())])
+        if text is not None:
+            self._warned_memory = True
+            warnings.warn(text, RuntimeWarning, stacklevel=2)
+
     def _dispatch(self, session: WorkerSession, record: Any) -> None:
         if isinstance(record, wire.BatchReady):
             self._timeline.batch(session.index, session.epoch_step(record.step), record)
@@ -71,6 +83,9 @@ class Router:
                 self._roster.release(session, record)
         elif isinstance(record, (wire.ArenaReady, wire.CudaRingReady)):
             session.reader.attach(open_region(record, session.handle.channel, self._stream_of))
+            if isinstance(record, wire.ArenaReady):
+                self._slots[session.index] = (record.num_slots, record.slot_size)
+                self._check_memory()
         elif isinstance(record, (wire.Signature, wire.EpochEnd)):
             if isinstance(record, wire.Signature):
                 session.on_signature(record)

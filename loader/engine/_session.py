@@ -164,6 +164,7 @@ class WorkerSession:
         #: the random generator states of the first batch not yet delivered (those after the last
         #: delivered batch's step); empty: as the worker seeded them when it built its sources
         self.random: wire.RandomStates = b""
+        self._random_before: wire.RandomStates = b""  # before the last handed_out (take_back)
         self.last_step: int | None = None
         self.counters = WorkerCounters()
         #: when the current process last sent anything (or was started): a starting worker is
@@ -369,11 +370,9 @@ class WorkerSession:
     # ------------------------------------------------------------------------ delivery
     def deliver(self, step: int) -> Delivery:
         """The next queued batch, as views of its slot, with its ``batch.info``: the rank's
-        ``step`` of the epoch."""
+        ``step`` of the epoch. It counts as delivered once it reached the user
+        (:meth:`handed_out`)."""
         descriptor = self.queue.popleft()
-        self.delivered += 1
-        if descriptor.random:
-            self.random = descriptor.random
         info = BatchInfo(
             epoch=descriptor.epoch,
             step=step,
@@ -387,6 +386,22 @@ class WorkerSession:
         )
         arrays, lease = self.reader.arrays(descriptor)
         return Delivery(descriptor, arrays, lease, info, self.reader)
+
+    def handed_out(self, descriptor: wire.BatchReady) -> None:
+        """``descriptor``'s batch (the last delivered) reached the user: one more delivered,
+        and the random generator states are those of the batch after it."""
+        self._random_before = self.random
+        self.delivered += 1
+        if descriptor.random:
+            self.random = descriptor.random
+
+    def take_back(self, descriptor: wire.BatchReady) -> None:
+        """``descriptor``'s batch did not reach the user after all (an interruption): not
+        counted, if :meth:`handed_out` had counted it (told by its step: the first batch not
+        delivered is the epoch's ``base_step + delivered``)."""
+        if self.base_step + self.delivered > self.epoch_step(descriptor.step):
+            self.delivered -= 1
+            self.random = self._random_before
 
 
 def _state_of(target: Target, up: bool) -> WorkerState:

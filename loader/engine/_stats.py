@@ -10,6 +10,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from ipc import wire
+from ipc.limits import Limits, read_limits
 
 from ._session import WorkerSession
 
@@ -144,6 +145,10 @@ class LoaderStats:
     #: what the workers' sources leave out of every epoch, one line each: a damaged tar shard
     #: under on_error="skip" (what is wrong with it, what of it is read)
     left_out: tuple[str, ...] = ()
+    #: what this process may use as the loader budgets it, read when ``stats()`` was called: CPUs
+    #: (affinity and cgroup quota) and memory (available, cgroup limit and usage); see
+    #: :class:`ipc.limits.Limits`
+    limits: Limits | None = None
 
     @property
     def samples_per_second(self) -> float:
@@ -502,4 +507,5 @@ def snapshot(
         recent_trainer=TrainerTimes() if timeline is None else timeline.trainer_window(*span),
         window_seconds=(span[1] - span[0]) / 1e9,
         cpus=cpus,
+        limits=read_limits(),
     )

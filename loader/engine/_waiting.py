@@ -48,6 +48,10 @@ class Waiter:
         self._router = router
         self._agreement = agreement
         self.wait_ns = 0  # time spent blocked in the wait, over the pool's life
+        #: True from just before the poll until it returned, before anything that arrived is
+        #: handled: an exception a signal handler raised meanwhile (Ctrl-C) left every session
+        #: as it was (:mod:`loader.engine._interrupts`). Cleared at the start of each wait.
+        self.blocked = False
         self._poll_set: _PollSet | None = None
         self._poll_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
@@ -57,13 +61,16 @@ class Waiter:
         decides)."""
         timeout, setting = limit
         queue = self._roster.releases.queue
+        self.blocked = False
         with queue.trainer_waiting():  # from here, a finalizer on this thread wakes us
             # lazy: releases a worker does not need to go on are held back (see Releases.due)
             self._roster.send_releases(lazy=True)
             poller, channels, sentinels = self._poll_set_for_live_sessions()
             started = time.perf_counter_ns()
+            self.blocked = True
             ready = poller.poll(None if timeout is None else max(0, int(timeout * 1000)))
             self.wait_ns += time.perf_counter_ns() - started
+        self.blocked = False
         if not ready:
             if not startup:
                 assert timeout is not None  # (a wait without a limit does not time out)

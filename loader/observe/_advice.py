@@ -91,6 +91,23 @@ class RankFacts:
     in_order: bool = True
     source: str = ""
     shuffle_window: int | None = None
+    cpu_quota: float | None = None  # the CPUs its host's cgroup quota allows (None: no quota)
+
+    @property
+    def capacity(self) -> float:
+        """The CPUs this rank's workers can keep busy: :attr:`cpus`, or less under a cgroup
+        quota of a fraction of a CPU (0.5: Docker's ``--cpus=0.5``)."""
+        if self.cpu_quota is None:
+            return float(self.cpus)
+        shared = self.cpu_quota / ((self.local_ranks or 1) * max(1, self.peers))
+        return min(float(self.cpus), shared)
+
+    @property
+    def cpus_text(self) -> str:
+        """:attr:`capacity` in words: "4 CPUs", or "its 0.5-CPU quota"."""
+        if self.capacity < self.cpus:
+            return f"{self.cpus} CPUs (a {self.capacity:.2g}-CPU cgroup quota)"
+        return f"{self.cpus} CPUs"
 
     @property
     def cpus(self) -> int:
@@ -111,7 +128,7 @@ class RankFacts:
 
     @property
     def saturated(self) -> bool:
-        return self.cpu_used >= SATURATED * self.cpus
+        return self.cpu_used >= SATURATED * self.capacity
 
     @property
     def starved(self) -> bool:
@@ -173,7 +190,7 @@ def wish(facts: RankFacts) -> Wish:
         return Wish(f.rank)
     share = f.fractions.get(f.dominant, 0.0)
     if f.saturated:
-        veto = f"its workers keep {f.cpu_used:.1f} of its {f.cpus} CPUs busy"
+        veto = f"its workers keep {f.cpu_used:.1f} of its {f.cpus_text} busy"
         return Wish(f.rank, veto=veto)
     if f.starved:
         return Wish(f.rank, veto="the host's CPUs are taken by other processes")
@@ -194,7 +211,7 @@ def wish(facts: RankFacts) -> Wish:
         threads = f.threads + 1 if f.dominant == "dali" else None
         why = (
             f"spends {share:.0%} of its workers' time in {f.dominant}, with "
-            f"{f.cpu_used:.1f} of its {f.cpus} CPUs busy"
+            f"{f.cpu_used:.1f} of its {f.cpus_text} busy"
         )
         return Wish(f.rank, max(f.workers + 1, min(needed, fit)), why, threads=threads)
     if f.dominant == "blocked":

@@ -85,6 +85,9 @@ class Diagnosis:
     #: advised from every rank's figures: the same on every rank; ``job.ranks``: each verdict
     job: JobAdvice = field(default_factory=JobAdvice)
     source: str = ""  # "sharded_tars", "sharded_files", "sharded_mix", "sharded_source" or ""
+    #: this process's CPUs and memory and the limits that set them (affinity, a container's
+    #: cgroup quota and memory limit): :meth:`ipc.limits.Limits.describe`
+    limits: str = ""
 
     def __str__(self) -> str:
         shares = ", ".join(
@@ -102,6 +105,8 @@ class Diagnosis:
             f"  workers' CPU: {self.cpu_used:.2f} of {self.cpus} CPUs ({budget}the machine's "
             f"load average: {self.machine_load:.1f} on {self.machine_cpus} CPUs)",
         ]
+        if self.limits:
+            lines.append(f"  this process may use {self.limits}")
         if self.load_cpu_fraction is not None:
             of = f" of {self.source}" if self.source else ""
             lines.append(f"  load(){of}: on CPU {self.load_cpu_fraction:.0%} of its time")
@@ -160,6 +165,7 @@ def rank_facts(
         in_order=in_order,
         source=kind,
         shuffle_window=shuffle_window,
+        cpu_quota=None if stats.limits is None else stats.limits.cpu_quota,
     )
 
 
@@ -245,6 +251,7 @@ def report(
         local_ranks=facts.local_ranks or 1,
         job=job,
         source=facts.source,
+        limits="" if stats.limits is None else stats.limits.describe(),
     )
 
 
@@ -275,7 +282,7 @@ def _headroom(f: RankFacts) -> str:
     if blocked >= BLOCKED:
         return (
             f"nothing to change for speed: the workers were blocked on full slots {blocked:.0%} "
-            f"of their time (they keep {f.cpu_used:.1f} of {f.cpus} CPUs busy); fewer workers "
+            f"of their time (they keep {f.cpu_used:.1f} of {f.cpus_text} busy); fewer workers "
             "would leave CPUs to the trainer"
         )
     return (
@@ -296,9 +303,10 @@ def _remedy(f: RankFacts, job: JobAdvice, load_average: float, machine_cpus: int
         )
     if f.saturated:
         return (
-            f"the workers keep {f.cpu_used:.1f} of {f.cpus} CPUs busy ({f.dominant} "
+            f"the workers keep {f.cpu_used:.1f} of {f.cpus_text} busy ({f.dominant} "
             f"{share:.0%} of their time): more workers will not help here; use device='gpu' "
             "decoding, smaller images, or less work in step()"
+            + (", or raise the container's CPU limit" if f.capacity < f.cpus else "")
         )
     if f.waits_on_io:
         assert f.load_cpu is not None
@@ -314,7 +322,7 @@ def _remedy(f: RankFacts, job: JobAdvice, load_average: float, machine_cpus: int
         where = "load() (one prefetch thread per worker)" if f.dominant == "load" else "DALI"
         text = (
             f"the workers spend {share:.0%} of their time in {where} and keep only "
-            f"{f.cpu_used:.1f} of {f.cpus} CPUs busy"
+            f"{f.cpu_used:.1f} of {f.cpus_text} busy"
         )
         threads = None if job.num_threads is None else f"num_threads={job.num_threads}"
         if job.num_workers is not None:

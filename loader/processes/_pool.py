@@ -20,16 +20,19 @@ import multiprocessing
 import os
 import select
 import signal
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
-from ipc import ChannelClosed, ControlChannel, wire
-from ipc.signals import STOP_SIGNAL
+from ipc import ChannelClosed, ControlChannel, limits, wire
+from ipc.signals import STOP_SIGNAL, blocked_for_start
 from workers import Shard, WorkerSpec, modules_of, run_worker
 
+from ..config._validate import main_file
 from . import _server
 from ._server_worker import ServerWorker
 
@@ -84,6 +87,9 @@ class WorkerHandle:
         self.alive = alive
         self.exited = False
         self.pid: int | None = None
+        #: the kernel's out-of-memory kill counters as the worker started, to tell an OOM kill
+        #: from another ``SIGKILL`` when it dies
+        self.oom_kills_at_start = limits.oom_kills()
 
     def describe(self) -> str:
         return f"worker {self.index} ({self.shard.describe()}, pid {self.pid})"
@@ -124,6 +130,23 @@ class WorkerHandle:
         except (ChannelClosed, OSError):
             return False
         return True
+
+
+@contextlib.contextmanager
+def _main_file_hidden() -> Iterator[None]:
+    """While a worker is spawned: no ``__file__`` on a main module that has no file (a script
+    read from stdin has ``"<stdin>"`` there), which ``multiprocessing`` would have the child run
+    again (and fail on). The child then imports no main module, as under ``python -c``: the
+    checks refuse functions of such a main module (:func:`loader.config._validate.main_file`)."""
+    main = sys.modules.get("__main__")
+    if main is None or main_file() is not None or "__file__" not in vars(main):
+        yield
+        return
+    path = vars(main).pop("__file__")
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 class WorkerPool:
@@ -174,7 +197,14 @@ class WorkerPool:
             index, spec, process, ControlChannel(parent_end), stack_read, alive_write
         )
         try:
-            process.start()
+            if self._server is None:  # (the server's forks start with the signals ignored)
+                # multiprocessing's resource tracker, started at the first spawn, unblocks
+                # SIGINT and SIGTERM in this thread after its own start: started before the block
+                resource_tracker.ensure_running()
+                with _main_file_hidden(), blocked_for_start():  # Ctrl-C: ipc.signals
+                    process.start()
+            else:
+                process.start()
             handle.pid = process.pid
         except BaseException:
             for resource in (parent_end, stack_read, alive_write):

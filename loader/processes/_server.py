@@ -58,7 +58,10 @@ from multiprocessing import spawn
 import psutil
 
 from ipc import server_wire as sw
+from ipc.signals import blocked_for_start
 from workers import server as worker_server
+
+from ..config._validate import main_file
 
 logger = logging.getLogger("loader")
 
@@ -253,9 +256,8 @@ def _setup() -> sw.Setup:
     them for a spawned child)."""
     main = sys.modules.get("__main__")
     name = getattr(getattr(main, "__spec__", None), "name", None)
-    path = getattr(main, "__file__", None)
     return sw.Setup(
-        main_path=os.path.abspath(path) if isinstance(path, str) else None,
+        main_path=main_file(),  # (None for a script read from stdin: "<stdin>" is no file)
         main_name=name if isinstance(name, str) else None,
         sys_path=tuple(sys.path),
         argv=tuple(sys.argv),
@@ -290,7 +292,8 @@ class WorkerServer:
     def start(cls, how: str) -> WorkerServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            pid = _fork_server(ours, theirs) if how == "fork" else _exec_server(theirs)
+            with blocked_for_start():  # a Ctrl-C while it starts is the trainer's (ipc.signals)
+                pid = _fork_server(ours, theirs) if how == "fork" else _exec_server(theirs)
         except BaseException:
             ours.close()
             raise

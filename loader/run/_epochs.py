@@ -97,6 +97,13 @@ class Epoch:
             self.finished = True
             self.end_of_dataloader = True
 
+    def take_back(self, step: int) -> None:
+        """The batch of the rank's ``step`` did not reach the user after all (an interruption
+        stopped ``next()``): not counted, if :meth:`handed_out` had counted it."""
+        if self.next_step > step:
+            self.delivered -= 1
+            self.finished = self.end_of_dataloader = False
+
     def join_accelerate(self) -> None:
         """Register with accelerate's ``GradientState`` when an ``Accelerator`` exists in this
         process (nothing of accelerate is imported or created here). It keeps a weak

@@ -124,12 +124,22 @@ class Launcher:
         if self.coordinator is not None:
             self.coordinator.close()
 
-    def require(self) -> Coordinator:
-        """The open coordinator (``LoaderClosedError`` after ``close()`` or a failure)."""
+    def require(self, *, interrupted: bool = False) -> Coordinator:
+        """The open coordinator (``LoaderClosedError`` after ``close()`` or a failure).
+        ``interrupted``: also one an interruption stopped (its sessions still say what was
+        handed out: ``state_dict()`` reads them)."""
         coordinator = self.coordinator
         if coordinator is not None and coordinator.failure is not None:
+            if coordinator.interrupted and interrupted and not self._closed:
+                return coordinator
+            if coordinator.interrupted:
+                raise LoaderClosedError(
+                    f"the loader stopped its workers, {coordinator.failure_reason}; its "
+                    "state_dict() still describes the batches handed out: load it into a new "
+                    "Loader to go on"
+                ) from coordinator.failure
             raise LoaderClosedError(
-                f"the loader was shut down after a failure: {coordinator.failure}"
+                f"the loader was shut down after a failure: {coordinator.failure_reason}"
             ) from coordinator.failure
         if self.closed or coordinator is None:
             raise LoaderClosedError("the loader is closed")
@@ -238,12 +248,12 @@ class Launcher:
             check()
         except BaseException as error:
             if self.coordinator is not None:
-                self.coordinator.fail(error)
+                self.coordinator.fail(error, "the ranks were comparing their loaders")
             self.close()
             raise
 
-    def sampling(self) -> Sampling:
-        sampling = self.require().sampling()
+    def sampling(self, *, interrupted: bool = False) -> Sampling:
+        sampling = self.require(interrupted=interrupted).sampling()
         if sampling is None:
             raise TypeError(_checkpoint.NOT_RESUMABLE)
         return sampling

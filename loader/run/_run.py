@@ -41,7 +41,9 @@ from workers import steps_left
 from ..config import _distributed
 from ..config._autotune import Autotuner
 from ..config._config import LoaderConfig
+from ..engine import _interrupts
 from ..engine._coordinator import Coordinator
+from ..engine._session import Delivery
 from ..engine._stats import LoaderStats
 from . import _checkpoint, _ranks
 from ._checkpoint import Resume
@@ -102,9 +104,10 @@ class Run:
     def close(self) -> None:
         self.launcher.close()
 
-    def require(self) -> Coordinator:
-        """The open coordinator (``LoaderClosedError`` after ``close()`` or a failure)."""
-        return self.launcher.require()
+    def require(self, *, interrupted: bool = False) -> Coordinator:
+        """The open coordinator (``LoaderClosedError`` after ``close()`` or a failure; see
+        :meth:`Launcher.require` for ``interrupted``)."""
+        return self.launcher.require(interrupted=interrupted)
 
     def planned(self, *, strict: bool = True) -> LoaderConfig:
         """The configuration the next epoch starts with (:meth:`Launcher.planned`)."""
@@ -162,7 +165,8 @@ class Run:
         self.epoch = epoch
 
     def next_batch(self, run: Epoch) -> Any:
-        """The next batch of ``run`` (``StopIteration`` at its end)."""
+        """The next batch of ``run`` (``StopIteration`` at its end). An interruption (Ctrl-C's
+        ``KeyboardInterrupt``) goes through unchanged; what it leaves: :meth:`_interrupted`."""
         entered = time.perf_counter_ns()
         coordinator = first = self.require()
         polled = coordinator.wait_ns
@@ -171,29 +175,66 @@ class Run:
                 f"this iterator of epoch {run.epoch} was replaced by a newer iter(loader) or "
                 "load_state_dict(); iterate one epoch at a time"
             )
-        if not run.started:
-            coordinator = self._start(run)
-            if coordinator is not first:  # relaunched: the old pool's waits, then the new one's
-                polled -= first.wait_ns
-        delivery = None
-        if not run.finished and (run.expected is None or run.delivered < run.expected):
-            coordinator.wait_signatures()
-            checks = self.launcher.checks
-            if not checks.traced_checked:
-                fields = coordinator.agreement_fields()
-                self.launcher.collective(lambda: checks.traced(fields))
-            delivery = coordinator.next_batch(run.next_step)
-        if delivery is None:  # over (or nothing left: a state saved at its epoch's end)
-            self._over(run, entered, self.require().wait_ns - polled)
-            raise StopIteration
-        run.handed_out()
-        info = delivery.info
-        batch = self.launcher.hand_out(coordinator, delivery)
-        waited = coordinator.wait_ns - polled
-        self.timeline.next_call(entered, waited, info.epoch, info.worker_step, info.worker)
-        if run.finished:
-            self.launcher.after_epoch(run)
+        delivery: Delivery | None = None
+        try:
+            if not run.started:
+                coordinator = self._start(run)
+                if coordinator is not first:  # relaunched: the old pool's waits, then the new's
+                    polled -= first.wait_ns
+            if not run.finished and (run.expected is None or run.delivered < run.expected):
+                coordinator.wait_signatures()
+                checks = self.launcher.checks
+                if not checks.traced_checked:
+                    fields = coordinator.agreement_fields()
+                    self.launcher.collective(lambda: checks.traced(fields))
+                delivery = coordinator.next_batch(run.next_step)
+            if delivery is None:  # over (or nothing left: a state saved at its epoch's end)
+                self._over(run, entered, self.require().wait_ns - polled)
+                raise StopIteration
+            info = delivery.info
+            batch = self.launcher.hand_out(coordinator, delivery)
+            waited = coordinator.wait_ns - polled
+            self.timeline.next_call(entered, waited, info.epoch, info.worker_step, info.worker)
+            # the user's from here: counted last, so an interruption before leaves it uncounted
+            coordinator.handed_out(delivery)
+            run.handed_out()
+            if run.finished:
+                self.launcher.after_epoch(run)
+        except BaseException as error:
+            if _interrupts.is_interruption(error):
+                self._interrupted(error, run, delivery)
+            raise
         return batch
+
+    def _interrupted(self, error: BaseException, run: Epoch, delivery: Delivery | None) -> None:
+        """``next()`` was interrupted (:mod:`loader.engine._interrupts`). Blocked in a wait for
+        a batch, nothing was half-done and the workers go on. Anywhere else they are stopped
+        (``LoaderClosedError`` from then on, with these words), and ``delivery``, a batch that
+        did not reach the user, is not counted. Either way ``state_dict()`` describes the
+        batches handed out: a run resumed from it gets the rest, each batch once."""
+        coordinator = self.launcher.coordinator
+        if coordinator is None or coordinator.interrupted_cleanly(error):
+            return
+        if delivery is not None:
+            info = delivery.info
+            coordinator.take_back(delivery)
+            run.take_back(info.step)
+            doing = (
+                f"handing out batch {info.step} of epoch {info.epoch} (worker {info.worker}), "
+                "which was not counted as received"
+            )
+        elif not run.started:
+            doing = f"starting epoch {run.epoch}"
+        elif run.finished:
+            doing = f"ending epoch {run.epoch}"
+        else:
+            doing = f"taking batch {run.next_step} of epoch {run.epoch}"
+        if coordinator.failure is None:
+            coordinator.fail(error, doing)
+        logger.info(
+            "the workers were stopped: %s; state_dict() still describes the batches handed out",
+            coordinator.failure_reason,
+        )
 
     def _over(self, run: Epoch, entered: int, waited: int) -> None:
         over = run.finish()
@@ -213,14 +254,15 @@ class Run:
         coordinator = launcher.prepare(self.epoch, started=started, loaded_for=self.pending_for)
         if not launcher.checks.configuration_checked and _distributed.group_size() > 1:
             launcher.check_configuration()
-        epoch = self.epoch
-        resume, self.pending = self.pending, None  # the epoch's own from now on
+        # the loaded state stays pending until the epoch began (after the workers were told,
+        # which resets their counts): an interruption before leaves state_dict() describing it
+        epoch, resume = self.epoch, self.pending
         if resume is not None and resume.epoch == epoch:  # (set_epoch drops another one)
             shards = _shard_indices(self.config)
             left = coordinator.seek(resume.position, resume.random_states(shards))
             base, cursor = resume.first_turn(shards, left)
-            run.begin(epoch, sum(left), resume, resume.before)
             coordinator.start_epoch(epoch, base, cursor)
+            run.begin(epoch, sum(left), resume, resume.before)
         else:
             ready = coordinator.next_epoch()
             if ready != epoch:  # set_epoch: another epoch than the workers are ready for
@@ -231,8 +273,9 @@ class Run:
                     epoch,
                     ready,
                 )
-            run.begin(epoch, coordinator.steps_per_epoch())
             coordinator.start_epoch(epoch)
+            run.begin(epoch, coordinator.steps_per_epoch())
+        self.pending = None  # the epoch's own from now on
         self.epoch += 1
         self.counters.iterating(time.monotonic())
         run.join_accelerate()
@@ -269,7 +312,7 @@ class Run:
         """The run's :class:`Progress` (no message to a worker); ``config``: :meth:`planned`,
         when the caller has it already."""
         config = config or self.planned()
-        coordinator = self.require()
+        coordinator = self.launcher.require(interrupted=True)
         current = self.current
         workers = config.num_workers
         if self._live():
@@ -290,8 +333,9 @@ class Run:
         return Progress(self.epoch, resume, (0,) * workers, random)
 
     def state(self) -> dict[str, Any]:
-        """``state_dict()``: :meth:`progress` encoded, gathered across ranks."""
-        sampling = self.sampling()
+        """``state_dict()``: :meth:`progress` encoded, gathered across ranks (after an
+        interruption that stopped the workers too: :meth:`_interrupted`)."""
+        sampling = self.launcher.sampling(interrupted=True)
         config = self.planned()
         progress = self.progress(config)
         resume = progress.resume or Resume(Position(progress.epoch, ()))

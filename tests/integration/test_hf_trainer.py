@@ -1,20 +1,36 @@
 """The real ``transformers.Trainer`` over loaders (``loader.hf.LoaderTrainer``, driven through
 ``examples/hf_trainer.py``): a job SIGKILLed right after a mid-epoch checkpoint resumes with
 ``train(resume_from_checkpoint=True)`` to byte-identical batches and equal weights, with and
-without gradient accumulation; ``evaluate()`` predicts each of the dataset's samples once; a
-checkpoint of another world size, or one without the loader's state, is refused with what to do.
+without gradient accumulation, on the newest transformers installed and on the oldest that the
+extras allow (installed once into a cache directory and put first on the job's path: it has no
+``Trainer.get_resumed_dataloader``); ``evaluate()`` predicts each of the dataset's samples once;
+``evaluate(eval_dataset=loader)`` and ``predict(loader)`` take a loader, and ``batch.info``
+reaches ``compute_loss`` and ``prediction_step``; a checkpoint of another world size, or one
+without the loader's state, is refused with what to do.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
+import importlib.metadata
 import json
+import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from packaging.version import Version
 
+from loader import Loader
+from tests import pipelines as P
 from tests.integration.test_worker_server import clean_env
 
 pytest.importorskip("transformers")
@@ -35,10 +51,16 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_sample_dataset(tmp_path_factory.mktemp("hf") / "images", SAMPLES, classes=4)
 
 
-def _run(images: Path, out: Path, log: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    images: Path, out: Path, log: Path, *args: str, path: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The example as a job; ``path``, when given, goes first on its ``PYTHONPATH``."""
     command = [sys.executable, str(SCRIPT), "--data", str(images), "--out", str(out)]
     command += ["--events", str(log), "--epochs", str(EPOCHS), "--save-steps", str(KILL_AT), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env())
+    env = clean_env()
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(path), env["PYTHONPATH"]])
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
 def _records(log: Path, event: str) -> list[dict[str, Any]]:
@@ -46,22 +68,147 @@ def _records(log: Path, event: str) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, lines) if r["event"] == event]
 
 
+# ------------------------------------------------------------ the oldest transformers allowed
+def _transformers_requirement(extra: str) -> Any:
+    """The installed package's requirement on transformers for ``extra``."""
+    from packaging.requirements import Requirement
+
+    for line in importlib.metadata.requires("dali-capture-loader") or []:
+        requirement = Requirement(line)
+        if requirement.name == "transformers" and (
+            requirement.marker is not None and requirement.marker.evaluate({"extra": extra})
+        ):
+            return requirement
+    raise AssertionError(f"the extra {extra!r} of dali-capture-loader requires no transformers")
+
+
+def oldest_allowed() -> str:
+    """The oldest transformers the extras allow: the ``>=`` of the ``hf`` extra (``test`` states
+    the same range)."""
+    hf = _transformers_requirement("hf")
+    assert str(hf.specifier) == str(_transformers_requirement("test").specifier)
+    floors = [spec.version for spec in hf.specifier if spec.operator == ">="]
+    assert len(floors) == 1, f"{hf}: one lower bound expected"
+    return str(floors[0])
+
+
+def _distribution(name: str, path: list[str]) -> importlib.metadata.Distribution | None:
+    """The distribution ``name`` that an import over ``path`` finds (the first one on it)."""
+    return next(iter(importlib.metadata.distributions(name=name, path=path)), None)
+
+
+def _unmet(target: Path) -> list[str]:
+    """The requirements of the transformers in ``target`` (its own, not its extras') that a job
+    with ``target`` first on its path, then this environment's, does not meet."""
+    from packaging.requirements import Requirement
+
+    path = [str(target), *sys.path]
+    transformers = _distribution("transformers", [str(target)])
+    assert transformers is not None, f"no transformers in {target}"
+    unmet = []
+    for line in transformers.requires or []:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue  # an extra's, or another platform's
+        found = _distribution(requirement.name, path)
+        if found is None or not requirement.specifier.contains(found.version, prereleases=True):
+            unmet.append(f"{requirement.name}{requirement.specifier}")
+    return unmet
+
+
+_UNREACHABLE = (
+    "from versions: none",
+    "Failed to establish a new connection",
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "Network is unreachable",
+    "ConnectTimeout",
+    "Read timed out",
+    "ProxyError",
+    "No module named pip",
+)
+
+
+def _pip_install(target: Path, *requirements: str) -> None:
+    """``pip install --no-deps --target target requirements``; the test is skipped where pip
+    cannot reach its index."""
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target)]
+    command += ["--disable-pip-version-check", "--no-input", "--retries", "1", "--timeout", "30"]
+    try:
+        done = subprocess.run(
+            [*command, *requirements], capture_output=True, text=True, timeout=240
+        )
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"pip install {' '.join(requirements)} did not finish in 240 s (no index?)")
+    output = done.stdout + done.stderr
+    if done.returncode != 0 and any(sign in output for sign in _UNREACHABLE):
+        pytest.skip(f"pip cannot install {' '.join(requirements)} (no index?): {output[-500:]}")
+    assert done.returncode == 0, output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def oldest_transformers() -> Iterator[tuple[Path, str]]:
+    """A directory with the oldest transformers the extras allow (and any of its requirements
+    that this environment does not meet), for the front of a job's ``PYTHONPATH``; and that
+    version. Installed once into the user's cache, under a lock (two test processes, or two
+    sessions, may ask at once) and into a temporary directory renamed when complete (a killed
+    install leaves no half of one)."""
+    floor = oldest_allowed()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = Path(base) / "dali-capture-loader" / "transformers"
+    cache.mkdir(parents=True, exist_ok=True)
+    tag = f"py{sys.version_info[0]}{sys.version_info[1]}-{sysconfig.get_platform()}"
+    target = cache / f"transformers-{floor}-{tag}"
+    with open(cache / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_dir() and _distribution("transformers", [str(target)]) is None:
+            shutil.rmtree(target)  # not what this fixture left there: made again
+        if not target.is_dir():
+            partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache))
+            partial.chmod(0o755)
+            try:
+                _pip_install(partial, f"transformers=={floor}")
+                os.rename(partial, target)
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+        unmet = _unmet(target)
+        if unmet:  # installed beside it: the job finds them before this environment's
+            _pip_install(target, *unmet)
+            assert not _unmet(target), _unmet(target)
+    installed = _distribution("transformers", [str(target)])
+    assert installed is not None and Version(installed.version) == Version(floor), installed
+    yield target, installed.version
+
+
+@pytest.mark.parametrize("transformers", ["newest", "oldest"])
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_killed_trainer_resumes_to_the_same_batches_and_weights(
-    images: Path, tmp_path: Path, accumulate: int
+    images: Path, tmp_path: Path, accumulate: int, transformers: str, request: pytest.FixtureRequest
 ) -> None:
+    """On the transformers installed (the newest the extras allow, as pip resolves them; 5.25 and
+    later fast-forward through ``get_resumed_dataloader``) and on the oldest they allow (5.20,
+    which calls accelerate's ``skip_first_batches`` by its name in ``transformers.trainer``)."""
+    path: Path | None = None
+    version = importlib.metadata.version("transformers")
+    if transformers == "oldest":
+        path, version = request.getfixturevalue("oldest_transformers")
+        if version == importlib.metadata.version("transformers"):
+            pytest.skip(f"the transformers installed is the oldest allowed, {version}: tested")
+    run = functools.partial(_run, images, path=path)
     steps = f"--accumulate={accumulate}"
-    full = _run(images, tmp_path / "full", tmp_path / "full.jsonl", steps)
+    full = run(tmp_path / "full", tmp_path / "full.jsonl", steps)
     assert full.returncode == 0, full.stderr[-3000:]
-    killed = _run(
-        images, tmp_path / "run", tmp_path / "killed.jsonl", steps, "--no-eval",
+    killed = run(
+        tmp_path / "run", tmp_path / "killed.jsonl", steps, "--no-eval",
         "--kill-after-save", str(KILL_AT),
     )  # fmt: skip
     assert killed.returncode == -9, killed.stderr[-3000:]
     checkpoint = tmp_path / "run" / f"checkpoint-{KILL_AT}"
     assert (checkpoint / "loader_state.json").is_file()
-    resumed = _run(images, tmp_path / "run", tmp_path / "resumed.jsonl", steps, "--resume")
+    resumed = run(tmp_path / "run", tmp_path / "resumed.jsonl", steps, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for log in ("full.jsonl", "killed.jsonl", "resumed.jsonl"):  # each job ran that version
+        assert [r["transformers"] for r in _records(tmp_path / log, "start")] == [version]
 
     def batches(log: str) -> dict[tuple[int, int], str]:
         return {(r["epoch"], r["step"]): r["digest"] for r in _records(tmp_path / log, "batch")}
@@ -82,6 +229,72 @@ def test_a_killed_trainer_resumes_to_the_same_batches_and_weights(
         assert evaluated["ids"] == list(range(SAMPLES))
         (end,) = _records(tmp_path / log, "end")
         assert end["metrics"]["eval_rows"] == SAMPLES
+
+
+EVALUATED = 10  # ids in batches of 4: 4, 4 and 2 rows (cut_padding=True)
+
+
+def test_evaluate_and_predict_take_a_loader_and_batch_info_reaches_the_steps(
+    tmp_path: Path,
+) -> None:
+    """In this process: ``evaluate()`` (the ``eval_loader``), ``evaluate(eval_dataset=loader)``
+    and ``predict(loader)`` each go over the loader's samples once; ``prediction_step`` gets the
+    batch with its ``info`` and so does ``compute_loss`` (after Trainer's device transfer); the
+    model is called with the batch's keys only."""
+    torch = pytest.importorskip("torch")
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import TrainingArguments
+
+    from loader.hf import LoaderTrainer
+
+    seen: dict[str, list[Any]] = {"prediction_step": [], "compute_loss": []}
+
+    class Model(torch.nn.Module):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, id: Any) -> dict[str, Any]:  # the batch's keys, nothing else
+            ids = id.reshape(-1)
+            return {"loss": (self.weight * ids).float().mean(), "ids": ids}
+
+    class Recorder(LoaderTrainer):
+        def prediction_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            seen["prediction_step"].append((inputs.info.step, inputs.info.cut))
+            return super().prediction_step(model, inputs, *args, **kwargs)
+
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            seen["compute_loss"].append((inputs.info.step, len(inputs["id"])))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_eval_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        dataloader_pin_memory=False,
+        label_names=["id"],
+    )
+    source = functools.partial(P.sample_source, total=EVALUATED)
+    try:
+        with Loader(
+            source, P.cast_step, batch_size=4, num_workers=1, output="torch", cut_padding=True
+        ) as loader:
+            trainer = Recorder(model=Model(), args=args, eval_loader=loader)
+            assert set(trainer.evaluate()) >= {"eval_loss", "eval_runtime"}
+            assert seen["prediction_step"] == [(0, 0), (1, 0), (2, 2)]
+            assert seen["compute_loss"] == [(0, 4), (1, 4), (2, 2)]
+            again = trainer.evaluate(eval_dataset=loader, metric_key_prefix="again")
+            assert set(again) >= {"again_loss", "again_runtime"}
+            prediction = trainer.predict(loader)
+            del trainer
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert sorted(np.ravel(prediction.predictions).tolist()) == list(range(EVALUATED))
+    assert np.ravel(prediction.label_ids).tolist() == np.ravel(prediction.predictions).tolist()
+    assert set(prediction.metrics) >= {"test_loss", "test_runtime"}
+    assert len(seen["prediction_step"]) == 9  # 3 batches, 3 times
 
 
 def test_a_checkpoint_without_the_loaders_state_or_of_another_world_size_is_refused(

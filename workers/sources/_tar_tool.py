@@ -12,7 +12,6 @@ Library code: progress goes to a callback (the CLI prints it), not to stdout.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -20,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from ipc.limits import usable_cpus
 
 from ._storage import RETRIES, Identity, storage_for
 from ._tar_indexer import Indexer
@@ -109,7 +110,7 @@ def index_dataset(
     todo = job.plan(force)
     if progress is not None:
         progress(job.state)
-    workers = max(1, min(processes or len(os.sched_getaffinity(0)), len(todo) or 1))
+    workers = max(1, min(processes or usable_cpus(), len(todo) or 1))
     job.run(todo, workers, force, progress)
     job.state.samples = int(job.counts[job.done].sum())
     if progress is not None:
