@@ -24,25 +24,11 @@ pytestmark = pytest.mark.timeout(240)
 
 #: The module next to the trainer (found through its directory, as a user's would be).
 PIPES = """
-import numpy as np
-import nvidia.dali.experimental.dynamic as ndd
+import functools
 
+from tests.pipelines import cast_step as step, id_source
 
-class Ids:
-    def __init__(self, shard):
-        self.mine = list(range(shard.index, 32, shard.count))
-
-    def __iter__(self):
-        for start in range(0, len(self.mine), 4):
-            yield ndd.as_batch([np.array([i]) for i in self.mine[start:start + 4]])
-
-
-def ids(shard):
-    return ndd.ExternalSource(Ids(shard), cycle="raise")
-
-
-def step(batch):
-    return {"id": ndd.cast(batch, dtype=ndd.int64)}
+ids = functools.partial(id_source, total=32)
 """
 
 #: A trainer whose source and step come from that module.
