@@ -33,6 +33,7 @@ from loader.engine._routing import Router
 from loader.engine._views import build_batch
 from loader.engine._waiting import Waiter
 from tests import pipelines as P
+from tests.integration.test_preemption import _group_gone
 from tests.integration.test_worker_server import clean_env
 
 pytestmark = pytest.mark.timeout(240)
@@ -91,17 +92,6 @@ def _start(script: Path, tmp_path: Path, name: str, pause: float) -> subprocess.
         env=clean_env(),
         start_new_session=True,  # its own process group, as a job's in a terminal
     )
-
-
-def _group_gone(group: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _members(group: int) -> list[int]:
@@ -221,15 +211,20 @@ def test_a_ctrl_c_blocked_in_the_wait_for_a_batch_leaves_the_loader_going() -> N
                 seen += P.ids_of(next(it))
         assert fired == ["wait"]
         assert not loader.closed
-        state = loader.state_dict()
-        assert sum(state["received"]) * 4 == len(seen)
-        with make() as resumed:
-            resumed.load_state_dict(state)
-            rest = [i for batch in resumed for i in P.ids_of(batch)]
-        assert sorted(seen + rest) == list(range(48))
+        resume_exactly_once(loader.state_dict(), seen)
         seen += [i for batch in it for i in P.ids_of(batch)]
         assert sorted(seen) == list(range(48)), "the same iterator does not go on exactly"
         assert sorted(i for batch in loader for i in P.ids_of(batch)) == list(range(48))
+
+
+def resume_exactly_once(state: dict[str, Any], seen: list[int]) -> None:
+    """``state`` counts the batches of ``seen``, and a new loader resumed from it delivers
+    every other sample of the epoch, once."""
+    assert sum(state["received"]) * 4 == len(seen)
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        rest = [i for batch in resumed for i in P.ids_of(batch)]
+    assert sorted(seen + rest) == list(range(48))
 
 
 @pytest.mark.parametrize(
@@ -257,11 +252,7 @@ def test_a_ctrl_c_in_the_middle_of_next_stops_the_workers_and_keeps_the_state(
         with pytest.raises(LoaderClosedError, match=f"interrupted by KeyboardInterrupt {words}"):
             next(it)
         state = loader.state_dict()
-    assert sum(state["received"]) * 4 == len(seen)
-    with make() as resumed:
-        resumed.load_state_dict(state)
-        rest = [i for batch in resumed for i in P.ids_of(batch)]
-    assert sorted(seen + rest) == list(range(48))
+    resume_exactly_once(state, seen)
 
 
 def test_a_ctrl_c_while_a_resumed_epoch_starts_keeps_the_loaded_state() -> None:

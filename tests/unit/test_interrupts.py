@@ -10,7 +10,7 @@ from ipc import wire
 from loader.engine._interrupts import is_interruption, reason
 from loader.engine._session import Idle, WorkerSession
 from loader.run._epochs import Epoch
-from workers import Shard
+from tests.unit.test_session import _Handle
 
 
 @pytest.mark.parametrize(
@@ -30,17 +30,6 @@ def test_the_reason_is_never_empty(error: BaseException, words: str) -> None:
 def test_interruptions_are_what_is_not_an_exception() -> None:
     assert is_interruption(KeyboardInterrupt()) and is_interruption(SystemExit(1))
     assert not is_interruption(RuntimeError()) and not is_interruption(StopIteration())
-
-
-class _Handle:
-    index = 0
-    shard = Shard.make(rank=0, world_size=1, worker=0, num_workers=1, seed=0)
-
-    class spec:
-        num_slots = 2
-
-    def describe(self) -> str:
-        return "worker 0"
 
 
 def _batch(step: int, random: bytes) -> wire.BatchReady:
