@@ -139,6 +139,11 @@ def main() -> None:
     class KillAfterSave(TrainerCallback):
         def on_save(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
             if state.global_step == args.kill_after_save:
+                if torch.distributed.is_available() and torch.distributed.is_initialized():
+                    # every rank's part of the checkpoint is written (rank 0 writes the
+                    # Trainer's state last): a rank killed sooner would have the launcher
+                    # end the others mid-save
+                    torch.distributed.barrier()
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def compute_metrics(prediction: Any) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """Transport between trainer and workers: slot memory, slot bookkeeping, the wire contract.
 
 This package imports nothing else of the project; both ``workers`` and ``loader`` build on it.
-Its public surface is this module and :mod:`ipc.wire` (the records both sides send).
+Its public surface is this module, :mod:`ipc.wire` (the records both sides send) and
+:mod:`ipc.limits` (what a container lets a process use: the CPUs, the memory, OOM kills).
 """
 
 from ._arena import OUTPUT_ALIGN, PAGE, Arena, SharedMemoryError, SlotView, memfd_regions, round_up

@@ -180,8 +180,12 @@ def oldest_transformers() -> Iterator[tuple[Path, str]]:
     yield target, installed.version
 
 
-@pytest.mark.parametrize("transformers", ["newest", "oldest"])
-@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize(
+    ("accumulate", "transformers"),
+    # the oldest with gradient accumulation only: its steps hold 2 batches, so a fast-forward
+    # that skipped too many or too few batches shows in both the batches and the weights
+    [(1, "newest"), (2, "newest"), (2, "oldest")],
+)
 def test_a_killed_trainer_resumes_to_the_same_batches_and_weights(
     images: Path, tmp_path: Path, accumulate: int, transformers: str, request: pytest.FixtureRequest
 ) -> None:

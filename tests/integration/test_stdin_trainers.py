@@ -138,11 +138,11 @@ def check_batches(done: subprocess.CompletedProcess[str]) -> None:
 
 @pytest.mark.parametrize(
     ("method", "args"),
-    [("forkserver", ["-"]), ("spawn", ["-"]), ("forkserver", [])],
-    ids=["forkserver-dash", "spawn-dash", "forkserver-piped"],
+    [("forkserver", ["-"]), ("spawn", ["-"])],
+    ids=["forkserver-dash", "spawn-dash"],
 )
 def test_imported_functions_run_from_stdin(tmp_path: Path, method: str, args: list[str]) -> None:
-    """``python - < train.py`` and ``cat train.py | python``: neither the worker server nor a
+    """``python - < train.py`` (and so ``cat train.py | python -``): neither the worker server nor a
     spawned worker runs ``<stdin>`` as a file (each failed on it, and the trainer blamed the
     ``__main__`` guard)."""
     script = IMPORTING.format(method=method)
@@ -151,11 +151,6 @@ def test_imported_functions_run_from_stdin(tmp_path: Path, method: str, args: li
 
 def test_imported_functions_run_from_a_heredoc(tmp_path: Path) -> None:
     check_batches(run_trainer(heredoc(IMPORTING.format(method="forkserver")), tmp_path))
-
-
-def test_imported_functions_run_from_python_c(tmp_path: Path) -> None:
-    """``python -c``: no ``__file__`` at all (so it ran before; it still does)."""
-    check_batches(run_trainer([sys.executable, "-c", IMPORTING.format(method="spawn")], tmp_path))
 
 
 def check_refused(done: subprocess.CompletedProcess[str], where: str, name: str = "step") -> None:
@@ -180,10 +175,6 @@ STDIN = "a script read from standard input (`python -`, a pipe or a heredoc)"
 def test_functions_defined_in_stdin_are_refused_before_workers_start(tmp_path: Path) -> None:
     done = run_trainer([sys.executable, "-"], tmp_path, stdin=DEFINING)
     check_refused(done, STDIN)
-
-
-def test_functions_defined_in_a_heredoc_are_refused_before_workers_start(tmp_path: Path) -> None:
-    check_refused(run_trainer(heredoc(DEFINING), tmp_path), STDIN)
 
 
 def test_a_partial_over_a_class_of_the_stdin_script_is_refused(tmp_path: Path) -> None:
