@@ -19,6 +19,7 @@ the direction and that no import circle exists)::
 from workers import (
     BatchedSamples,
     FilesDataset,
+    ImageTooLargeError,
     SamplesDataset,
     Shard,
     StorageFailure,
@@ -62,6 +63,7 @@ __all__ = [
     "BatchInfo",
     "BatchedSamples",
     "FilesDataset",
+    "ImageTooLargeError",
     "LoadedArray",
     "LoadedBatch",
     "LoadedList",

@@ -6,6 +6,7 @@ import io
 import tarfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -75,6 +76,89 @@ def write_payload_tars(
                     tar.addfile(info, io.BytesIO(data))
         paths.append(path)
     return paths
+
+
+def write_idx(paths: list[Path]) -> None:
+    """Write each shard's ``.idx`` beside it (what DALI's ``wds2idx`` writes), touching no
+    cache."""
+    from workers.sources._tar_index import scan
+    from workers.sources._wds_idx import format_idx
+
+    for path in paths:
+        with open(path, "rb") as stream:
+            text = format_idx(scan(str(path), stream, seekable=True))
+        assert text is not None
+        path.with_suffix(".idx").write_bytes(text)
+
+
+def summary_of(
+    paths: list[Path],
+    identity: Callable[[Path], tuple[int, str]] | None = None,
+    samples: dict[str, int] | None = None,
+) -> bytes:
+    """The summary of the shards at ``paths``, their identities as ``identity`` tells (by
+    default: as local files); ``samples``: what it says of some shards' sample counts instead
+    of the truth (a summary that lies)."""
+    from workers.sources._storage import storage_for
+    from workers.sources._tar_index import scan
+    from workers.sources._tar_summary import ShardEntry, encode
+
+    entries = {}
+    for path in paths:
+        with open(path, "rb") as stream:
+            index = scan(str(path), stream, seekable=True)
+        size, version = (identity or (lambda p: storage_for(str(p)).identity(str(p))))(path)
+        count = (samples or {}).get(path.name, index.samples)
+        entries[path.name] = ShardEntry(size, version, count, index.keys_hash)
+    return encode(entries)
+
+
+def index_beside(paths: list[Path], samples: dict[str, int] | None = None) -> None:
+    """Write each local shard's ``.idx`` beside it and the shards' summary (``samples``: see
+    :func:`summary_of`), touching no cache: as the index command leaves them, but no worker of
+    this node has seen them."""
+    from workers.sources._tar_summary import SUMMARY
+
+    write_idx(paths)
+    (paths[0].parent / SUMMARY).write_bytes(summary_of(paths, samples=samples))
+
+
+def lie_in_idx(path: Path, lie: str) -> None:
+    """Rewrite the ``.idx`` at ``path`` so that it lies about its tar, its last line kept true
+    (the checks of a start, the tar's size and last header, still pass): ``overlap``: the
+    second sample's members point at the first one's bytes; ``size``: the second sample's last
+    member is one byte longer than it is."""
+    lines = path.read_text().split("\n")
+    first, second = lines[1].split(), lines[2].split()
+    if lie == "overlap":
+        for field in range(1, len(second), 4):
+            second[field], second[field + 1] = first[field], first[field + 1]
+    elif lie == "size":
+        second[-2] = str(int(second[-2]) + 1)
+    else:
+        raise ValueError(f"no such lie: {lie!r}")
+    lines[2] = " ".join(second)
+    path.write_text("\n".join(lines))
+
+
+def with_link_member(path: Path, sample: int, member: int = 0) -> None:
+    """Rewrite the tar at ``path`` with member number ``member`` of its sample number
+    ``sample`` (in tar order) a symbolic link to the member before it: the samples before that
+    one are whole, the tar is not a WebDataset shard from there on."""
+    with tarfile.open(path) as tar:
+        members = []
+        for found in tar.getmembers():
+            stream = tar.extractfile(found)
+            members.append((found, b"" if stream is None else stream.read()))
+    keys = [m.name.partition(".")[0] for m, _ in members]
+    linked = keys.index(list(dict.fromkeys(keys))[sample]) + member
+    with tarfile.open(path, "w") as tar:
+        for number, (info, data) in enumerate(members):
+            if number == linked:
+                info = tarfile.TarInfo(info.name)
+                info.type, info.linkname = tarfile.SYMTYPE, members[number - 1][0].name
+                data = b""
+            tar.addfile(info, io.BytesIO(data))
 
 
 def id_tars(

@@ -17,6 +17,7 @@ from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
 from ._timing import BatchClock
 from .sources._datasets import FilesDataset, SamplesDataset, TarsDataset
 from .sources._files import list_files
+from .sources._image_size import MAX_IMAGE_PIXELS, ImageTooLargeError
 from .sources._mix import sharded_mix
 from .sources._parts import describe_difference
 from .sources._positions import (
@@ -51,10 +52,12 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "FAILING_SAMPLES",
+    "MAX_IMAGE_PIXELS",
     "BatchClock",
     "BatchedSamples",
     "FeederFactory",
     "FilesDataset",
+    "ImageTooLargeError",
     "IndexProgress",
     "Phase",
     "Position",

@@ -238,6 +238,109 @@ def test_a_damaged_shard_is_left_out_under_skip_and_named(
         assert sorted(i for batch in loader for i in real(batch, "id")) == list(range(TOTAL))
 
 
+def labelled(loader: Loader) -> list[int]:
+    """The ids of an epoch, each checked to come with its own label (``id % 3``); none
+    skipped."""
+    ids = []
+    for batch in loader:
+        assert not batch.info.skipped_names, batch.info.skipped_names
+        for i, cls in zip(real(batch, "id"), real(batch, "cls"), strict=True):
+            assert cls == i % 3, f"sample {i} came with another's label ({cls})"
+            ids.append(i)
+    return ids
+
+
+@pytest.mark.parametrize("lie", ["overlap", "size"])
+def test_an_idx_that_lies_about_its_tar_is_not_trusted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, lie: str
+) -> None:
+    """Beside a good tar, an .idx whose second sample's members point at the first one's bytes
+    (overlap), or that gives a member one byte more than it has (size), its last line true:
+    the start's checks pass (the tar's size, its last header). The overlap is refused when the
+    .idx is read; the size when the member's own header, read with its bytes, disagrees. Either
+    way every sample comes once with its own label, a warning names the .idx, and a true one
+    is written in its place. (Before, the overlap gave sample 4 twice and never 5; the size
+    gave a label of "2\\0".)"""
+    caplog.set_level(logging.WARNING, logger="loader")
+    paths = T.write_id_tars(tmp_path, 8, 4)
+    T.index_beside(paths)  # (and the summary: the shard's .idx is read when the shard is)
+    idx = paths[1].with_suffix(".idx")
+    true = idx.read_bytes()
+    T.lie_in_idx(idx, lie)
+    with loader_over(str(tmp_path / "train-{000..001}.tar"), workers=1) as loader:
+        ids = labelled(loader)
+    assert sorted(ids) == list(range(8))
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(str(idx) in message for message in warned), warned
+    assert idx.read_bytes() == true
+
+
+def test_a_link_member_under_skip_leaves_out_only_what_is_from_it_on(tmp_path: Path) -> None:
+    """A shard whose samples 0-3 are whole and whose sample 4 starts with a symbolic link: under
+    on_error="skip" samples 0-3 are read (before, sample 3 was left out too, and named nowhere:
+    "its first 3 samples are read"), and the warning and loader.stats().left_out say what is
+    left out: sample 4 on. A link inside a sample leaves that sample out (it has a member
+    missing), and only it."""
+    import warnings
+
+    from workers.sources._tar_index import scan_whole_samples
+
+    paths = T.write_id_tars(tmp_path, 16, 8)
+    T.with_link_member(paths[1], 4)  # train-001: ids 8-15; its sample 4 is id 12
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        urls = str(tmp_path / "train-{000..001}.tar")
+        with loader_over(urls, workers=1, on_error="skip") as loader:
+            ids = labelled(loader)
+            left_out = loader.stats().left_out
+    assert sorted(ids) == list(range(12))
+    said = [str(w.message) for w in caught if "on_error='skip'" in str(w.message)]
+    assert len(said) == 1 and len(left_out) == 1, (said, left_out)
+    for line in (said[0], left_out[0]):
+        assert "train-001.tar: member 'group0/s00012.id'" in line, line
+        assert "first 4 samples are read" in line, line
+        assert "the rest of it, from sample 'group0/s00012' at byte" in line, line
+    # the link is a sample's second member: that sample is left out, the ones before it read
+    inside = T.write_id_tars(tmp_path / "inside", 8, 8)[0]
+    T.with_link_member(inside, 4, member=1)  # (group0/s00004.cls)
+    with open(inside, "rb") as stream:
+        index, damage = scan_whole_samples(str(inside), stream, seekable=True)
+    assert "'group0/s00004.cls'" in str(damage) and "not a regular file" in str(damage)
+    assert index.samples == 4 and index.left_from.startswith("sample 'group0/s00004' at byte")
+
+
+def test_a_summary_that_lies_about_a_shard_is_named_with_the_command_that_mends_it(
+    tmp_path: Path,
+) -> None:
+    """A summary whose entry of an unchanged shard says 5 samples where the shard (and its .idx)
+    holds 4: the error names the summary, what it says and what the shard holds, and the
+    command that rewrites it (before: "the shard changed while the job runs", which it did
+    not). Run, that command mends it."""
+    import shlex
+
+    from loader import tars
+    from workers.sources._storage import StorageFailure
+
+    paths = T.write_id_tars(tmp_path, 8, 4)
+    T.index_beside(paths, samples={"train-001.tar": 5})
+    urls = str(tmp_path / "train-{000..001}.tar")
+    with pytest.raises(StorageFailure) as raised:
+        with loader_over(urls, workers=1) as loader:
+            for _batch in loader:
+                pass
+    message = str(raised.value)
+    summary, shard = tmp_path / "loader-summary.json", tmp_path / "train-001.tar"
+    assert f"the summary {summary} is wrong about {shard}: it says the shard holds 5 samples" in (
+        message
+    ), message
+    assert "the shard holds 4 samples" in message and "changed while" not in message, message
+    command = re.search(r"Run python -m loader\.tars (index '(\S+)' --force) ", message)
+    assert command is not None and command.group(2) == str(shard), message
+    assert tars.main([*shlex.split(command.group(1)), "--workers", "1"]) == 0
+    with loader_over(urls, workers=1) as loader:
+        assert sorted(labelled(loader)) == list(range(8))
+
+
 def test_window_orders_read_a_few_shards_at_a_time(tmp_path: Path) -> None:
     """With a window of 1, a worker's batches come from one shard at a time."""
     T.write_id_tars(tmp_path, 64, 8)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._shard import Shard
+from ._image_size import MAX_IMAGE_PIXELS, checked_limit
 from ._sampling import BatchedSamples, Batching, OpenedSource
 from ._storage import AHEAD_BYTES, RETRIES
 
@@ -62,12 +63,14 @@ class FilesDataset(_Kind):
 
     root_or_files: str | os.PathLike[str] | Sequence[str]
     labels: Sequence[int] | None = None
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from ._files import FileLoader, open_files
 
+        limit = checked_limit(self.max_image_pixels)
         files = open_files(self.root_or_files, self.labels)
-        load = FileLoader(files)
+        load = FileLoader(files, limit)
         return OpenedSource(
             len(files),
             load,
@@ -90,6 +93,7 @@ class TarsDataset(_Kind):
     ahead: int = 2
     retries: int = RETRIES
     ahead_bytes: int | None = AHEAD_BYTES
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from ._tars import open_tar_source
@@ -105,6 +109,7 @@ class TarsDataset(_Kind):
             retries=self.retries,
             seed=seed,
             shuffle=shuffle,
+            max_image_pixels=self.max_image_pixels,
         )
 
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ._folder_index import open_folder, scan_folder
+from ._image_size import MAX_IMAGE_PIXELS, ImageTooLargeError, over_limit
 
 
 def list_files(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
@@ -80,16 +81,27 @@ class ListedFiles:
 
 
 class FileLoader:
-    """``load(index)`` for :func:`sharded_files`: the file's bytes and its label."""
+    """``load(index)`` for :func:`sharded_files`: the file's bytes and its label. An image whose
+    header says it decodes to more than ``max_pixels`` pixels raises
+    :class:`~sources._image_size.ImageTooLargeError` instead (None: no limit)."""
 
-    def __init__(self, files: FileTable) -> None:
+    def __init__(self, files: FileTable, max_pixels: int | None = MAX_IMAGE_PIXELS) -> None:
         self.files = files
+        self.max_pixels = max_pixels
 
     def describe(self, index: int) -> str:
         return self.files.path(index)
 
     def __call__(self, index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        return read_file(self.files.path(index)), self.files.label(index)
+        path = self.files.path(index)
+        data = read_file(path)
+        size = over_limit(data, self.max_pixels)
+        if size is not None:
+            assert self.max_pixels is not None
+            raise ImageTooLargeError.of(
+                path, size, self.max_pixels, "sharded_files or FilesDataset"
+            )
+        return data, self.files.label(index)
 
 
 def read_file(path: str) -> np.ndarray[Any, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from .._shard import Shard
 from ._datasets import FilesDataset, SamplesDataset, TarsDataset
+from ._image_size import MAX_IMAGE_PIXELS
 from ._sampling import Batching
 from ._storage import AHEAD_BYTES, RETRIES
 
@@ -25,6 +26,7 @@ def sharded_files(
     shuffle: bool = True,
     drop_last: bool = False,
     labels: Sequence[int] | None = None,
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> Any:
     """An ``ndd.ExternalSource`` root yielding ``(encoded bytes, label)`` batches of files.
 
@@ -37,9 +39,14 @@ def sharded_files(
     and sizes of a directory's files, read once with its listing; of the paths and labels of a
     list, whose files are not opened before they are read) goes into the loader's state: a
     state saved over other files is refused, naming the class folders that differ.
+
+    ``max_image_pixels``: a file whose image header says it decodes to more pixels than this
+    (Pillow's decompression-bomb threshold by default, about 89 M) is not handed to DALI: its
+    load raises ``ImageTooLargeError``, which ``on_error="skip"`` skips like any failing
+    sample. None: no limit.
     """
     batching = Batching.pick(locals())
-    dataset = FilesDataset(root_or_files, labels)
+    dataset = FilesDataset(root_or_files, labels, max_image_pixels=max_image_pixels)
     return dataset._batched(shard, batching)
 
 
@@ -86,6 +93,7 @@ def sharded_tars(
     ahead: int = 2,
     retries: int = RETRIES,
     ahead_bytes: int | None = AHEAD_BYTES,
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> Any:
     """An ``ndd.ExternalSource`` root over WebDataset tar shards: one output per ``ext``.
 
@@ -99,9 +107,19 @@ def sharded_tars(
     bytes of them past the first (None: no limit; a shard's bytes are known from its size);
     ``retries``: how many times a remote read that
     failed for a transient reason (a connection reset, a timeout, throttling) is tried again,
-    with backoff, each logged (a missing object or denied access is raised at once). The same
-    guarantees as :func:`sharded_source`.
+    with backoff, each logged (a missing object or denied access is raised at once);
+    ``max_image_pixels``: as for :func:`sharded_files`, of every member that is an image. The
+    same guarantees as :func:`sharded_source`.
     """
     batching = Batching.pick(locals())
-    dataset = TarsDataset(urls, ext, storage_options, shuffle_window, ahead, retries, ahead_bytes)
+    dataset = TarsDataset(
+        urls,
+        ext,
+        storage_options,
+        shuffle_window,
+        ahead,
+        retries,
+        ahead_bytes,
+        max_image_pixels=max_image_pixels,
+    )
     return dataset._batched(shard, batching)

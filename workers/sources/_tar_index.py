@@ -18,8 +18,12 @@ An index comes from one of three places (:mod:`workers.sources._tar_shards` deci
 Bad shards raise before any batch: a file that is not a tar or ends inside a member (``ValueError``
 with the URL and the offset), a member whose name has no extension, a key that appears twice
 apart, two members of a sample with one extension, or a member that is not a regular file.
-Under ``on_error="skip"`` such a shard gives its samples before the damage instead
+Under ``on_error="skip"`` such a shard gives its whole samples before the damage instead
 (:func:`scan_whole_samples`).
+
+An index made from the tar's own headers (a scan) is marked ``scanned``; one read from an ``.idx``
+is not, and the tar loader checks each member's header against it as it reads the member's bytes
+(:func:`workers.sources._wds_idx.member_mismatch`).
 """
 
 from __future__ import annotations
@@ -69,10 +73,22 @@ class TarIndex:
     #: what is wrong with the shard, when this indexes only its samples before the damage
     #: (:func:`scan_whole_samples`); such an index is kept in this node's cache only
     damage: str = ""
+    #: with ``damage``: where what is left out starts (``sample 's4' at byte 8192``)
+    left_from: str = ""
+    #: made from the tar's own headers (a scan), not from an ``.idx``, whose entries the tar
+    #: loader checks against each member's header as it reads the member
+    scanned: bool = False
 
     @property
     def samples(self) -> int:
         return len(self.key_offsets) - 1
+
+    @property
+    def member_starts(self) -> _Int64s:
+        """Where each sample's members start in the member arrays (they are consecutive, in
+        tar order), and the end."""
+        found: _Int64s = np.searchsorted(self.member_sample, np.arange(self.samples + 1))
+        return found
 
     @property
     def data_end(self) -> int:
@@ -209,19 +225,31 @@ def scan_whole_samples(
 ) -> tuple[TarIndex, ValueError | None]:
     """Index the tar read from ``stream``, and what is wrong with it (None: nothing). A shard
     that is not whole (truncated, corrupt, a member that breaks WebDataset's rules) gives the
-    index of its samples before the damage (the sample the damage falls in left out: its other
-    members may be gone), and the error :func:`scan` raises."""
+    index of its whole samples before the damage (the sample the damage falls in left out: its
+    other members may be gone; every sample before it kept), and the error :func:`scan`
+    raises."""
     members, offset, damage = _members(url, stream, seekable=seekable, size=size)
-    if damage is None:
-        builder = IndexBuilder(url)
+    broken = (damage.name, damage.at) if isinstance(damage, _NotAFile) else None
+    # the members before the damage: all of them, or those whose data ends before it
+    stop = len(members) if damage is None else sum(1 for m in members if m[1] + m[2] <= offset)
+    builder = IndexBuilder(url)
+    for number, (name, data, length, at) in enumerate(members[:stop]):
         try:
-            for name, data, length, at in members:
-                builder.add(name, data, length, url, at)
-            return builder.build(), None
-        except ValueError as error:
-            damage = error
-    index = _before(url, members, offset)
+            builder.add(name, data, length, url, at)
+        except ValueError as error:  # (the first damage in tar order is the one named)
+            damage, stop, broken = error, number, (name, at)
+            break
+    else:
+        if damage is None:
+            try:
+                index = builder.build()
+                index.scanned = True
+                return index, None
+            except ValueError as error:  # (no samples)
+                damage = error
+    index = _before(url, members, stop, broken)
     index.damage = str(damage)
+    index.scanned = True
     return index, damage
 
 
@@ -235,7 +263,9 @@ def scan_bytes(url: str, data: bytes) -> tuple[TarIndex, ValueError | None]:
             builder = IndexBuilder(url)
             for name, offset, length, at in plain:
                 builder.add(name, offset, length, url, at)
-            return builder.build(), None
+            index = builder.build()
+            index.scanned = True
+            return index, None
     return scan_whole_samples(url, io.BytesIO(data), seekable=True)
 
 
@@ -299,10 +329,7 @@ def _members(
                 if member.isdir():
                     continue
                 if not member.isfile():
-                    raise ValueError(
-                        f"{url}: member {member.name!r} at byte {member.offset} is not a "
-                        "regular file (a link or device); a WebDataset shard holds files only"
-                    )
+                    raise _NotAFile(url, member.name, f"at byte {member.offset}")
                 at = f"at byte {member.offset}"
                 members.append((member.name, member.offset_data, member.size, at))
             tar_end = tar.offset  # where the next header (or the end-of-archive blocks) starts
@@ -342,25 +369,52 @@ def _members(
     return members, offset, None
 
 
-def _before(url: str, members: list[_Member], offset: int) -> TarIndex:
-    """The index of the samples whose members all end before ``offset``, less the sample the
-    first member after them belongs to (or the last one), stopping at a member that breaks
-    WebDataset's rules."""
-    whole = [m for m in members if m[1] + m[2] <= offset]
-    cut = members[len(whole)][0] if len(whole) < len(members) else None
-    if cut is None and whole:
-        cut = whole[-1][0]
-    cut_key = None if cut is None else split_name(cut)
+class _NotAFile(ValueError):
+    """A member that is not a regular file (a link or device): the damage is that member, the
+    first of its sample's it reaches (the samples before it are whole)."""
+
+    def __init__(self, url: str, name: str, at: str) -> None:
+        super().__init__(
+            f"{url}: member {name!r} {at} is not a regular file (a link or device); a "
+            "WebDataset shard holds files only"
+        )
+        self.name, self.at = name, at
+
+
+def _before(
+    url: str, members: list[_Member], stop: int, broken: tuple[str, str] | None
+) -> TarIndex:
+    """The index of the whole samples among ``members[:stop]``: those with no member at or
+    after the damage (``members[stop:]``, and ``broken``: the (name, where) of a member that is
+    not among ``members``, when the damage is that member); the first member left out is
+    recorded in its ``left_from``."""
+    cut = [name for name, _o, _s, _a in members[stop:]]
+    if broken is not None:
+        cut.append(broken[0])
+    cut_keys = {split[0] for split in map(split_name, cut) if split is not None}
     builder = IndexBuilder(url)
-    for name, data, length, at in whole:
+    left: tuple[str, str] | None = None
+    for name, data, length, at in members[:stop]:
         split = split_name(name)
-        if cut_key is not None and split is not None and split[0] == cut_key[0]:
-            break
+        if split is not None and split[0] in cut_keys:
+            left = left or (name, at)
+            continue
         try:
             builder.add(name, data, length, url, at)
-        except ValueError:
-            break  # (the member that broke WebDataset's rules: what came before it is kept)
-    return builder.build(empty=True)
+        except ValueError:  # (cannot happen: ``members[:stop]`` keep WebDataset's rules)
+            left = left or (name, at)
+            break
+    if left is None and stop < len(members):
+        name, _data, _length, at = members[stop]
+        left = (name, at)
+    left = left or broken
+    index = builder.build(empty=True)
+    if left is not None:
+        split = split_name(left[0])
+        index.left_from = (
+            f"sample {split[0]!r} {left[1]}" if split is not None else f"{left[0]!r} {left[1]}"
+        )
+    return index
 
 
 def cache_path(url: str) -> Path:
@@ -393,6 +447,10 @@ def load_cached(url: str, identity: Identity) -> TarIndex | None:
         if header["format"] != FORMAT or header["identity"] != list(identity):
             logger.debug("the cached index %s is stale: %s changed since it was made", path, url)
             return None
+        damage = str(header.get("damage", ""))
+        if damage and "left_from" not in header:  # (an older loader's: one sample short)
+            logger.debug("the cached index %s of a damaged shard is an old one: scanning it", path)
+            return None
         key_offsets, keys, sample, ext, offset, size = arrays
         return TarIndex(
             url,
@@ -406,7 +464,9 @@ def load_cached(url: str, identity: Identity) -> TarIndex | None:
             {str(k): int(v) for k, v in header["ext_counts"].items()},
             str(header["keys_hash"]),
             keep=mapped,
-            damage=str(header.get("damage", "")),
+            damage=damage,
+            left_from=str(header.get("left_from", "")),
+            scanned=bool(header.get("scanned", False)),
         )
     except (KeyError, TypeError, ValueError) as error:
         logger.warning("ignored the cached tar index %s of %s (%s)", path, url, error)
@@ -424,6 +484,8 @@ def keep_cached(index: TarIndex, identity: Identity) -> bool:
         "ext_counts": index.ext_counts,
         "keys_hash": index.keys_hash,
         "damage": index.damage,
+        "left_from": index.left_from,
+        "scanned": index.scanned,
     }
     arrays: list[np.ndarray[Any, Any]] = [
         index.key_offsets,

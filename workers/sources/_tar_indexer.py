@@ -6,14 +6,18 @@ a scan. Runs in the worker (and in ``python -m loader.tars index``).
 beside the shard (checked against it: :func:`workers.sources._wds_idx.fits` and the last member's
 header), then a scan under this node's lock for the shard, whose index is written beside the
 shard where the store allows it (once refused, not tried again by this indexer) and kept in the
-cache. :mod:`workers.sources._tar_shards` decides which shards need it.
+cache. An ``.idx`` whose entries no tar can hold (out of order, overlapping) is refused with a
+warning naming it; the tar loader checks the rest of it, member by member, as it reads.
+:mod:`workers.sources._tar_shards` decides which shards need it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, Literal, cast
 
@@ -39,10 +43,11 @@ logger = logging.getLogger("workers")
 Source = Literal["cache", "idx", "scan"]
 
 
-def index_command(urls: str | Iterable[str]) -> str:
-    """The command that indexes these shards once, for every node and job."""
+def index_command(urls: str | Iterable[str], *, force: bool = False) -> str:
+    """The command that indexes these shards once, for every node and job (``force``: scanning
+    them again, whatever their ``.idx`` and summary say)."""
     shown = urls if isinstance(urls, str) else " ".join(list(urls)[:3]) + " ..."
-    return f"python -m loader.tars index '{shown}'"
+    return f"python -m loader.tars index '{shown}'" + (" --force" if force else "")
 
 
 class Indexer:
@@ -64,6 +69,9 @@ class Indexer:
         #: bytes read by scans so far, counted as they arrive (on any thread: a progress count,
         #: that a scan of a large shard moves before it is done)
         self.read_bytes = 0
+        #: warnings given on other threads than the main one (a worker's log records reach the
+        #: trainer from its main thread only), until :meth:`say_unsaid` gives them there
+        self._unsaid: deque[str] = deque(maxlen=100)
 
     def get(
         self,
@@ -157,6 +165,20 @@ class Indexer:
                 )
         return index
 
+    def warn(self, message: str) -> None:
+        """A warning about an index: logged now on the main thread, else kept for the next
+        :meth:`say_unsaid` (which the walk over shards and the tar loader call on it)."""
+        if threading.current_thread() is threading.main_thread():
+            logger.warning("%s", message)
+        else:
+            self._unsaid.append(message)
+
+    def say_unsaid(self) -> None:
+        """Log the warnings given on other threads since the last call (call it on the main
+        thread)."""
+        while self._unsaid:
+            logger.warning("%s", self._unsaid.popleft())
+
     def _damaged(self, url: str, index: TarIndex) -> None:
         """A shard that is not whole: raise what is wrong, or (``skip_damaged``) record it."""
         if not self.skip_damaged:
@@ -166,7 +188,7 @@ class Indexer:
     def _refuse(self, url: str, message: str) -> TarIndex | None:
         """Log why the ``.idx`` of ``url`` is not used (once: it is not read again)."""
         self._refused.add(url)
-        logger.warning("%s", message)
+        self.warn(message)
         return None
 
     def publish(self, url: str, index: TarIndex, identity: Identity) -> None:

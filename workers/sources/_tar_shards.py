@@ -107,6 +107,9 @@ class TarShards:
     #: per shard, the summary its identity comes from, until the store confirms it (no listing
     #: was made: :func:`start_facts`); None: a listing told it
     vouched: list[str | None] = field(default_factory=list)
+    #: per shard, the summary its sample count and keys come from (what the epochs are planned
+    #: with); None: its index told them
+    planned_from: list[str | None] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -157,22 +160,52 @@ class TarShards:
         index, source = found
         if not self._matches(shard, index) and source != "scan":
             self.confirm(shard)
-            logger.warning(
-                "the index of %s (from %s) disagrees with the dataset's summary: scanning it",
-                url,
-                "this node's cache" if source == "cache" else idx_url(url),
+            told = "this node's cache" if source == "cache" else idx_url(url)
+            indexer.warn(
+                f"the index of {url} (from {told}) disagrees with the dataset's summary: "
+                "scanning it"
             )
             found = indexer.get(url, identity, force=True)
             assert found is not None
             index = found[0]
         if not self._matches(shard, index):
-            raise StorageFailure(
-                f"{url} holds {index.samples} samples (keys {index.keys_hash}), not the "
-                f"{int(self.counts[shard])} (keys {self.keys_hashes[shard]}) this job planned "
-                "with: the shard changed while the job runs. Restart the job (a saved state "
-                f"refuses a changed dataset) after {index_command(url)}"
-            )
+            raise self.mismatch(shard, index)
         return index
+
+    def mismatch(self, shard: int, index: TarIndex, told_by: str | None = None) -> StorageFailure:
+        """The error for ``index``, made from the shard's own bytes, when it is not what this
+        job planned the shard with: the shard changed since (its identity, asked of the store
+        again), else the summary the plan came from is wrong about it, else ``told_by`` (the
+        ``.idx`` the plan came from) is."""
+        url = self.urls[shard]
+        holds = f"{index.samples} samples (keys {index.keys_hash})"
+        planned = f"{int(self.counts[shard])} samples (keys {self.keys_hashes[shard]})"
+        found = self.storage.identity(url)
+        if found != self.identities[shard]:
+            return self.changed(shard, found)
+        size, version = found
+        where = self.planned_from[shard] if self.planned_from else None
+        if where is not None:
+            return StorageFailure(
+                f"the summary {where} is wrong about {url}: it says the shard holds {planned}, "
+                f"the shard holds {holds}, and it is the shard the summary names ({size} "
+                f"bytes, {version}): the summary was edited, or written for other data. This "
+                f"job planned its epochs with it. Run {index_command(url, force=True)} (it "
+                "indexes the shard again and rewrites its entry in the summary), then restart "
+                "the job"
+            )
+        if told_by is not None:
+            return StorageFailure(
+                f"{told_by} is wrong about {url}: it lists {planned}, the shard holds {holds}, "
+                f"and this job planned its epochs with it. {told_by} was written again from the "
+                "shard's bytes (where the store allows it): restart the job (a state saved "
+                "before may be refused over the shard)"
+            )
+        return StorageFailure(
+            f"{url} holds {holds}, not the {planned} this job planned with: the shard changed "
+            "while the job runs. Restart the job (a saved state refuses a changed dataset) "
+            f"after {index_command(url)}"
+        )
 
     def index_of_bytes(self, shard: int, data: np.ndarray[Any, Any]) -> TarIndex | None:
         """The index of ``shard`` scanned from its whole bytes (read by a worker that needs every
@@ -209,6 +242,10 @@ class TarShards:
             f"{index_command(url)} (it indexes the changed shard and rewrites the summary), "
             "then restart the job (a state saved before may be refused over the changed shard)"
         )
+
+    def agrees(self, shard: int, index: TarIndex) -> bool:
+        """Whether ``index`` is what this job planned ``shard`` with (its samples and keys)."""
+        return self._matches(shard, index)
 
     def _matches(self, shard: int, index: TarIndex) -> bool:
         return index.samples == self.counts[shard] and index.keys_hash == self.keys_hashes[shard]
@@ -454,13 +491,14 @@ def open_shards(
     count = len(expanded)
     counts = np.zeros(count, dtype=np.int64)
     hashes = [""] * count
+    planned: list[str | None] = [None] * count
     rest: list[int] = []
     stale: dict[str, list[tuple[int, ShardEntry]]] = {}
     for k, (directory, name) in enumerate(places):
         summary = summaries[directory]
         entry = None if summary is None else summary[0].get(name)
-        if entry is not None and entry.identity == listed.identities[k]:
-            counts[k], hashes[k] = entry.samples, entry.keys
+        if entry is not None and summary is not None and entry.identity == listed.identities[k]:
+            counts[k], hashes[k], planned[k] = entry.samples, entry.keys, summary[1]
             continue
         if entry is not None and summary is not None:
             stale.setdefault(summary[1], []).append((k, entry))
@@ -469,7 +507,9 @@ def open_shards(
         for where, entries in stale.items():
             _report_stale(where, entries, expanded, listed, storage, urls)
     if not rest:
-        return _opened(expanded, storage, counts, hashes, listed)
+        shards = _opened(expanded, storage, counts, hashes, listed)
+        shards.planned_from = planned
+        return shards
     indexer = Indexer(storage, skip_damaged=skip_damaged)
 
     def opened(k: int, index: TarIndex) -> None:
@@ -479,9 +519,11 @@ def open_shards(
     unindexed = sum(1 for k in rest if listed.listed_idx[k] is False)
     progress = _WalkProgress(len(rest), unindexed, indexer, lead, index_command(urls))
     _walk(expanded, listed, indexer, rest, int(start_fraction * len(rest)), opened, progress)
-    return _after_walk(
+    shards = _after_walk(
         urls, expanded, storage, counts, hashes, listed, summaries, rest, indexer, lead, started
     )
+    shards.planned_from = planned
+    return shards
 
 
 def _after_walk(
@@ -524,18 +566,23 @@ def _after_walk(
 
 
 def _read_of(index: TarIndex, size: int) -> str:
-    """What is read of a damaged shard whose whole samples ``index`` holds."""
+    """What is read of a damaged shard whose whole samples ``index`` holds, and where what is
+    left out of it starts."""
     if not index.samples:
-        return "none of its samples is read"
-    return f"its first {index.samples} samples are read (up to byte {index.data_end} of {size})"
+        return "none of its samples is read; all of it is left out"
+    left = f", from {index.left_from}," if index.left_from else ""
+    return (
+        f"its first {index.samples} samples are read (up to byte {index.data_end} of {size}); "
+        f"the rest of it{left} is left out"
+    )
 
 
 def _warn_damaged(index: TarIndex, size: int) -> None:
     """Say once per job (the lead worker) what a damaged shard gives under on_error="skip"."""
     warnings.warn(
-        f"on_error='skip': {index.damage}. {_read_of(index, size)}; the rest of it is left out of "
-        "every epoch until the shard is rewritten (a state saved now is refused over the "
-        "rewritten shard; loader.stats().left_out lists such shards)",
+        f"on_error='skip': {index.damage}. {_read_of(index, size)} of every epoch until the "
+        "shard is rewritten (a state saved now is refused over the rewritten shard; "
+        "loader.stats().left_out lists such shards)",
         stacklevel=3,
     )
 
@@ -732,6 +779,7 @@ def _walk(
     try:
         while pending:
             deferred = _try_each(pending, get, pool, opened, progress)
+            indexer.say_unsaid()  # (what the walk's threads found, from this thread)
             if len(deferred) == len(pending):  # nothing else to do: wait for the first one's lock
                 progress.tell(f"waiting for {urls[deferred[0]]}, which another process indexes")
                 k, found = get(deferred.pop(0), True)

@@ -46,12 +46,14 @@ import numpy as np
 from .._control import SKIP_DAMAGED, STARTED_TOGETHER
 from .._shard import Shard
 from ._epoch_order import EpochOrder, orders_at
+from ._image_size import MAX_IMAGE_PIXELS, ImageTooLargeError, checked_limit, over_limit
 from ._sampling import OpenedSource
 from ._storage import AHEAD_BYTES, IdentityChanged, StorageFailure, storage_failure
 from ._tar_index import TarIndex
 from ._tar_indexer import Indexer
 from ._tar_shards import TarShards, open_shards
 from ._tar_write import write_tars
+from ._wds_idx import idx_url, member_mismatch
 
 __all__ = [
     "AHEAD_BYTES",
@@ -85,6 +87,8 @@ INTEGER_EXTS: dict[str, type[np.integer[Any]]] = {
 REMOTE_WINDOW = 4
 #: Tar indexes a worker keeps open.
 _OPEN_INDEXES = 32
+#: Bytes of a tar member's header, just before its data.
+_HEADER = 512
 
 _Int64s = np.ndarray[Any, np.dtype[np.int64]]
 
@@ -299,6 +303,16 @@ class _Fetcher:
             self._kept.clear()
 
 
+class _Checked:
+    """Of a tar index from an ``.idx``: the samples whose members' headers were found to agree
+    with it, and where each sample's members start in its arrays."""
+
+    def __init__(self, table: TarIndex) -> None:
+        self.table = table
+        self.seen = bytearray(table.samples)
+        self.starts: list[int] = table.member_starts.tolist()
+
+
 class TarLoader:
     """``load(index)`` of :func:`sharded_tars`: the sample's members, one output per extension.
     A shard's index is fetched when the shard is about to be read (and the last
@@ -311,12 +325,18 @@ class TarLoader:
         ahead: int,
         names: Sequence[str],
         ahead_bytes: int | None = AHEAD_BYTES,
+        max_pixels: int | None = MAX_IMAGE_PIXELS,
     ) -> None:
         self.shards, self.ext, self.names = shards, [list(e) for e in ext], list(names)
+        #: members that are images decoding to more pixels raise (None: no limit)
+        self.max_pixels = max_pixels
         self._indexer = Indexer(shards.storage)
         self._tables: OrderedDict[int, tuple[TarIndex, _Int64s, _Int64s]] = OrderedDict()
         self._making: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
+        #: per shard whose index came from an ``.idx``: the samples whose members' headers were
+        #: found to agree with it (:meth:`_read_checked`)
+        self._checked: dict[int, _Checked] = {}
         self._fetcher = (
             None
             if shards.storage.local
@@ -393,16 +413,112 @@ class TarLoader:
             )
         start = min(row_offsets)
         end = max(offset + size for offset, size in zip(row_offsets, row_sizes, strict=True))
-        data = self._read(shard, url, start, end)
+        if table.scanned:
+            data = self._read(shard, url, start, end)
+        else:
+            checked = self._read_checked(shard, table, sample, start, end)
+            if checked is None:  # (its .idx lied: the shard was indexed from its own bytes)
+                return self(index)
+            data = checked
         outputs = []
         for column, (offset, size) in enumerate(zip(row_offsets, row_sizes, strict=True)):
             member = data[offset - start : offset - start + size]
             dtype = self._integers[column]
             if dtype is None:
+                self._check_pixels(member, table, sample, offset)
                 outputs.append(member)
             else:
                 outputs.append(_decode_int(member, dtype, table, sample, self.names[column]))
         return tuple(outputs)
+
+    def _check_pixels(
+        self, member: np.ndarray[Any, Any], table: TarIndex, sample: int, offset: int
+    ) -> None:
+        """Raise :class:`ImageTooLargeError`, naming the member, when it is an image over the
+        pixel limit (read from its header)."""
+        size = over_limit(member, self.max_pixels)
+        if size is None:
+            return
+        assert self.max_pixels is not None
+        ext = table.exts[int(table.member_ext[table.member_offset == offset][0])]
+        name = f"{table.url}:{table.key(sample)}.{ext}"
+        raise ImageTooLargeError.of(name, size, self.max_pixels, "sharded_tars or TarsDataset")
+
+    def _read_checked(
+        self, shard: int, table: TarIndex, sample: int, start: int, end: int
+    ) -> np.ndarray[Any, Any] | None:
+        """Bytes ``[start, end)`` of ``shard`` (its members of ``sample``), whose index
+        ``table`` came from an ``.idx``: the first time a sample is read, with the 512 bytes
+        before, so that each of its members read has its own header in the bytes read (no other
+        request), checked against its entry. None when one is not: the ``.idx`` lied, and the
+        shard was indexed again from its own bytes (:meth:`_rebuild`)."""
+        url = self.shards.urls[shard]
+        with self._lock:
+            checked = self._checked.get(shard)
+            if checked is None or checked.table is not table:
+                checked = self._checked[shard] = _Checked(table)
+                for other in [k for k in self._checked if k not in self._tables]:
+                    del self._checked[other]  # (only those of the indexes held)
+        if checked.seen[sample]:
+            return self._read(shard, url, start, end)
+        first = max(0, start - _HEADER)
+        data = self._read(shard, url, first, end)
+        members = slice(checked.starts[sample], checked.starts[sample + 1])
+        key = table.key(sample)
+        rows = zip(
+            table.member_ext[members].tolist(),
+            table.member_offset[members].tolist(),
+            table.member_size[members].tolist(),
+            strict=True,
+        )
+        for ext, offset, size in rows:
+            if offset < start or offset + size > end:
+                continue  # (a member not read: its header is not either)
+            name = f"{key}.{table.exts[ext]}"
+            header = data[offset - _HEADER - first : offset - first].tobytes()
+            why = member_mismatch(header, name, size)
+            if why is not None:
+                self._rebuild(
+                    shard, table, f"{name!r} listed at byte {offset} ({size} bytes): {why}"
+                )
+                return None
+        checked.seen[sample] = 1
+        return data[start - first :]
+
+    def _rebuild(self, shard: int, table: TarIndex, why: str) -> None:
+        """The index ``table`` of ``shard``, from its ``.idx``, disagrees with the tar
+        (``why``): say so, index the shard from its own bytes (its ``.idx`` written again,
+        where the store allows it) and hold that index instead. A ``StorageFailure`` names the
+        ``.idx`` (or the summary) when the epochs were planned with what it wrongly says."""
+        url, where = self.shards.urls[shard], idx_url(self.shards.urls[shard])
+        with self._lock:
+            making = self._making.setdefault(shard, threading.Lock())
+        with making:
+            with self._lock:
+                held = self._tables.get(shard)
+            if held is not None and held[0] is not table and held[0].scanned:
+                return  # (another thread did it)
+            self._indexer.warn(
+                f"{where} does not describe {url}: {why}. It is not used: the shard is indexed "
+                f"from its own bytes (and {where} written again where the store allows it)"
+            )
+            try:
+                found = self._indexer.get(url, self.shards.identities[shard], force=True)
+            except StorageFailure:
+                raise
+            except (OSError, EOFError) as error:
+                raise storage_failure(url, error) from error
+            except ValueError as error:  # (a shard the .idx called whole is not)
+                raise StorageFailure(f"{error} (where {where} calls it whole)") from error
+            assert found is not None
+            index = found[0]
+            if not self.shards.agrees(shard, index):
+                raise self.shards.mismatch(shard, index, told_by=where)
+            with self._lock:
+                self._tables[shard] = (index, *index.table(self.ext))
+                self._tables.move_to_end(shard)
+                self._checked.pop(shard, None)
+                self._making.pop(shard, None)
 
     def _read(self, shard: int, url: str, start: int, end: int) -> np.ndarray[Any, Any]:
         try:
@@ -457,8 +573,9 @@ class TarLoader:
                 return 0, data
         _table, offsets, sizes = self._table(shard)
         ends = np.where(sizes[rows] < 0, 0, offsets[rows] + sizes[rows])
-        begins = np.where(offsets[rows] < 0, np.iinfo(np.int64).max, offsets[rows])
-        start, end = int(begins.min()), int(ends.max())
+        # (from the first member's header: an index from an .idx is checked against it)
+        begins = np.where(offsets[rows] < 0, np.iinfo(np.int64).max, offsets[rows] - _HEADER)
+        start, end = max(0, int(begins.min())), int(ends.max())
         if end <= start:  # (no row has any wanted member: the loads raise, naming them)
             return 0, np.empty(0, dtype=np.uint8)
         return start, self._checked_read(shard, start, end)
@@ -488,6 +605,7 @@ class TarLoader:
     def passed(self, epoch: int, step: int) -> None:
         if self._fetcher is not None:
             self._fetcher.passed(step)
+        self._indexer.say_unsaid()  # (what loads and fetches found, from the main thread)
 
     def __del__(self) -> None:
         fetcher = getattr(self, "_fetcher", None)
@@ -560,9 +678,11 @@ def open_tar_source(
     seed: int,
     shuffle: bool,
     ahead_bytes: int | None = AHEAD_BYTES,
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> OpenedSource:
     """Check the arguments, open (index) the shards and make the loader and epoch orders."""
     wanted = parse_ext(ext)
+    max_pixels = checked_limit(max_image_pixels)
     checked = [("retries", retries, 0), ("ahead", ahead, 0)]
     if ahead_bytes is not None:
         checked.append(("ahead_bytes", ahead_bytes, 0))
@@ -586,7 +706,7 @@ def open_tar_source(
         fingerprint += f"+window{window}"
         orders = TarOrders(shards, seed, window)
     names = [alternatives[0] for alternatives in wanted]
-    load = TarLoader(shards, wanted, ahead, names, ahead_bytes)
+    load = TarLoader(shards, wanted, ahead, names, ahead_bytes, max_pixels)
     return OpenedSource(
         shards.total,
         load,

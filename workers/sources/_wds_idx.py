@@ -16,11 +16,15 @@ names) carries no keys, which the loader needs for names and fingerprints: such 
 used (a message says so; the shard is indexed instead). A member name with white space cannot be
 written in this format: such a shard's index stays in the node's cache only.
 
-An ``.idx`` says nothing of the tar it was made from. :func:`fits` checks the tar's size (it ends
-just after the last member, as a tar does) and :func:`header_mismatch` the header of the last
+An ``.idx`` says nothing of the tar it was made from, and may lie. :func:`parse_idx` refuses
+entries that no tar can hold: members out of tar order, or whose data overlaps another's or leaves
+no room for the member's own 512-byte header before it. :func:`fits` checks the tar's size (it
+ends just after the last member, as a tar does) and :func:`header_mismatch` the header of the last
 member (512 bytes before its data: its name and size), which a tar rewritten with other samples
-or other member sizes does not keep. The dataset summary (:mod:`sources._tar_summary`) records
-each tar's size and ETag or mtime as well.
+or other member sizes does not keep. Every other member's header is checked by the tar loader as
+it reads the member (:func:`member_mismatch`: the header lies just before the member's data, in
+the bytes it reads anyway). The dataset summary (:mod:`sources._tar_summary`) records each tar's
+size and ETag or mtime as well.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 from ._tar_index import IndexBuilder, TarIndex, split_name
 
 VERSION = "v1.2"
+_BLOCK = 512
 #: Bytes a tar may hold after its last member's data: padding to a 512-byte block, the two
 #: end-of-archive blocks, and a record's padding (tar pads to 20 blocks; allow a large factor).
 _TAIL = 511 + 1024 + (1 << 20)
@@ -67,9 +72,8 @@ def format_idx(index: TarIndex) -> bytes | None:
     return "".join(lines).encode("utf-8", "surrogateescape")
 
 
-def parse_idx(tar_url: str, where: str, data: bytes) -> TarIndex:
-    """The index of ``tar_url`` from the ``.idx`` text ``data`` (read from ``where``);
-    ``ValueError`` naming ``where`` and the line when it is not a whole, valid ``v1.2`` index."""
+def _lines_of(where: str, data: bytes) -> list[str]:
+    """The sample lines of a ``v1.2`` index (its head line checked and dropped)."""
     text = data.decode("utf-8", "surrogateescape")
     lines = text.split("\n")
     if lines and lines[-1] == "":
@@ -87,8 +91,17 @@ def parse_idx(tar_url: str, where: str, data: bytes) -> TarIndex:
         raise ValueError(
             f"{where} announces {count} samples but holds {len(lines) - 1} lines (cut short?)"
         )
+    return lines[1:]
+
+
+def parse_idx(tar_url: str, where: str, data: bytes) -> TarIndex:
+    """The index of ``tar_url`` from the ``.idx`` text ``data`` (read from ``where``);
+    ``ValueError`` naming ``where`` and the line when it is not a whole, valid ``v1.2`` index."""
+    lines = _lines_of(where, data)
     builder = IndexBuilder(tar_url)
-    for number, line in enumerate(lines[1:], start=2):
+    after = 0  # where the next member's header may start: after the last member's data
+    last = ""
+    for number, line in enumerate(lines, start=2):
         fields = line.split()
         if not fields or len(fields) % 4:
             raise ValueError(
@@ -100,15 +113,27 @@ def parse_idx(tar_url: str, where: str, data: bytes) -> TarIndex:
             ext, offset_text, size_text, name = fields[start : start + 4]
             if not (offset_text.isdigit() and size_text.isdigit()):
                 raise ValueError(f"{where} line {number}: offset and size must be integers")
-            offset = int(offset_text)
+            offset, size = int(offset_text), int(size_text)
             if offset % 512:
                 raise ValueError(f"{where} line {number}: offset {offset} is not a multiple of 512")
+            if offset < after + _BLOCK:
+                raise ValueError(
+                    f"{where} line {number}: member {name!r} at byte {offset} "
+                    + (
+                        f"overlaps {last!r} or comes before it (its data ends at byte {after})"
+                        if last
+                        else "leaves no room for its header"
+                    )
+                    + "; a tar holds its members in order, each after the data of the one before "
+                    "and its own 512-byte header"
+                )
+            after, last = offset + -(-size // _BLOCK) * _BLOCK, name
             split = split_name(name)
             if split is not None and split[1] != ext:
                 raise ValueError(
                     f"{where} line {number}: member {name!r} listed with extension {ext!r}"
                 )
-            builder.add(name, offset, int(size_text), where, f"(line {number})")
+            builder.add(name, offset, size, where, f"(line {number})")
             if builder.samples != sample + 1:
                 raise ValueError(
                     f"{where} line {number}: member {name!r} belongs to the sample of another "
@@ -135,12 +160,43 @@ def header_mismatch(index: TarIndex, header: bytes) -> str | None:
     """Why ``header`` (the 512 bytes before the last member's data) is not that member's
     header; None when it is."""
     name, _offset, size = last_member(index)
+    why = member_mismatch(header, name, size)
+    return None if why is None else f"its last member {name!r} ({size} bytes): {why}"
+
+
+_REGULAR = (b"0", b"\0", b"7")  # (a regular file, an old one, a contiguous one)
+
+
+def member_mismatch(header: bytes, name: str, size: int) -> str | None:
+    """Why ``header`` (the 512 bytes before a member's data) is not the header of a regular
+    file ``name`` of ``size`` bytes; None when it is. A plain header is read straight (a few
+    microseconds); others (a name in the ustar prefix, a long one) by ``tarfile``."""
+    encoded = name.encode("utf-8", "surrogateescape")
+    if (
+        len(header) == _BLOCK
+        and len(encoded) < 100
+        and header[: len(encoded) + 1] == encoded + b"\0"
+        and header[156:157] in _REGULAR
+        and not header[345:346].strip(b"\0")  # (no ustar prefix)
+    ):
+        size_field = header[124:136].strip(b"\0 ")
+        checksum = header[148:156].strip(b"\0 ")
+        try:
+            plain = int(size_field or b"0", 8) == size and int(checksum, 8) == (
+                sum(header) - sum(header[148:156]) + 8 * 32
+            )
+        except ValueError:
+            plain = False
+        if plain:
+            return None
     try:
         info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
     except tarfile.HeaderError as error:
-        return f"no tar header before its last member's data ({error})"
+        return f"no tar header before its data ({error})"
     # a long name is cut in the header itself (its whole form is in an extension header before)
-    same_name = info.name == name or (len(info.name) >= 99 and name.startswith(info.name))
-    if not same_name or info.size != size:
-        return f"the tar holds {info.name!r} ({info.size} bytes) where it lists {name!r} ({size})"
+    found = info.name.encode("utf-8", "surrogateescape")
+    same_name = found == encoded or (len(found) >= 99 and encoded.startswith(found))
+    if not same_name or info.size != size or not info.isreg():
+        kind = "" if info.isreg() else ", not a regular file"
+        return f"the header before its data is of {info.name!r} ({info.size} bytes{kind})"
     return None

@@ -1,0 +1,279 @@
+"""Hostile data in tar shards, as a matrix: each kind of fault x ``on_error`` ("skip", "raise") x
+where the shards are (a local directory; a bucket of a real S3-protocol server, moto's, on
+127.0.0.1, read by real s3fs in the workers). Every cell ends one of two ways within 30 s: every
+good sample read exactly once (with its own label), or one clear error naming the file; and
+nothing leaks (the suite's autouse check). A kind of fault is one :class:`Fault` in
+:data:`FAULTS`: one more there is one more row of the matrix."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import re
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loader import Loader
+from tests import tar_pipelines as T
+from workers.sources._storage import StorageFailure
+from workers.sources._tar_summary import SUMMARY
+
+pytestmark = pytest.mark.timeout(120)
+
+TOTAL = 12  # 3 shards of 4 samples, the fault in the second: train-001.tar (ids 4-7)
+SHARDS = "train-{000..002}.tar"
+AT = "<at>"  # in a message's pattern: where the shards are (a directory, s3://bucket)
+#: Seconds a cell may take, from the Loader's start to its end or its error.
+CELL_SECONDS = 30.0
+
+
+def id_shards(directory: Path) -> list[Path]:
+    """Good shards of ``TOTAL`` samples (``<key>.id``, then ``<key>.cls``: ``id % 3``), each
+    with its ``.idx``."""
+    paths = T.write_id_tars(directory, TOTAL, 4)
+    T.write_idx(paths)
+    return paths
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One kind of hostile data: how it spoils a directory of good shards (``write``), what the
+    summary put beside them says, and what a job over them must do, per ``on_error``: stop with
+    an error (``stops``), or go on and read ``read``, each once."""
+
+    name: str
+    #: spoils the directory ``write`` wrote, before it is put in place
+    spoil: Callable[[Path], None]
+    #: the summary beside the shards (of those with an ``.idx``): its lies (shard name ->
+    #: sample count; empty: it tells the truth); None: no summary
+    summary: dict[str, int] | None = field(default_factory=dict)
+    #: per ``on_error``: the error the job stops with, its type and a pattern of its message
+    #: (``<at>``: where the shards are), at the start or during the epoch
+    stops: dict[str, tuple[type[BaseException], str]] = field(default_factory=dict)
+    #: the ids a job that goes on reads, each exactly once
+    read: frozenset[int] = frozenset(range(TOTAL))
+    #: where the job goes on: a pattern of a warning (or WARNING log line) it gives
+    said: str = ""
+    #: where the job goes on: a pattern of its one ``loader.stats().left_out`` line (None: none)
+    left_out: str | None = None
+    #: where the job goes on: the keys of the samples of train-001.tar it skips, each named once
+    #: in ``batch.info.skipped_names`` (their rows repeat good samples: not counted as read)
+    skipped: frozenset[str] = frozenset()
+    write: Callable[[Path], list[Path]] = id_shards
+    source: Callable[..., Any] = T.id_tars
+    step: Callable[..., Any] = T.cls_id_step
+
+
+def _lying_idx(directory: Path) -> None:
+    T.lie_in_idx(directory / "train-001.idx", "overlap")
+
+
+def _link_member(directory: Path) -> None:
+    T.with_link_member(directory / "train-001.tar", 2)  # (ids 4 and 5 are whole before it)
+    (directory / "train-001.idx").unlink()  # (no index of it can be made)
+
+
+_SUMMARY_LIES = (
+    StorageFailure,
+    rf"the summary {AT}/{SUMMARY} is wrong about {AT}/train-001\.tar: it says the shard holds "
+    rf"5 samples .*, the shard holds 4 samples .*python -m loader\.tars index "
+    rf"'{AT}/train-001\.tar' --force",
+)
+_LINK = rf"{AT}/train-001\.tar: member 'group0/s00006\.id' at byte \d+ is not a regular file"
+
+FAULTS = [
+    Fault(
+        "lying-idx",  # the second sample's entries point at the first one's bytes
+        _lying_idx,
+        summary=None,  # (its .idx is read at the start)
+        said=rf"ignored {AT}/train-001\.idx \(.* line 3: member 'group1/s00005\.id' at byte 512 "
+        "overlaps",
+    ),
+    Fault(
+        "link-member",  # a symbolic link where sample 6's first member should be
+        _link_member,
+        stops={"raise": (ValueError, _LINK)},
+        read=frozenset(range(TOTAL)) - {6, 7},
+        said=rf"on_error='skip': {_LINK}.* its first 2 samples are read .*the rest of it, from "
+        "sample 'group0/s00006' at byte",
+        left_out=rf"{_LINK}.*first 2 samples are read",
+    ),
+    Fault(
+        "summary-lies",  # it says 5 samples where the unchanged shard holds 4
+        lambda directory: None,
+        summary={"train-001.tar": 5},
+        stops={"skip": _SUMMARY_LIES, "raise": _SUMMARY_LIES},
+    ),
+]
+
+
+class Place:
+    """Where a cell's shards are: a directory, as they were written."""
+
+    options: dict[str, Any] | None = None
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.at = str(directory)
+
+    def put(self) -> None:
+        """Put the directory's files in place (here they are)."""
+
+    def put_summary(self, data: bytes) -> None:
+        (self.directory / SUMMARY).write_bytes(data)
+
+    def identity(self, path: Path) -> tuple[int, str]:
+        from workers.sources._storage import storage_for
+
+        return storage_for(str(path)).identity(str(path))
+
+
+class Bucket(Place):
+    """A bucket of its own on ``server`` (nothing another cell wrote, in the store or in this
+    node's cache), with the directory's files uploaded."""
+
+    def __init__(self, directory: Path, server: Any) -> None:
+        super().__init__(directory)
+        self.server, self.name = server, f"faults-{uuid.uuid4().hex[:12]}"
+        self.at, self.options = f"s3://{self.name}", server.options()
+        server.bucket(self.name)
+
+    def put(self) -> None:
+        client = self.server.client()
+        try:
+            for path in sorted(self.directory.iterdir()):
+                client.upload_file(str(path), self.name, path.name)
+        finally:
+            client.close()
+
+    def put_summary(self, data: bytes) -> None:
+        client = self.server.client()
+        try:
+            client.put_object(Bucket=self.name, Key=SUMMARY, Body=data)
+        finally:
+            client.close()
+
+    def identity(self, path: Path) -> tuple[int, str]:
+        client = self.server.client()
+        try:
+            head = client.head_object(Bucket=self.name, Key=path.name)
+        finally:
+            client.close()
+        return int(head["ContentLength"]), f"ETag:{head['ETag'].strip(chr(34))}"
+
+
+@contextlib.contextmanager
+def places(kind: str, tmp_path: Path) -> Iterator[Callable[[str], Place]]:
+    """Makes a fresh place per cell: a directory, or a bucket on this test's server."""
+    if kind == "local":
+        yield lambda name: Place(tmp_path / name)
+        return
+    pytest.importorskip("boto3")
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from bench._s3 import S3Server
+
+    server = S3Server(threaded=True)
+    try:
+        yield lambda name: Bucket(tmp_path / name, server)
+    finally:
+        server.close()
+
+
+@dataclass
+class Outcome:
+    """What a cell's job did: its ids (rows replaced under skip left out) or its error."""
+
+    ids: list[int] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    left_out: tuple[str, ...] = ()
+    error: BaseException | None = None
+    said: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def run_cell(fault: Fault, place: Place, on_error: str, caplog: Any) -> Outcome:
+    """Write the fault's shards into ``place``, then one epoch of a loader of 2 workers over
+    them (or its error)."""
+    paths = fault.write(place.directory)
+    fault.spoil(place.directory)
+    place.put()
+    if fault.summary is not None:  # (of the shards with an index, as they are in place)
+        indexed = [p for p in paths if p.with_suffix(".idx").exists()]
+        place.put_summary(T.summary_of(indexed, place.identity, fault.summary))
+    source = functools.partial(
+        fault.source, urls=f"{place.at}/{SHARDS}", storage_options=place.options
+    )
+    outcome = Outcome()
+    caplog.clear()
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with Loader(
+                source, fault.step, batch_size=4, num_workers=2, on_error=on_error, copy=True
+            ) as loader:
+                for batch in loader:
+                    ids = np.asarray(batch["id"]).ravel().tolist()
+                    labels = np.asarray(batch["cls"]).ravel().tolist()
+                    for row in range(len(ids) - batch.info.padded):
+                        if row in batch.info.replaced:  # (a repeat of a good sample)
+                            continue
+                        assert labels[row] == ids[row] % 3, f"sample {ids[row]}: another's label"
+                        outcome.ids.append(int(ids[row]))
+                    outcome.skipped += batch.info.skipped_names
+                outcome.left_out = loader.stats().left_out
+        except AssertionError:
+            raise
+        except Exception as error:
+            outcome.error = error
+    outcome.seconds = time.monotonic() - started
+    outcome.said = [str(w.message) for w in caught]
+    outcome.said += [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    return outcome
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("fault", FAULTS, ids=[fault.name for fault in FAULTS])
+def test_hostile_data_gives_every_good_sample_once_or_one_error_naming_the_file(
+    fault: Fault, where: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="loader")
+    with places(where, tmp_path) as place_for:
+        for on_error in ("skip", "raise"):
+            place = place_for(on_error)
+            outcome = run_cell(fault, place, on_error, caplog)
+            cell = f"{fault.name} x on_error={on_error} x {where}"
+            at = re.escape(place.at)
+            assert outcome.seconds < CELL_SECONDS, (cell, outcome.seconds)
+            stops = fault.stops.get(on_error)
+            if stops is not None:
+                kind, pattern = stops
+                assert isinstance(outcome.error, kind), (cell, outcome.error)
+                assert re.search(pattern.replace(AT, at), str(outcome.error)), (cell, outcome.error)
+                continue
+            assert outcome.error is None, (cell, outcome.error)
+            assert sorted(outcome.ids) == sorted(fault.read), (cell, sorted(outcome.ids))
+            assert sorted(outcome.skipped) == sorted(
+                f"{place.at}/train-001.tar:{key}" for key in fault.skipped
+            ), (cell, outcome.skipped)
+            if fault.said:
+                said = [m for m in outcome.said if re.search(fault.said.replace(AT, at), m)]
+                assert said, (cell, outcome.said)
+            if fault.left_out is None:
+                assert not outcome.left_out, (cell, outcome.left_out)
+            else:
+                assert len(outcome.left_out) == 1, (cell, outcome.left_out)
+                assert re.search(fault.left_out.replace(AT, at), outcome.left_out[0]), (
+                    cell,
+                    outcome.left_out,
+                )
