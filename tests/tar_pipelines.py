@@ -182,6 +182,24 @@ def id_tars(
     )
 
 
+def png_id_tars(
+    shard: Shard, urls: Any, batch_size: int = 4, storage_options: dict[str, Any] | None = None
+) -> Any:
+    """``id_tars`` with a ``.png`` member per sample (see tests/integration/test_tar_faults.py)."""
+    return sharded_tars(
+        shard,
+        urls,
+        batch_size=batch_size,
+        ext=("cls", "id", "png"),
+        storage_options=storage_options,
+    )
+
+
+def png_cls_id_step(cls: Any, ids: Any, pngs: Any) -> dict[str, Any]:
+    images = ndd.decoders.image(pngs, device="cpu")
+    return {**cls_id_step(cls, ids), "image": ndd.resize(images, size=[4, 4])}
+
+
 def image_tars(shard: Shard, urls: Any, batch_size: int = 4) -> Any:
     return sharded_tars(shard, urls, batch_size=batch_size, ext=("jpg", "cls"))
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import logging
 import re
+import tarfile
 import time
 import uuid
 import warnings
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from loader import Loader
+from loader import ImageTooLargeError, Loader
 from tests import tar_pipelines as T
 from workers.sources._storage import StorageFailure
 from workers.sources._tar_summary import SUMMARY
@@ -68,9 +70,51 @@ class Fault:
     #: where the job goes on: the keys of the samples of train-001.tar it skips, each named once
     #: in ``batch.info.skipped_names`` (their rows repeat good samples: not counted as read)
     skipped: frozenset[str] = frozenset()
+    #: the most memory a worker may have held at its peak (VmHWM), where the job goes on
+    peak_bytes: int | None = None
     write: Callable[[Path], list[Path]] = id_shards
     source: Callable[..., Any] = T.id_tars
     step: Callable[..., Any] = T.cls_id_step
+
+
+def png_id_shards(directory: Path) -> list[Path]:
+    """:func:`id_shards` with a small PNG (``<key>.png``) after each sample's other members."""
+    from PIL import Image
+
+    paths = id_shards(directory)
+    picture = io.BytesIO()
+    Image.new("L", (8, 8), 7).save(picture, "PNG")
+    for path in paths:
+        with tarfile.open(path) as tar:
+            members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+        with tarfile.open(path, "w") as tar:
+            for number, (member, data) in enumerate(members):
+                tar.addfile(member, io.BytesIO(data))
+                if number % 2:  # (after .cls, the sample's last member)
+                    png = tarfile.TarInfo(member.name.rsplit(".", 1)[0] + ".png")
+                    png.size = len(picture.getvalue())
+                    tar.addfile(png, io.BytesIO(picture.getvalue()))
+    T.write_idx(paths)
+    return paths
+
+
+def _png_bomb(directory: Path) -> None:
+    """Sample 6's PNG becomes a 24000 x 24000 bomb (about 70 KB; 576 M pixels decoded)."""
+    from tests.integration.test_image_bombs import write_png_bomb
+
+    path = directory / "train-001.tar"
+    bomb = directory / "bomb.png"
+    write_png_bomb(bomb)
+    with tarfile.open(path) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    with tarfile.open(path, "w") as tar:
+        for member, data in members:
+            if member.name == "group0/s00006.png":
+                data = bomb.read_bytes()
+                member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    bomb.unlink()
+    T.write_idx([path])
 
 
 def _lying_idx(directory: Path) -> None:
@@ -87,6 +131,10 @@ _SUMMARY_LIES = (
     rf"the summary {AT}/{SUMMARY} is wrong about {AT}/train-001\.tar: it says the shard holds "
     rf"5 samples .*, the shard holds 4 samples .*python -m loader\.tars index "
     rf"'{AT}/train-001\.tar' --force",
+)
+_BOMB = (
+    rf"{AT}/train-001\.tar:group0/s00006\.png: a 24000x24000 PNG image, 576,000,000 pixels, "
+    "over max_image_pixels=89,478,485"
 )
 _LINK = rf"{AT}/train-001\.tar: member 'group0/s00006\.id' at byte \d+ is not a regular file"
 
@@ -112,6 +160,17 @@ FAULTS = [
         lambda directory: None,
         summary={"train-001.tar": 5},
         stops={"skip": _SUMMARY_LIES, "raise": _SUMMARY_LIES},
+    ),
+    Fault(
+        "png-bomb",  # sample 6's PNG decodes to 576 M pixels: skipped or named, never decoded
+        _png_bomb,
+        stops={"raise": (ImageTooLargeError, _BOMB)},
+        read=frozenset(range(TOTAL)) - {6},
+        skipped=frozenset({"group0/s00006"}),
+        write=png_id_shards,
+        source=T.png_id_tars,
+        step=T.png_cls_id_step,
+        peak_bytes=2**30,
     ),
 ]
 
@@ -199,6 +258,7 @@ class Outcome:
     error: BaseException | None = None
     said: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    peak_bytes: int = 0  # the largest worker's peak resident memory (VmHWM)
 
 
 def run_cell(fault: Fault, place: Place, on_error: str, caplog: Any) -> Outcome:
@@ -232,6 +292,7 @@ def run_cell(fault: Fault, place: Place, on_error: str, caplog: Any) -> Outcome:
                         outcome.ids.append(int(ids[row]))
                     outcome.skipped += batch.info.skipped_names
                 outcome.left_out = loader.stats().left_out
+                outcome.peak_bytes = max(map(_peak_rss, loader.worker_pids()), default=0)
         except AssertionError:
             raise
         except Exception as error:
@@ -240,6 +301,13 @@ def run_cell(fault: Fault, place: Place, on_error: str, caplog: Any) -> Outcome:
     outcome.said = [str(w.message) for w in caught]
     outcome.said += [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     return outcome
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -266,6 +334,8 @@ def test_hostile_data_gives_every_good_sample_once_or_one_error_naming_the_file(
             assert sorted(outcome.skipped) == sorted(
                 f"{place.at}/train-001.tar:{key}" for key in fault.skipped
             ), (cell, outcome.skipped)
+            if fault.peak_bytes is not None:
+                assert 0 < outcome.peak_bytes < fault.peak_bytes, (cell, outcome.peak_bytes)
             if fault.said:
                 said = [m for m in outcome.said if re.search(fault.said.replace(AT, at), m)]
                 assert said, (cell, outcome.said)
