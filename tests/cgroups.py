@@ -90,6 +90,15 @@ class Cgroup:
                 found.update(int(line) for line in text.split())
         return found
 
+    def emptied(self, within: float = 10.0) -> set[int]:
+        """The processes still in it after up to ``within`` seconds: a job's worker server and
+        workers end on their own when the trainer has gone (they see its pipes close), a
+        moment after it."""
+        deadline = time.monotonic() + within
+        while (left := self.pids()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return left
+
     def close(self) -> None:
         """Kill whatever is left in it (a leak the test reports first), then remove it."""
         for _ in range(50):

@@ -89,7 +89,8 @@ def _run(group: Cgroup, *args: str, timeout: float = 180) -> subprocess.Complete
         env=env,
         preexec_fn=group.enter(),
     )
-    assert not group.pids(), f"processes left in the cgroup: {group.pids()}"
+    left = group.emptied()
+    assert not left, f"processes outlived the trainer in the cgroup: {left}"
     return done
 
 
