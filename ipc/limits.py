@@ -20,6 +20,7 @@ no cgroup, another OS, a sandbox that hides them.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -87,9 +88,12 @@ def _mounts(proc: Path) -> list[tuple[str, Path, str, set[str]]]:
     return found
 
 
+@functools.lru_cache(maxsize=16)
 def hierarchy(controller: str, proc: Path = _PROC) -> Hierarchy | None:
     """The hierarchy that holds ``controller`` ("cpu", "memory") for this process: its v1
-    hierarchy when one is mounted, else the unified (v2) one when it enables the controller."""
+    hierarchy when one is mounted, else the unified (v2) one when it enables the controller.
+    Read once per process: a process stays in the cgroup it started in (the limits in it are
+    read anew each time)."""
     membership = _read(proc / "self" / "cgroup")
     if membership is None:
         return None
@@ -197,11 +201,14 @@ def memory_limit(proc: Path = _PROC) -> MemoryLimit | None:
 def available_memory(proc: Path = _PROC) -> int:
     """Bytes this process may still take: the memory the machine has available, or the room
     left under its cgroup's limit when that is less."""
+    return _available(memory_limit(proc))
+
+
+def _available(memory: MemoryLimit | None) -> int:
     import psutil
 
     available = int(psutil.virtual_memory().available)
-    limit = memory_limit(proc)
-    return available if limit is None else min(available, limit.room)
+    return available if memory is None else min(available, memory.room)
 
 
 def oom_kills(proc: Path = _PROC) -> dict[str, int]:
@@ -249,8 +256,7 @@ class Limits:
 
     @property
     def cpus(self) -> int:
-        whole = quota_cpus(self.cpu_quota)
-        return self.affinity if whole is None else max(1, min(self.affinity, whole))
+        return within_quota(self.affinity, self.cpu_quota)
 
     def describe(self) -> str:
         """One line: the CPUs and memory, and which limit set each."""
@@ -281,23 +287,24 @@ def affinity() -> int:
 def usable_cpus(proc: Path = _PROC) -> int:
     """CPUs this process may use: its affinity, cut to the whole CPUs of its cgroup's CPU quota
     (a container's ``--cpus`` / ``limits.cpu``: 0.5 and 1.5 give 1), at least 1."""
-    whole = quota_cpus(cpu_quota(proc))
-    cpus = affinity()
+    return within_quota(affinity(), cpu_quota(proc))
+
+
+def within_quota(cpus: int, quota: float | None) -> int:
+    """``cpus`` cut to the whole CPUs of ``quota`` (None: no quota), at least 1."""
+    whole = quota_cpus(quota)
     return cpus if whole is None else max(1, min(cpus, whole))
 
 
 def read_limits(proc: Path = _PROC) -> Limits:
     """This process's :class:`Limits` now."""
-    import psutil
-
     memory = memory_limit(proc)
-    available = int(psutil.virtual_memory().available)
     return Limits(
         affinity=affinity(),
         cpu_quota=cpu_quota(proc),
         memory_limit=None if memory is None else memory.limit,
         memory_usage=None if memory is None else memory.usage,
-        memory_available=available if memory is None else min(available, memory.room),
+        memory_available=_available(memory),
     )
 
 

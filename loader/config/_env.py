@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ipc import limits
+from ipc.limits import usable_cpus  # affinity cut to a container's CPU quota
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,6 @@ def discover_placement(rank: int | None, world_size: int | None) -> Placement:
     if local_world is None:
         local_world = 1
     return Placement(rank, world_size, local_rank, local_world, how)
-
-
-def usable_cpus() -> int:
-    """CPUs this process may use: its affinity, cut to the whole CPUs of its cgroup's CPU quota
-    (a container's ``--cpus`` / ``limits.cpu``: 0.5 and 1.5 give 1), at least 1."""
-    return limits.usable_cpus()
 
 
 def sharers(local_world_size: int = 1) -> int:
