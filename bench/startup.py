@@ -18,7 +18,7 @@ Main scripts (``--scripts``):
 - ``heavy``: the same plus ``import pytorch_lightning`` (torch + Lightning + DALI: the >= 2 s of
   imports a real training script has);
 - ``early``: the heavy imports in isort's order (``pytorch_lightning``, ``loader``, ``nvidia``,
-  ``torch``) with ``loader.processes._server.start_early()`` called right after ``import loader``:
+  ``torch``) with ``loader.processes.server.start_early()`` called right after ``import loader``:
   what the
   loader package would do at the end of its own import (the server forked then, its DALI import
   and source analysis overlapping the script's later imports).
@@ -63,7 +63,7 @@ IMPORTS = {
     "early": """
         import pytorch_lightning
         from loader import Loader
-        from loader.processes import _server
+        from loader.processes import server as _server
         _server.start_early()
         import nvidia.dali.experimental.dynamic as ndd
         import torch
@@ -105,7 +105,7 @@ def step(batch):
 
 
 def loaders(count=3):
-    from loader.processes import _server
+    from loader.processes import server as _server
 
     first, boundary, ready, trace = [], [], [], []
     for _ in range(count):

@@ -52,8 +52,8 @@ from .config._config import LoaderConfig
 from .config._env import package_version
 from .engine._stats import Timeline
 from .engine._views import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple
-from .processes._server import server_pid as worker_server_pid
-from .processes._server import shutdown as shutdown_worker_server
+from .processes.server import server_pid as worker_server_pid
+from .processes.server import shutdown as shutdown_worker_server
 from .sample import ensure_sample_dataset, list_images
 
 __version__ = package_version()
@@ -105,10 +105,10 @@ __all__ = [
 
 def _start_server_early() -> None:
     """The worker server starts now, in the background, where that is safe and wanted
-    (:func:`loader.processes._server.start_early`): a failure here is the first loader's."""
+    (:func:`loader.processes.server.start_early`): a failure here is the first loader's."""
     import logging
 
-    from .processes._server import start_early
+    from .processes.server import start_early
 
     try:
         start_early()

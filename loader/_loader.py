@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -36,16 +35,10 @@ from typing import Any
 from workers import Shard
 
 from ._errors import LoaderClosedError
-from .config import _distributed
-from .config._autotune import Autotuner, AutotuneReport
-from .config._config import LoaderConfig
-from .config._validate import check_not_importing_main
-from .engine._stats import LoaderStats, Timeline, TrainerCounters, WorkerStats
-from .observe import _trace
-from .observe._diagnose import Diagnosis, diagnose
-from .run._epochs import EpochIterator, EpochSampler
-from .run._launcher import Launcher
-from .run._run import Run
+from .config import AutotuneReport, LoaderConfig
+from .engine import LoaderStats, WorkerStats
+from .observe import Diagnosis, diagnose, rank_path, trace_events, write_trace
+from .run import EpochIterator, EpochSampler, Run
 
 logger = logging.getLogger("loader")
 
@@ -96,32 +89,42 @@ class Loader:
         trace: str | os.PathLike[str] | None = None,
         memory_limit: int | float | None = None,
     ) -> None:
-        arguments = {k: v for k, v in locals().items() if k not in ("self", "source", "step")}
         self._run: Run | None = None  # until it exists, close() has nothing to do
         self._closed = True
-        check_not_importing_main()
-        config = LoaderConfig.build(source, step, **arguments)
-        tuner = _make_autotuner(config)
-        if tuner is not None:
-            config = config.with_layout(tuner.layout)
-        self._counters = TrainerCounters(created=time.monotonic())
-        #: every batch's stage times and the trainer's next() calls (stats, diagnose, trace)
-        self._timeline = Timeline(config.num_workers)
-        run = Run(
-            Launcher(config, autotuner=tuner, timeline=self._timeline, counters=self._counters)
+        config = LoaderConfig.build(
+            source,
+            step,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            feeders=feeders,
+            device=device,
+            device_id=device_id,
+            num_threads=num_threads,
+            prefetch=prefetch,
+            output=output,
+            copy=copy,
+            capture=capture,
+            seed=seed,
+            timeout=timeout,
+            start_method=start_method,
+            rank=rank,
+            world_size=world_size,
+            startup_timeout=startup_timeout,
+            shm_limit=shm_limit,
+            max_restarts=max_restarts,
+            on_error=on_error,
+            max_skipped=max_skipped,
+            in_order=in_order,
+            cut_padding=cut_padding,
+            trace=trace,
+            memory_limit=memory_limit,
         )
+        run = Run(config)  # its first workers started (closed again if they do not start)
         self._run, self._closed = run, False
         self._sampler = EpochSampler(self)  # (it refers to this loader weakly)
         # the run refers to nothing of the loader's: dropping the loader closes it at once
         self._finalizer = weakref.finalize(self, run.close)
         OPEN_LOADERS.add(self)
-        try:
-            run.launch(config)
-            if tuner is not None:
-                run.fit_memory()
-        except BaseException:
-            self.close()
-            raise
 
     @property
     def config(self) -> LoaderConfig:
@@ -130,7 +133,7 @@ class Loader:
         show here at once (the running workers are ``worker_pids()``)."""
         run = self._run
         assert run is not None
-        return run.config if self._closed else run.planned(strict=False)
+        return run.layout.config if self._closed else run.planned(strict=False)
 
     @property
     def batch_size(self) -> int:
@@ -244,9 +247,10 @@ class Loader:
         """Stop every worker and release all shared memory (first, with ``trace=``, write the
         trace). Idempotent; bounded in time."""
         run = self._run
-        if not self._closed and run is not None and run.config.trace is not None:
+        trace = None if run is None else run.layout.config.trace
+        if not self._closed and trace is not None:
             try:
-                self.save_trace(run.config.trace)
+                self.save_trace(trace)
             except (OSError, LoaderClosedError) as error:
                 warnings.warn(f"the trace was not written: {error}", RuntimeWarning, stacklevel=2)
         self._closed = True
@@ -287,7 +291,7 @@ class Loader:
         (the shared settings are advised from every rank's figures; docs/diagnosis.md)."""
         run = self._run
         assert run is not None
-        config = run.config
+        config = run.layout.config
         return diagnose(
             self.stats(window),
             num_threads=config.num_threads,
@@ -307,16 +311,15 @@ class Loader:
         names = None if run is None else run.worker_names()
         if run is None or names is None:
             raise LoaderClosedError("the loader never started: there is nothing to trace")
-        config = run.config
-        trace = _trace.trace_events(
-            self._timeline,
+        config = run.layout.config
+        trace = trace_events(
+            run.timeline,
             float(seconds),
             names,
             pid=os.getpid(),
             name=f"dali-capture-loader, rank {config.rank} of {config.world_size}",
         )
-        target = _trace.rank_path(path, config.rank, config.world_size)
-        return _trace.write_trace(target, trace)
+        return write_trace(rank_path(path, config.rank, config.world_size), trace)
 
     def _require(self, *, interrupted: bool = False) -> Run:
         run = self._run
@@ -324,22 +327,3 @@ class Loader:
             raise LoaderClosedError("the loader is closed")
         run.require(interrupted=interrupted)
         return run
-
-
-def _make_autotuner(config: LoaderConfig) -> Autotuner | None:
-    """The layout search of num_workers="auto" / num_threads="auto" (None without either). With
-    a process group up every rank starts from the same guess: the smallest budgets of all."""
-    if not (config.workers_auto or config.threads_auto):
-        return None
-    cpus, memory_limit = config.cpus, config.memory_limit or 0
-    gathered = _distributed.gather({"cpus": cpus, "memory_limit": memory_limit})
-    if gathered is not None:
-        cpus = min(int(g["cpus"]) for g in gathered)
-        memory_limit = min(int(g["memory_limit"]) for g in gathered)
-    follows = config.workers_auto and not config.num_threads_given
-    return Autotuner(
-        cpus=cpus,
-        memory_limit=memory_limit,
-        workers=None if config.workers_auto else config.num_workers,
-        threads=None if config.threads_auto or follows else config.num_threads,
-    )

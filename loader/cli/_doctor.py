@@ -30,7 +30,7 @@ import numpy as np
 
 from .._errors import LoaderError
 from .._loader import Loader
-from ..config import _distributed
+from ..config import distributed
 from ..observe import _trace
 from ..observe._diagnose import Diagnosis, measure_headspace
 from ._flags import check_flags, job_flags, layout, make_loader, setup
@@ -195,7 +195,7 @@ def _ranks() -> Iterator[tuple[int, int]]:
 
 def _any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is on any (a collective with a process group up)."""
-    if _distributed.group_size() <= 1:
+    if distributed.group_size() <= 1:
         return flag
     import torch
     import torch.distributed as dist
@@ -320,7 +320,7 @@ def _doctor(args: argparse.Namespace, rank: int, world: int) -> int:
     rate = recent.batches / recent.loop if recent.loop > 0 else 0.0
     alone = measure_headspace(kept, train_step, max(1, recent.batches)) if kept else None
     mine = {"rate": rate, "batches": batches, "alone": alone}
-    gathered = _distributed.gather(mine) or [mine]
+    gathered = distributed.gather(mine) or [mine]
     if rank == 0:
         no_step = args.headspace > 0 and not _headspace_batches(args)
         _print_report(report, gathered, len(kept), args.trace, world, no_step=no_step)

@@ -20,15 +20,20 @@ from typing import Any
 from workers import Shard, WorkerSpec
 
 from . import _env
-from ._autotune import Layout, first_layout
-from ._validate import check_choice, check_importable, check_positive_int
+from ._autotune import Layout
+from ._validate import (
+    check_choice,
+    check_importable,
+    check_not_importing_main,
+    check_positive_int,
+)
 
 OUTPUTS = ("numpy", "torch", "cupy")
 DEVICES = ("cpu", "gpu")
 START_METHODS = ("spawn", "forkserver")
 #: The start method of a Loader made without ``start_method``, when set ("forkserver" when unset).
 START_METHOD_ENV = "DALI_LOADER_START_METHOD"
-#: Workers forked from this process's worker server (loader.processes._server); "spawn" starts each
+#: Workers forked from this process's worker server (loader.processes.server); "spawn" starts each
 #: worker
 #: as a fresh interpreter that imports DALI and the main module itself.
 DEFAULT_START_METHOD = "forkserver"
@@ -36,55 +41,10 @@ DEFAULT_START_METHOD = "forkserver"
 #: server: unlike the environment variable, subprocesses a test starts do not inherit it).
 _process_default: str | None = None
 
-_REQUIRED = object()
-#: The Loader's keyword arguments and their defaults (``batch_size`` has none).
-_ARGUMENTS: dict[str, Any] = {
-    "batch_size": _REQUIRED,
-    "num_workers": 2,
-    "feeders": None,
-    "device": "cpu",
-    "device_id": None,
-    "num_threads": None,
-    "prefetch": 2,
-    "output": "numpy",
-    "copy": False,
-    "capture": True,
-    "seed": 0,
-    "timeout": None,
-    "start_method": None,
-    "rank": None,
-    "world_size": None,
-    "startup_timeout": 300.0,
-    "shm_limit": None,
-    "max_restarts": 0,
-    "on_error": "raise",
-    "max_skipped": None,
-    "in_order": True,
-    "cut_padding": False,
-    "trace": None,
-    "memory_limit": None,
-}
-#: Those checked on their own (:func:`_checked`), without the placement or the machine.
-_PLAIN = (
-    "batch_size",
-    "num_workers",
-    "num_threads",
-    "prefetch",
-    "output",
-    "device",
-    "seed",
-    "timeout",
-    "startup_timeout",
-    "shm_limit",
-    "max_restarts",
-    "on_error",
-    "max_skipped",
-    "trace",
-    "copy",
-    "capture",
-    "in_order",
-    "cut_padding",
-)
+
+def default_start_method() -> str | None:
+    """This process's default start method (:func:`set_default_start_method`; None: unset)."""
+    return _process_default
 
 
 def set_default_start_method(method: str | None) -> str | None:
@@ -117,6 +77,7 @@ class LoaderConfig:
     step: Callable[..., Any]
     feeders: Callable[[Shard], Mapping[str, Any]] | None
     batch_size: int
+    #: with num_workers/num_threads="auto", 0 until the run's layout plan decides them
     num_workers: int
     device: str
     device_id: int | None
@@ -153,53 +114,80 @@ class LoaderConfig:
 
     @classmethod
     def build(
-        cls, source: Callable[[Shard], Any], step: Callable[..., Any], **given: Any
+        cls,
+        source: Callable[[Shard], Any],
+        step: Callable[..., Any],
+        *,
+        batch_size: int,
+        num_workers: int | str,
+        feeders: Callable[[Shard], Mapping[str, Any]] | None,
+        device: str,
+        device_id: int | None,
+        num_threads: int | str | None,
+        prefetch: int,
+        output: str,
+        copy: bool,
+        capture: bool,
+        seed: int,
+        timeout: float | None,
+        start_method: str | None,
+        rank: int | None,
+        world_size: int | None,
+        startup_timeout: float,
+        shm_limit: int | None,
+        max_restarts: int,
+        on_error: str,
+        max_skipped: int | None,
+        in_order: bool,
+        cut_padding: bool,
+        trace: str | os.PathLike[str] | None,
+        memory_limit: int | float | None,
     ) -> LoaderConfig:
-        """Validate the constructor's arguments (``TypeError``/``ValueError`` that say what to
-        change) and discover rank, GPU and thread budget. ``given``: the Loader's keyword
-        arguments (those after ``source`` and ``step``), by name."""
-        unknown = sorted(set(given) - set(_ARGUMENTS))
-        if unknown:
-            raise TypeError(f"unexpected arguments {unknown}; the Loader takes {list(_ARGUMENTS)}")
-        a = {**_ARGUMENTS, **given}
-        if a["batch_size"] is _REQUIRED:
-            raise TypeError("batch_size is required")
-        num_workers, num_threads = a["num_workers"], a["num_threads"]
-        feeders, device_id, memory_limit = a["feeders"], a["device_id"], a["memory_limit"]
-        rank, world_size, start_method = a["rank"], a["world_size"], a["start_method"]
-        checked = _checked(**{name: a[name] for name in _PLAIN})
+        """Validate the Loader's arguments (``TypeError``/``ValueError`` that say what to
+        change; each has its default in the Loader's signature only) and discover rank, GPU and
+        thread budget. What ``"auto"`` tunes stays 0: the run's layout plan
+        (:mod:`loader.run._layout`) decides every layout, the first included."""
+        check_not_importing_main()
+        checked = _checked(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            num_threads=num_threads,
+            prefetch=prefetch,
+            output=output,
+            device=device,
+            seed=seed,
+            timeout=timeout,
+            startup_timeout=startup_timeout,
+            shm_limit=shm_limit,
+            max_restarts=max_restarts,
+            on_error=on_error,
+            max_skipped=max_skipped,
+            trace=trace,
+            copy=copy,
+            capture=capture,
+            in_order=in_order,
+            cut_padding=cut_padding,
+        )
         _check_functions(source, step, feeders)
         placement = _env.discover_placement(rank, world_size)
         device_id = _check_device(checked["device"], checked["output"], device_id, placement)
         cpus = _env.cpu_budget(placement.local_world_size)
         workers_auto, threads_auto = _is_auto(num_workers), _is_auto(num_threads)
-        threads_given = num_threads is not None and not threads_auto
-        if workers_auto or threads_auto:
-            memory_limit = _env.memory_budget(memory_limit, placement.local_world_size)
-            guess = first_layout(
-                cpus,
-                None if workers_auto else checked["num_workers"],
-                None if threads_auto else num_threads,
-            )
-            checked["num_workers"], num_threads = guess.workers, guess.threads
-        elif memory_limit is not None:
-            raise ValueError(
-                "memory_limit= is the memory budget of num_workers='auto' or "
-                "num_threads='auto'; drop it, or pass num_workers='auto'"
-            )
+        checked["num_workers"], threads, memory_limit = _layout_fields(
+            checked["num_workers"], num_threads, memory_limit, placement.local_world_size
+        )
         return cls(
             source=source,
             step=step,
             feeders=feeders,
             device_id=device_id,
-            num_threads=num_threads
-            or _env.default_num_threads(checked["num_workers"], placement.local_world_size),
-            start_method=_check_start_method(start_method),
+            num_threads=threads,
+            start_method=check_start_method(start_method),
             rank=placement.rank,
             world_size=placement.world_size,
             local_world_size=placement.local_world_size,
             placement_source=placement.source,
-            num_threads_given=threads_given,
+            num_threads_given=num_threads is not None and not threads_auto,
             workers_auto=workers_auto,
             threads_auto=threads_auto,
             memory_limit=memory_limit,
@@ -304,6 +292,28 @@ class LoaderConfig:
         }
 
 
+def _layout_fields(
+    num_workers: int | str, num_threads: Any, memory_limit: Any, local_world_size: int
+) -> tuple[int, int, int | None]:
+    """The validated ``num_workers`` (0 for "auto"), ``num_threads`` (its default for the
+    workers and local ranks when not given; 0 for "auto", or with ``num_workers="auto"`` when
+    not given) and the memory budget of what "auto" tunes. What is tuned stays 0 here: the
+    run's layout plan (loader.run._layout) decides it."""
+    if _is_auto(num_workers) or _is_auto(num_threads):
+        workers = 0 if _is_auto(num_workers) else int(num_workers)
+        threads = num_threads if isinstance(num_threads, int) else 0
+        return workers, threads, _env.memory_budget(memory_limit, local_world_size)
+    if memory_limit is not None:
+        raise ValueError(
+            "memory_limit= is the memory budget of num_workers='auto' or "
+            "num_threads='auto'; drop it, or pass num_workers='auto'"
+        )
+    workers = int(num_workers)
+    if isinstance(num_threads, int):
+        return workers, num_threads, None
+    return workers, _env.default_num_threads(workers, local_world_size), None
+
+
 def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value == "auto"
 
@@ -389,7 +399,9 @@ def _checked(**arguments: Any) -> dict[str, Any]:
     return out
 
 
-def _check_start_method(start_method: Any) -> str:
+def check_start_method(start_method: Any) -> str:
+    """The start method a Loader made with ``start_method`` uses (None: the process's
+    default, then :data:`START_METHOD_ENV`, then "forkserver")."""
     if start_method is None:
         if _process_default is not None:
             return _process_default

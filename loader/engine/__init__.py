@@ -13,3 +13,54 @@ the counters and timeline that stats read (:mod:`._stats`).
 May import: ``loader._errors``, :mod:`loader.config`, :mod:`loader.processes`, ``workers``,
 ``ipc``.
 """
+
+from ._coordinator import Coordinator, WorkerFacts
+from ._healing import Healing, Timeouts, check_healable
+from ._interrupts import is_interruption
+from ._session import Delivery
+from ._stats import (
+    STAGES,
+    LoaderStats,
+    StartSpan,
+    Timeline,
+    TrainerCounters,
+    WorkerStats,
+    batch_end,
+)
+from ._views import (
+    BatchInfo,
+    LoadedArray,
+    LoadedBatch,
+    LoadedList,
+    LoadedTuple,
+    build_batch,
+    carry_info,
+    current_stream,
+    register_pytree_nodes,
+)
+
+__all__ = [
+    "STAGES",
+    "BatchInfo",
+    "Coordinator",
+    "Delivery",
+    "Healing",
+    "LoadedArray",
+    "LoadedBatch",
+    "LoadedList",
+    "LoadedTuple",
+    "LoaderStats",
+    "StartSpan",
+    "Timeline",
+    "Timeouts",
+    "TrainerCounters",
+    "WorkerFacts",
+    "WorkerStats",
+    "batch_end",
+    "build_batch",
+    "carry_info",
+    "check_healable",
+    "current_stream",
+    "is_interruption",
+    "register_pytree_nodes",
+]

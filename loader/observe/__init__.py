@@ -7,3 +7,15 @@ anything.
 May import: ``loader._errors``, :mod:`loader.config`, :mod:`loader.engine` (its stats and
 timeline), ``workers``, ``ipc``.
 """
+
+from ._diagnose import Diagnosis, diagnose, measure_headspace
+from ._trace import rank_path, trace_events, write_trace
+
+__all__ = [
+    "Diagnosis",
+    "diagnose",
+    "measure_headspace",
+    "rank_path",
+    "trace_events",
+    "write_trace",
+]

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..config import _distributed, _env
+from ..config import _env, distributed
 from ..engine._stats import STAGES, LoaderStats
 from ._advice import (
     BLOCKED,
@@ -200,22 +200,22 @@ def diagnose(
         return report(facts, agree([facts]), stats, (load_average, machine_cpus))
     host = _env.host_facts()
     local = host["local_world_size"]
-    grouped = _distributed.group_size() > 1
+    grouped = distributed.group_size() > 1
     if local is None and not grouped:
         local = config.local_world_size  # (a one-node launcher's WORLD_SIZE, or 1)
     facts = rank_facts(
         stats,
         **settings,
-        rank=_distributed.group_rank() if grouped else config.rank,
+        rank=distributed.group_rank() if grouped else config.rank,
         node_cpus=int(host["node_cpus"]),
         local_ranks=local,
         host=str(host["host"]),
         peers=int(host["peers"]),
     )
-    gathered = _distributed.gather({"facts": facts.payload()}) if grouped else None
+    gathered = distributed.gather({"facts": facts.payload()}) if grouped else None
     ranks = [facts] if gathered is None else [RankFacts(**g["facts"]) for g in gathered]
     resolved = resolve(ranks)
-    mine = resolved[_distributed.group_rank()] if gathered is not None else resolved[0]
+    mine = resolved[distributed.group_rank()] if gathered is not None else resolved[0]
     return report(mine, agree(resolved), stats, (load_average, machine_cpus), len(resolved))
 
 

@@ -5,3 +5,13 @@ only layer that starts, signals or reaps a process.
 May import: ``loader._errors``, :mod:`loader.config`, ``workers`` (its entry points and the
 server), ``ipc``.
 """
+
+from . import server
+from ._pool import WorkerHandle, WorkerPool, describe_exit
+
+__all__ = [
+    "WorkerHandle",
+    "WorkerPool",
+    "describe_exit",
+    "server",
+]

@@ -1,7 +1,7 @@
 """The worker pool: starting, watching and stopping worker processes. Runs in the trainer.
 
 A worker is forked by this process's worker server (``start_method="forkserver"``, the default:
-:mod:`loader.processes._server`) or spawned by ``multiprocessing`` (``"spawn"``); either is a
+:mod:`loader.processes.server`) or spawned by ``multiprocessing`` (``"spawn"``); either is a
 :class:`WorkerProcess` to the pool and to the coordinator, which waits on its ``sentinel``.
 
 The pool owns, per worker: the process, its control channel, its stack pipe (faulthandler output,
@@ -33,7 +33,7 @@ from ipc.signals import STOP_SIGNAL, blocked_for_start
 from workers import Shard, WorkerSpec, modules_of, run_worker
 
 from ..config._validate import main_file
-from . import _server
+from . import server as worker_server
 from ._server_worker import ServerWorker
 
 logger = logging.getLogger("loader")
@@ -287,12 +287,12 @@ class WorkerPool:
                 handle.process.join(max(deadline - time.monotonic(), 0.5))
 
 
-def start_worker_server(specs: Sequence[WorkerSpec] = ()) -> _server.WorkerServer:
-    """This process's worker server (started if none runs, :mod:`loader.processes._server`), asked
+def start_worker_server(specs: Sequence[WorkerSpec] = ()) -> worker_server.WorkerServer:
+    """This process's worker server (started if none runs, :mod:`loader.processes.server`), asked
     to
     import the modules of the loader's functions and parse their files before it forks the
     loader's workers: those find them done instead of each importing and parsing them."""
-    server = _server.running(by_loader=True)
+    server = worker_server.running(by_loader=True)
     functions = [f for spec in specs[:1] for f in (spec.source, spec.step, spec.feeders)]
     found = modules_of(*functions)
     server.prepare([name for name, _ in found], [path for _, path in found if path])

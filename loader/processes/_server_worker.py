@@ -25,7 +25,7 @@ from typing import Any
 from ipc import server_wire as sw
 
 from .._errors import StartupError
-from ._server import REPLY_TIMEOUT, WorkerServer
+from .server import REPLY_TIMEOUT, WorkerServer
 
 
 class ServerWorker:

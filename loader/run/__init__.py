@@ -10,3 +10,13 @@ Only ``iter()`` and ``close()`` reach it to start, stop or replace processes.
 May import: ``loader._errors``, :mod:`loader.config`, :mod:`loader.processes`,
 :mod:`loader.engine`, ``workers``, ``ipc``.
 """
+
+from ._epochs import Epoch, EpochIterator, EpochSampler
+from ._run import Run
+
+__all__ = [
+    "Epoch",
+    "EpochIterator",
+    "EpochSampler",
+    "Run",
+]

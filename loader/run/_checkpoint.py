@@ -25,7 +25,7 @@ from typing import Any
 from ipc.wire import Position, RandomStates, Sampling, join_states, split_states
 from workers import describe_difference
 
-from ..config import _distributed
+from ..config import distributed
 from ..config._config import LoaderConfig
 
 logger = logging.getLogger("loader")
@@ -164,7 +164,7 @@ def encode_state(
     shards = [shard.index for shard in config.shards]
     mine, history, steps = resume.progress(shards, delivered)
     random = [random_json(states) for states in random_states]
-    gathered = _distributed.gather(
+    gathered = distributed.gather(
         {"rank": config.rank, "received": mine, "epoch": epoch, "steps": steps, "random": random}
     )
     rank, workers, world = config.rank, config.num_workers, config.world_size

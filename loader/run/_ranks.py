@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import _distributed, _env
-from ..config._config import LoaderConfig
+from ..config import LoaderConfig, distributed, package_version, settle_placement
+from ..engine import Coordinator
 
 
 def settle(config: LoaderConfig, *, started: bool) -> tuple[LoaderConfig, bool]:
@@ -19,10 +19,10 @@ def settle(config: LoaderConfig, *, started: bool) -> tuple[LoaderConfig, bool]:
     for another shard. ``started``: an epoch already ran or was resumed here (a re-lay is then
     an error). Raises ``ValueError`` when the placement contradicts the process group."""
     if config.placement_source == "torch.distributed" or (
-        not config.placement.provisional and _distributed.group_size() == 0
+        not config.placement.provisional and distributed.group_size() == 0
     ):
         return config, False
-    placement = _env.settle_placement(config.placement)
+    placement = settle_placement(config.placement)
     if placement is None:
         return config, False
     same = (placement.rank, placement.world_size) == (config.rank, config.world_size)
@@ -51,21 +51,35 @@ class RankChecks:
         re-lay)."""
         self.deferred = True
 
-    def configuration(self, config: LoaderConfig, steps_per_epoch: int | None) -> None:
+    def configuration(self, coordinator: Coordinator, config: LoaderConfig) -> None:
+        """Every rank's configuration and epoch length agree (a collective)."""
         self.configuration_checked = True
         payload = {
             **config.agreement_payload(),
-            "loader_version": _env.package_version(),
-            "steps_per_epoch": steps_per_epoch,
+            "loader_version": package_version(),
+            "steps_per_epoch": coordinator.steps_per_epoch(),
         }
-        _distributed.check_ranks("configuration", _distributed.gather(payload))
+        _collective(coordinator, "configuration", payload)
 
-    def traced(self, fields: dict[str, Any] | None) -> None:
+    def traced(self, coordinator: Coordinator, fields: dict[str, Any] | None) -> None:
+        """Every rank's traced signature agrees (a collective)."""
         self.traced_checked = True
         payload = dict(fields or {})
         payload.pop("device_id", None)  # each rank drives its own GPU
-        _distributed.check_ranks("traced signature", _distributed.gather(payload))
+        _collective(coordinator, "traced signature", payload)
 
     @staticmethod
-    def resumed(steps: int) -> None:
-        _distributed.check_ranks("resumed epoch length", _distributed.gather({"steps": steps}))
+    def resumed(coordinator: Coordinator, steps: int) -> None:
+        """Every rank resumes an epoch of the same length (a collective)."""
+        _collective(coordinator, "resumed epoch length", {"steps": steps})
+
+
+def _collective(coordinator: Coordinator, what: str, payload: dict[str, Any]) -> None:
+    """Compare ``payload`` across ranks; a disagreement fails and closes ``coordinator``'s
+    workers before it leaves."""
+    try:
+        distributed.check_ranks(what, distributed.gather(payload))
+    except BaseException as error:
+        coordinator.fail(error, "the ranks were comparing their loaders")
+        coordinator.close()
+        raise

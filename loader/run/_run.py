@@ -3,11 +3,12 @@ the ``Coordinator`` (the event loop over one pool of workers). Runs in the train
 
 ::
 
-    Loader ──owns──► Run ──owns──► Launcher ──owns──► Coordinator ──owns──► WorkerPool
-      │ (facade)      │ (epochs,      (the layout's       (event loop,         (processes,
-      │               │  Progress)     pool; the only      sessions)             sockets,
-      │               │                starter)                                  arenas)
-      └── EpochIterator ──► Epoch ◄── Run (the newest epoch; the iterator shares it)
+    Loader ──owns──► Run ──owns──► Coordinator ──owns──► WorkerPool
+      (facade)        │ (epochs,       (event loop,          (processes, sockets, arenas)
+                      │  Progress)      sessions)
+                      ├──owns──► LayoutPlan (each epoch's layout: the only one that decides it)
+                      ├──owns──► Launcher (builds, starts and retires pools; nothing else)
+                      └──owns──► Epoch ◄── EpochIterator (the newest epoch; the iterator shares it)
 
 Who may act:
 
@@ -29,105 +30,148 @@ epoch's start, as torchdata's loaders restore at the next ``iter()``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from ipc.wire import Position, RandomStates, Sampling
-from workers import steps_left
+from ipc.wire import Position, Sampling
 
-from ..config import _distributed
-from ..config._autotune import Autotuner
-from ..config._config import LoaderConfig
-from ..engine import _interrupts
-from ..engine._coordinator import Coordinator
-from ..engine._session import Delivery
-from ..engine._stats import LoaderStats
+from ..config import LoaderConfig, distributed
+from ..engine import (
+    Coordinator,
+    Delivery,
+    LoaderStats,
+    Timeline,
+    TrainerCounters,
+    check_healable,
+    is_interruption,
+)
 from . import _checkpoint, _ranks
+from ._batches import epoch_length, hand_out, stop_interrupted
 from ._checkpoint import Resume
 from ._epochs import Epoch
-from ._launcher import Launcher
+from ._launcher import Launcher, usable
+from ._layout import LayoutPlan
+from ._progress import Progress, between_epochs, left_in, log_resume, shard_indices
 
 logger = logging.getLogger("loader")
 
 
-@dataclass(frozen=True)
-class Progress:
-    """Where the run stands, as ``state_dict()`` encodes it: ``epoch`` (in progress, or between
-    epochs the next one), the loaded state it goes on from (``resume``; its received counts
-    and earlier layouts), and per worker of this rank the batches handed out since then and the
-    random generator states of its first batch not handed out."""
-
-    epoch: int
-    resume: Resume | None
-    delivered: tuple[int, ...]
-    random: tuple[RandomStates, ...]
-
-
 class Run:
-    """One loader's epochs over its lifetime, on the workers its ``launcher`` keeps (the
-    current layout's pool and coordinator), and the pending state. See the module docstring for
-    who may start or stop processes."""
+    """One loader's epochs over its lifetime: the workers of the current layout (its
+    coordinator), what each epoch runs on (its :class:`LayoutPlan`), and the pending state.
+    Built with its first pool started (closed again when that fails). See the module docstring
+    for who may start or stop processes."""
 
-    def __init__(self, launcher: Launcher) -> None:
-        self.launcher = launcher
-        self.timeline = launcher.timeline
-        self.counters = launcher.counters
+    def __init__(self, config: LoaderConfig) -> None:
+        self.layout = LayoutPlan(config)
+        config = self.layout.config
+        self.counters = TrainerCounters(created=time.monotonic())
+        #: every batch's stage times and the trainer's next() calls (stats, diagnose, trace)
+        self.timeline = Timeline(config.num_workers)
+        self.launcher = Launcher(self.timeline, self.counters)
+        self.checks = _ranks.RankChecks()
+        self.coordinator: Coordinator | None = None
+        self._closed = True  # until a pool is up: close() works on a half-built run
+        self._kind: str | None = None  # the output kind of a batch (dict, tuple, one array)
         self.epoch = 0  # the epoch the next iter() runs
         self.current: Epoch | None = None  # the newest epoch (shared with its iterator)
         self.pending: Resume | None = None  # a loaded state, applied at its epoch's start
         self.pending_for: tuple[int, int] | None = None  # the (rank, world size) it was for
+        try:
+            coordinator = self._launch_first(config)
+            if self.layout.autotuner is not None:
+                fitted = self.layout.fit_memory(coordinator.worker_facts())
+                if fitted is not None:
+                    self._launch(fitted, replacing=coordinator)
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------------------ the pool
-    @property
-    def config(self) -> LoaderConfig:
-        """The configuration as running."""
-        return self.launcher.config
+    def _launch(self, config: LoaderConfig, *, replacing: Coordinator | None = None) -> Coordinator:
+        """Start ``config``'s pool as the run's (in place of ``replacing``'s, closed first)."""
+        replaced = None if replacing is None else self.launcher.retire(replacing, config)
+        coordinator = self.coordinator = self.launcher.pool(config)
+        self._closed = False
+        self.launcher.start(coordinator, config, replaced=replaced)
+        return coordinator
 
-    @property
-    def autotuner(self) -> Autotuner | None:
-        return self.launcher.autotuner
-
-    def launch(self, config: LoaderConfig) -> None:
-        """Start the first pool (closes and raises when it does not start)."""
-        self.launcher.launch(config)
-
-    def fit_memory(self) -> None:
-        self.launcher.fit_memory()
+    def _launch_first(self, config: LoaderConfig) -> Coordinator:
+        """The run's first pool (or the first on a rank a process group settled), checked
+        (closed when it does not start or fails a check)."""
+        try:
+            coordinator = self._launch(config)
+            if config.on_error == "skip" or config.max_restarts:
+                check_healable(config, coordinator.sampling() is not None)
+            if distributed.group_size() > 1 and not self.checks.deferred:  # (every rank here)
+                self.checks.configuration(coordinator, self.layout.config)
+        except BaseException:
+            self.close()
+            raise
+        self.launcher.started(config)
+        return coordinator
 
     @property
     def closed(self) -> bool:
-        return self.launcher.closed
+        """Closed, or shut down after a failure (its pool is closed)."""
+        coordinator = self.coordinator
+        return self._closed or coordinator is None or coordinator.pool.closed
 
     def close(self) -> None:
-        self.launcher.close()
+        """Stop the workers and release their shared memory (idempotent, bounded)."""
+        self._closed = True
+        if self.coordinator is not None:
+            self.coordinator.close()
 
     def require(self, *, interrupted: bool = False) -> Coordinator:
         """The open coordinator (``LoaderClosedError`` after ``close()`` or a failure; see
-        :meth:`Launcher.require` for ``interrupted``)."""
-        return self.launcher.require(interrupted=interrupted)
+        :func:`~loader.run._launcher.usable` for ``interrupted``)."""
+        return usable(self.coordinator, closed=self._closed, interrupted=interrupted)
 
     def planned(self, *, strict: bool = True) -> LoaderConfig:
-        """The configuration the next epoch starts with (:meth:`Launcher.planned`)."""
-        return self.launcher.planned(self.epoch, live=self._live(), strict=strict)
+        """The configuration the next epoch starts with: the rank a process group settled and
+        the layout decided (the running one, ``layout.config``, while an epoch is live); closes
+        the run and raises when the rank contradicts what ran (``strict=False``: the running
+        configuration where the rank cannot be settled yet)."""
+        try:
+            return self.layout.planned(self.epoch, live=self._live(), strict=strict)
+        except (ValueError, RuntimeError):
+            self.close()
+            raise
 
-    def sampling(self) -> Sampling:
-        return self.launcher.sampling()
+    def sampling(self, *, interrupted: bool = False) -> Sampling:
+        """What the workers sample from (``TypeError`` for a source without positions)."""
+        sampling = self.require(interrupted=interrupted).sampling()
+        if sampling is None:
+            raise TypeError(_checkpoint.NOT_RESUMABLE)
+        return sampling
 
     # ------------------------------------------------------------------------------ observed
     def stats(self, window: float) -> LoaderStats:
-        current = self.current  # an epoch over by count: its end is on its way, recorded first
-        return self.launcher.stats(window, epoch_over=current is not None and current.finished)
+        """``stats()``: the coordinator's counters and the trainer's, with the autotuner's
+        report (an epoch over by count first has its end recorded: it is on its way)."""
+        coordinator, current = self.coordinator, self.current
+        assert coordinator is not None
+        if current is not None and current.finished and not self.closed:
+            coordinator.finish_epoch()
+        stats = coordinator.stats(self.counters, window, self.layout.config.cpus)
+        report = self.layout.report()
+        return stats if report is None else dataclasses.replace(stats, autotune=report)
 
     def fingerprint(self) -> str | None:
-        return self.launcher.fingerprint()
+        """What the workers read (``Sampling.fingerprint``), None for a DALI reader."""
+        sampling = self.coordinator.sampling() if self.coordinator is not None else None
+        return None if sampling is None else sampling.fingerprint
 
     def worker_names(self) -> list[str] | None:
-        return self.launcher.worker_names()
+        """The workers' names for a trace; None when no pool ever started."""
+        return None if self.coordinator is None else self.coordinator.worker_names()
 
     def pids(self) -> list[int]:
+        """The running workers' process ids (``LoaderClosedError`` when closed)."""
         return self.require().pids()
 
     # ------------------------------------------------------------------------------ epochs
@@ -153,20 +197,17 @@ class Run:
             return
         resume = self.pending
         if resume is not None:
+            was = resume.epoch
             logger.warning(
-                "set_epoch(%d): the state loaded for epoch %d is dropped, epoch %d runs from its "
-                "start (call set_epoch(%d), or nothing, to resume that state)",
-                epoch,
-                resume.epoch,
-                epoch,
-                resume.epoch,
+                f"set_epoch({epoch}): the state loaded for epoch {was} is dropped, epoch {epoch} "
+                f"runs from its start (call set_epoch({was}), or nothing, to resume that state)"
             )
             self.pending = None
         self.epoch = epoch
 
     def next_batch(self, run: Epoch) -> Any:
         """The next batch of ``run`` (``StopIteration`` at its end). An interruption (Ctrl-C's
-        ``KeyboardInterrupt``) goes through unchanged; what it leaves: :meth:`_interrupted`."""
+        ``KeyboardInterrupt``) goes through unchanged (what it leaves: ``stop_interrupted``)."""
         entered = time.perf_counter_ns()
         coordinator = first = self.require()
         polled = coordinator.wait_ns
@@ -183,58 +224,30 @@ class Run:
                     polled -= first.wait_ns
             if not run.finished and (run.expected is None or run.delivered < run.expected):
                 coordinator.wait_signatures()
-                checks = self.launcher.checks
+                checks = self.checks
                 if not checks.traced_checked:
                     fields = coordinator.agreement_fields()
-                    self.launcher.collective(lambda: checks.traced(fields))
+                    checks.traced(coordinator, fields)
                 delivery = coordinator.next_batch(run.next_step)
             if delivery is None:  # over (or nothing left: a state saved at its epoch's end)
                 self._over(run, entered, self.require().wait_ns - polled)
                 raise StopIteration
             info = delivery.info
-            batch = self.launcher.hand_out(coordinator, delivery)
+            if self._kind is None:
+                self._kind = coordinator.output_kind(delivery.info.worker)
+            batch = hand_out(coordinator, delivery, self.layout.config, self.counters, self._kind)
             waited = coordinator.wait_ns - polled
             self.timeline.next_call(entered, waited, info.epoch, info.worker_step, info.worker)
             # the user's from here: counted last, so an interruption before leaves it uncounted
             coordinator.handed_out(delivery)
             run.handed_out()
-            if run.finished:
-                self.launcher.after_epoch(run)
+            if run.finished and not run.replaced:
+                self.layout.after_epoch(self.timeline, self.require(), run.epoch)
         except BaseException as error:
-            if _interrupts.is_interruption(error):
-                self._interrupted(error, run, delivery)
+            if is_interruption(error):
+                stop_interrupted(self.coordinator, error, run, delivery)
             raise
         return batch
-
-    def _interrupted(self, error: BaseException, run: Epoch, delivery: Delivery | None) -> None:
-        """``next()`` was interrupted (:mod:`loader.engine._interrupts`). Blocked in a wait for
-        a batch, nothing was half-done and the workers go on. Anywhere else they are stopped
-        (``LoaderClosedError`` from then on, with these words), and ``delivery``, a batch that
-        did not reach the user, is not counted. Either way ``state_dict()`` describes the
-        batches handed out: a run resumed from it gets the rest, each batch once."""
-        coordinator = self.launcher.coordinator
-        if coordinator is None or coordinator.interrupted_cleanly(error):
-            return
-        if delivery is not None:
-            info = delivery.info
-            coordinator.take_back(delivery)
-            run.take_back(info.step)
-            doing = (
-                f"handing out batch {info.step} of epoch {info.epoch} (worker {info.worker}), "
-                "which was not counted as received"
-            )
-        elif not run.started:
-            doing = f"starting epoch {run.epoch}"
-        elif run.finished:
-            doing = f"ending epoch {run.epoch}"
-        else:
-            doing = f"taking batch {run.next_step} of epoch {run.epoch}"
-        if coordinator.failure is None:
-            coordinator.fail(error, doing)
-        logger.info(
-            "the workers were stopped: %s; state_dict() still describes the batches handed out",
-            coordinator.failure_reason,
-        )
 
     def _over(self, run: Epoch, entered: int, waited: int) -> None:
         over = run.finish()
@@ -242,23 +255,22 @@ class Run:
             self.counters.epoch_over(time.monotonic())
         run.leave_accelerate()
         self.timeline.next_call(entered, waited, run.epoch, -1, -1)
-        if over:
-            self.launcher.after_epoch(run)
+        if over and not run.replaced:
+            self.layout.after_epoch(self.timeline, self.require(), run.epoch)
 
     def _start(self, run: Epoch) -> Coordinator:
         """The first ``next()`` of ``run``: the settled rank and decided layout, a loaded state
         or a set epoch applied, the epoch started in every worker."""
         current = self.current
         started = current is not None and current.started
-        launcher = self.launcher
-        coordinator = launcher.prepare(self.epoch, started=started, loaded_for=self.pending_for)
-        if not launcher.checks.configuration_checked and _distributed.group_size() > 1:
-            launcher.check_configuration()
+        coordinator = self._prepare(started)
+        if not self.checks.configuration_checked and distributed.group_size() > 1:
+            self.checks.configuration(coordinator, self.layout.config)
         # the loaded state stays pending until the epoch began (after the workers were told,
         # which resets their counts): an interruption before leaves state_dict() describing it
         epoch, resume = self.epoch, self.pending
         if resume is not None and resume.epoch == epoch:  # (set_epoch drops another one)
-            shards = _shard_indices(self.config)
+            shards = shard_indices(self.layout.config)
             left = coordinator.seek(resume.position, resume.random_states(shards))
             base, cursor = resume.first_turn(shards, left)
             coordinator.start_epoch(epoch, base, cursor)
@@ -281,6 +293,26 @@ class Run:
         run.join_accelerate()
         return coordinator
 
+    def _prepare(self, started: bool) -> Coordinator:
+        """At the next epoch's start: the rank settled and the layout decided, each a new pool
+        when it differs from the running one (the only place, with the constructor and
+        close(), that workers start, stop or are replaced)."""
+        coordinator = self.require()
+        try:
+            layout = self.layout.next_epoch(
+                self.epoch, started=started, loaded_for=self.pending_for
+            )
+        except (ValueError, RuntimeError):
+            self.close()
+            raise
+        if layout.relay:
+            coordinator.close()
+            self.checks.defer()  # no collective here: other ranks may not re-lay
+            coordinator = self._launch_first(layout.settled)
+        if layout.config is not layout.settled:
+            coordinator = self._launch(layout.config, replacing=coordinator)
+        return coordinator
+
     def _abort(self, run: Epoch) -> None:
         """Stop ``run`` in every worker and wait until each has rebuilt its sources."""
         coordinator = self.require()
@@ -293,7 +325,8 @@ class Run:
         """``len(loader)``: the epoch's length on this rank (a resumed epoch's: received
         before the save plus what is left)."""
         loaded = self._loaded()
-        full = self.launcher.epoch_length(self.planned())
+        planned = self.planned()
+        full = epoch_length(self.require(), planned)
         return full if loaded is None else loaded[0].epoch_length(full, loaded[1])
 
     def remaining(self) -> int:
@@ -302,42 +335,33 @@ class Run:
         if self._live():
             assert current is not None
             if current.expected is None:
-                self.launcher.epoch_length(self.config)  # raises: unknown for this source
+                epoch_length(self.require(), self.layout.config)  # raises: unknown here
             assert current.expected is not None
             return current.expected - current.delivered
         loaded = self._loaded()
-        return self.launcher.epoch_length(self.planned()) if loaded is None else loaded[1]
+        if loaded is not None:
+            return loaded[1]
+        planned = self.planned()
+        return epoch_length(self.require(), planned)
 
-    def progress(self, config: LoaderConfig | None = None) -> Progress:
-        """The run's :class:`Progress` (no message to a worker); ``config``: :meth:`planned`,
-        when the caller has it already."""
-        config = config or self.planned()
-        coordinator = self.launcher.require(interrupted=True)
+    def state(self) -> dict[str, Any]:
+        """``state_dict()``: :meth:`progress` encoded, gathered across ranks (after an
+        interruption that stopped the workers too))."""
+        sampling = self.sampling(interrupted=True)
+        config = self.planned()
+        coordinator = self.require(interrupted=True)
         current = self.current
-        workers = config.num_workers
         if self._live():
             assert current is not None
-            return Progress(
+            progress = Progress(
                 current.epoch,
                 current.resume,
                 tuple(coordinator.delivered()),
                 tuple(coordinator.random_states()),
             )
-        resume = self.pending
-        if resume is not None:
-            random = tuple(resume.random_states(_shard_indices(config)))
-        elif coordinator.next_epoch() == self.epoch and workers == self.config.num_workers:
-            random = tuple(coordinator.random_states())
-        else:  # set_epoch, or a new layout: the workers start that epoch seeded for it
-            random = (b"",) * workers
-        return Progress(self.epoch, resume, (0,) * workers, random)
-
-    def state(self) -> dict[str, Any]:
-        """``state_dict()``: :meth:`progress` encoded, gathered across ranks (after an
-        interruption that stopped the workers too: :meth:`_interrupted`)."""
-        sampling = self.launcher.sampling(interrupted=True)
-        config = self.planned()
-        progress = self.progress(config)
+        else:
+            running = self.layout.config.num_workers
+            progress = between_epochs(coordinator, self.epoch, self.pending, config, running)
         resume = progress.resume or Resume(Position(progress.epoch, ()))
         return _checkpoint.encode_state(
             sampling, config, resume, progress.epoch, progress.delivered, progress.random
@@ -346,8 +370,7 @@ class Run:
     def load(self, state: Mapping[str, Any], *, strict: bool) -> None:
         """``load_state_dict()``: check ``state`` and keep it for its epoch's start."""
         self.require()
-        if self.autotuner is not None:
-            self.launcher.resume_layout(state, live=self._live())
+        self.layout.resume_on(state, live=self._live())
         config = self.planned()
         resume = _checkpoint.parse_state(
             state,
@@ -360,24 +383,11 @@ class Run:
         current = self.current
         if current is not None and current.in_progress:
             current.replace()  # its iterator is done; the next iter() stops it
-        left = self._left(resume, config)
+        left = left_in(resume, self.sampling(), config)
         self.pending, self.epoch = resume, resume.epoch
         self.pending_for = (config.rank, config.world_size)
-        self.launcher.collective(lambda: _ranks.RankChecks.resumed(left))
-        _log_resume(resume, left)
-
-    def _left(self, resume: Resume, config: LoaderConfig) -> int:
-        """Batches this rank has left in ``resume``'s epoch on ``config``'s layout."""
-        return sum(
-            steps_left(
-                self.sampling(),
-                resume.epoch,
-                _shard_indices(config),
-                config.world_size * config.num_workers,
-                resume.position,
-                ranks=config.world_size,
-            )
-        )
+        self.checks.resumed(self.require(), left)
+        log_resume(resume, left)
 
     def _loaded(self) -> tuple[Resume, int] | None:
         """The loaded state of the epoch in progress (between epochs: of the next one), and
@@ -388,39 +398,10 @@ class Run:
             resume = current.resume
             return None if resume is None else (resume, current.expected or 0)
         if self.pending is not None:
-            return self.pending, self._left(self.pending, self.planned())
+            return self.pending, left_in(self.pending, self.sampling(), self.planned())
         return None
 
     def _live(self) -> bool:
         """An epoch is being delivered (not replaced by a loaded state)."""
         current = self.current
         return current is not None and current.in_progress and not current.replaced
-
-    # ------------------------------------------------------------------------------ checks
-
-
-def _shard_indices(config: LoaderConfig) -> list[int]:
-    return [shard.index for shard in config.shards]
-
-
-def _log_resume(resume: Resume, left: int) -> None:
-    logger.info(
-        "resuming epoch %d at %s (%s layout): %d batches received before, %d left on this rank",
-        resume.epoch,
-        list(resume.position.segments[-1][1]),
-        "same" if resume.continues else "new",
-        resume.before,
-        left,
-    )
-    if not resume.continues:
-        logger.info(
-            "random draws restart on a new layout: the samples of epoch %d go on exactly, "
-            "DALI's random draws (augmentations) differ from an uninterrupted run's; draw "
-            "them from the sample id in load() where they must not",
-            resume.epoch,
-        )
-    elif resume.random is None:
-        logger.info(
-            "the state has no random generator states (saved before they were kept): the "
-            "samples go on exactly, DALI's random draws differ from an uninterrupted run's"
-        )

@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..config import _distributed, _env
+from ..config import _env, distributed
 from ..config._autotune import Autotuner, Decision, Layout, Measurement, combine
 from ..engine._stats import batch_end
 
@@ -117,7 +117,7 @@ def after_epoch(
         cpus=config.cpus,
         memory_limit=config.memory_limit or tuner.memory_limit,
     )
-    gathered = _distributed.gather(
+    gathered = distributed.gather(
         {"measured": None if measured is None else measured.payload(), **_env.host_facts()}
     )
     if gathered is not None:
@@ -134,9 +134,7 @@ def at_start(tuner: Autotuner, facts: Sequence[WorkerFacts], config: LoaderConfi
     CPU budget is the smallest share of any host's CPUs (a first guess made for more CPUs is
     replaced)."""
     memory, largest = worker_memory(facts, config.num_slots)
-    gathered = _distributed.gather(
-        {"memory": memory, "worker_memory": largest, **_env.host_facts()}
-    )
+    gathered = distributed.gather({"memory": memory, "worker_memory": largest, **_env.host_facts()})
     moved = False
     if gathered is not None:
         memory = max(int(g["memory"]) for g in gathered)

@@ -22,7 +22,7 @@ not close: one still open, and one dropped while part of a reference cycle, so t
 ran until the garbage collector found it (a Loader dropped otherwise closes at once).
 
 The worker server: Loaders made without ``start_method`` fork their workers from one worker server
-per process (:mod:`loader.processes._server`; the default start method, ``"forkserver"``). In a test
+per process (:mod:`loader.processes.server`; the default start method, ``"forkserver"``). In a test
 session that uses DALI (a module under the root directory that mentions ``nvidia.dali`` is
 imported), the plugin starts that server at the session's start, before any test runs: under
 pytest-xdist one per xdist worker (nothing is shared between them), with DALI imported and the
@@ -55,8 +55,8 @@ import psutil
 import pytest
 
 from .._loader import OPEN_LOADERS
-from ..config._config import _check_start_method, set_default_start_method
-from ..processes import _server
+from ..config import check_start_method, set_default_start_method
+from ..processes import server as worker_server
 from ._resume import assert_resumes_exactly
 
 __all__ = [
@@ -108,7 +108,7 @@ def _helper_pids() -> set[int]:
             continue
         if any(marker in cmdline for marker in _HELPER_MARKERS):
             helpers.add(child.pid)
-    server = _server.server_pid()
+    server = worker_server.server_pid()
     if server is not None:
         helpers.add(server)
     return helpers
@@ -118,7 +118,7 @@ def _helper_fds() -> set[int]:
     """This process's descriptors that belong to long-lived helpers: the worker server's socket,
     and every pipe shared with a helper process (multiprocessing's resource tracker or
     forkserver: the same pipe inode is open in that process)."""
-    fds = set(_server.server_fds())
+    fds = set(worker_server.server_fds())
     shared: set[str] = set()
     for pid in _helper_pids():
         try:
@@ -359,9 +359,9 @@ def start_worker_server(files: Sequence[str] = ()) -> str:
     """Start this process's worker server now (DALI imported, nothing run, ``files`` parsed for
     DALI's capture) and make Loaders made without ``start_method`` use it, whatever
     ``DALI_LOADER_START_METHOD`` says; returns how it was started (``fork`` or ``exec``,
-    :mod:`loader.processes._server`). The server stays up until the process exits."""
+    :mod:`loader.processes.server`). The server stays up until the process exits."""
     set_default_start_method("forkserver")
-    return _server.ensure_running(files)
+    return worker_server.ensure_running(files)
 
 
 def dali_calling_files(root: str | os.PathLike[str]) -> list[str]:
@@ -429,8 +429,8 @@ def _loader_worker_server_option(request: pytest.FixtureRequest) -> None:
         return
     if wanted is False or not config.getini("loader_worker_server"):
         return
-    if not _server.supported() or _check_start_method(None) != "forkserver":
+    if not worker_server.supported() or check_start_method(None) != "forkserver":
         return
     files = dali_calling_files(config.rootpath)
     if files:
-        _server.ensure_running(files)
+        worker_server.ensure_running(files)

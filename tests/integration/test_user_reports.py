@@ -156,7 +156,7 @@ FORKSERVER_SCRIPT = """
 import time
 import psutil
 from loader import Loader
-from loader.processes._server import server_pid
+from loader.processes.server import server_pid
 from tests import pipelines as P
 
 def ids(loader):

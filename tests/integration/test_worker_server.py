@@ -17,7 +17,7 @@ import pytest
 
 from loader import Loader, WorkerDiedError
 from loader.config import _config
-from loader.processes import _server
+from loader.processes import server as _server
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,7 +49,7 @@ import numpy as np
 
 from loader import Loader
 
-from loader.processes import _server
+from loader.processes import server as _server
 
 
 class Ids:
@@ -201,15 +201,15 @@ def test_the_default_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(_config.START_METHOD_ENV, raising=False)
     previous = _config.set_default_start_method(None)
     try:
-        assert _config._check_start_method(None) == "forkserver"
+        assert _config.check_start_method(None) == "forkserver"
         monkeypatch.setenv(_config.START_METHOD_ENV, "spawn")
-        assert _config._check_start_method(None) == "spawn"
-        assert _config._check_start_method("forkserver") == "forkserver"
+        assert _config.check_start_method(None) == "spawn"
+        assert _config.check_start_method("forkserver") == "forkserver"
         monkeypatch.setenv(_config.START_METHOD_ENV, "fork")
         with pytest.raises(ValueError, match="DALI_LOADER_START_METHOD='fork'"):
-            _config._check_start_method(None)
+            _config.check_start_method(None)
         _config.set_default_start_method("spawn")
-        assert _config._check_start_method(None) == "spawn"  # the process's default first
+        assert _config.check_start_method(None) == "spawn"  # the process's default first
     finally:
         _config.set_default_start_method(previous)
 
@@ -294,7 +294,7 @@ def test_a_worker_killed_by_a_signal_is_reported_through_the_server() -> None:
 
 
 EARLY_PACKAGE = """
-from loader.processes import _server
+from loader.processes import server as _server
 
 HOW = _server.start_early()  # what the loader package's import does at its end
 
@@ -315,7 +315,7 @@ EARLY_SCRIPT = """
 import json
 import mylib
 from loader import Loader
-from loader.processes import _server
+from loader.processes import server as _server
 
 if __name__ == "__main__":
     server = _server.server_pid()
@@ -342,7 +342,7 @@ def test_the_server_ends_with_its_trainer(tmp_path: Path) -> None:
     script = tmp_path / "main.py"
     script.write_text(
         "import sys, time\n"
-        "from loader.processes import _server\n"
+        "from loader.processes import server as _server\n"
         "print(_server.ensure_running(), _server.server_pid(), flush=True)\n"
         "time.sleep(60)\n"
     )
@@ -478,12 +478,12 @@ import multiprocessing
 import sys
 
 import loader
-from loader.processes import _server
+from loader.processes import server as _server
 
 
 def child(queue):  # a spawned child that imports the loader (a pool's process, a worker)
     import loader  # noqa: F401
-    from loader.processes import _server
+    from loader.processes import server as _server
 
     queue.put(_server.started_how())
 

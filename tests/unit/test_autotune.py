@@ -3,13 +3,15 @@ checks of its arguments (no processes)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from loader import Loader
-from loader._loader import _make_autotuner
 from loader.config._autotune import Autotuner, Layout, Measurement, combine, first_layout
 from loader.config._config import LoaderConfig
 from loader.config._env import memory_budget
+from loader.run._layout import first_guess
 from tests import timing_pipelines as T
 
 MiB = 2**20
@@ -168,19 +170,28 @@ def test_a_fraction_is_of_the_available_memory_split_among_sharers() -> None:
 
 def _config(**arguments: object) -> LoaderConfig:
     """A configuration as a Loader with these keywords (the rest as its defaults) makes it."""
-    return LoaderConfig.build(T.quick_source, T.id_step, **{"batch_size": 4, **arguments})
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(Loader.__init__).parameters.items()
+        if parameter.default is not inspect.Parameter.empty
+    }
+    return LoaderConfig.build(
+        T.quick_source, T.id_step, **{**defaults, "batch_size": 4, **arguments}
+    )
 
 
 def test_what_auto_tunes_follows_the_arguments() -> None:
-    both = _make_autotuner(_config(num_workers="auto"))
+    both = first_guess(_config(num_workers="auto"))
     assert both is not None and both.tuning == "workers and threads"
     assert both.layout == first_layout(_config(num_workers="auto").cpus, None, None)
-    workers = _make_autotuner(_config(num_workers="auto", num_threads=1))
+    # what is tuned is left to the run's layout plan: 0 until its first guess
+    assert (_config(num_workers="auto").num_workers, _config(num_workers=3).num_workers) == (0, 3)
+    workers = first_guess(_config(num_workers="auto", num_threads=1))
     assert workers is not None and workers.tuning == "workers"
     assert all(layout.threads == 1 for layout in workers.ladder())
-    threads = _make_autotuner(_config(num_workers=3, num_threads="auto"))
+    threads = first_guess(_config(num_workers=3, num_threads="auto"))
     assert threads is not None and threads.tuning == "threads"
-    assert _make_autotuner(_config()) is None
+    assert first_guess(_config()) is None
     payload = _config(num_workers="auto", num_threads="auto").agreement_payload()
     assert (payload["num_workers"], payload["num_threads"]) == ("auto", "auto")
 

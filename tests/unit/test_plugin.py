@@ -187,7 +187,7 @@ SERVER_SUITE = {
         import psutil
         import pytest
         from loader import Loader
-        from loader.processes import _server
+        from loader.processes import server as _server
         import steps
 
         SERVERS = []

