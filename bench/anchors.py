@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import _harness as H
 from bench._s3 import CountingProxy, S3Server, Served
 
 LOADERS = ("loader", "litdata", "mosaic")
@@ -509,23 +510,22 @@ def table(
     row("resume: process start → first batch, s", lambda f, r: r.started_s, "{:.1f}")
     row("resume: construct and load → first batch, s", lambda f, r: r.first_s, "{:.1f}")
     row("  requests before it", lambda f, r: r.first.requests if r.first_s else None, "{:d}")
-    lines = [
-        "| " + " | ".join(["", *(NAMES[n] for n in LOADERS)]) + " |",
-        "|" + "|".join("---" for _ in range(len(LOADERS) + 1)) + "|",
-    ]
+    shown = []
     for label, cells in rows:
         if only and label not in only:
             continue
         if label.strip() == "every sample once":
             cells = [{"1": "yes", "0": "no"}.get(c, c.replace("0-1", "not always")) for c in cells]
-        lines.append("| " + " | ".join([label, *cells]) + " |")
-    return "\n".join(lines)
+        shown.append([label, *cells])
+    columns = [H.Col("", left=True), *(H.Col(NAMES[n]) for n in LOADERS)]
+    return H.table(columns, shown, markdown=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.anchors", description=__doc__.split("\n")[0]
-    )
+def parser() -> argparse.ArgumentParser:
+    return H.parser("anchors", __doc__, add_arguments)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--size",
         action="append",
@@ -567,9 +567,13 @@ def main(argv: list[str] | None = None) -> None:
         default=os.environ.get("BENCH_ANCHORS_PYTHON", ".venv-anchors/bin/python"),
         help="the anchors' environment's python (bench/anchors.sh makes .venv-anchors)",
     )
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    built = parser()
+    args = built.parse_args(argv)
     if not Path(args.anchors_python).exists():
-        parser.error(
+        built.error(
             f"{args.anchors_python} does not exist: run bash bench/anchors.sh, which makes it"
         )
     sizes = [

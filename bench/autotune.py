@@ -23,13 +23,13 @@ import argparse
 import functools
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
+from bench import _harness as H
 from bench import _sources as S
 from loader import Loader, ensure_sample_dataset
 from loader.sample import image_source, image_step
@@ -77,12 +77,12 @@ def workloads(quick: bool) -> list[Workload]:
 
 def epoch_rate(loader: Loader) -> float:
     """One epoch; batches per second from its ``iter()`` to its end."""
-    started = time.perf_counter()
     batches = 0
-    for batch in loader:
-        batches += 1
-        del batch
-    return batches / (time.perf_counter() - started)
+    with H.Clock() as clock:
+        for batch in loader:
+            batches += 1
+            del batch
+    return batches / clock.wall
 
 
 def fixed_layouts(cpus: int, quick: bool) -> list[tuple[int, int]]:
@@ -102,6 +102,12 @@ def workers_memory(loader: Loader) -> int:
         slots = loader.config.num_slots * (worker.bytes // worker.steps) if worker.steps else 0
         total += uss + slots
     return total
+
+
+def _timed_epoch(contender: Contender, auto: bool) -> None:
+    contender.rates.append(epoch_rate(contender.loader))
+    if auto:
+        contender.memory = max(contender.memory, workers_memory(contender.loader))
 
 
 def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
@@ -134,12 +140,11 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
             )
             contenders.append(Contender(f"W={workers} x {threads} threads", loader))
             epoch_rate(loader)  # warm-up: the traced first batches
-        for round_index in range(args.epochs):
-            shift = round_index % len(contenders)
-            for contender in contenders[shift:] + contenders[:shift]:
-                contender.rates.append(epoch_rate(contender.loader))
-                if contender is auto:
-                    auto.memory = max(auto.memory, workers_memory(auto.loader))
+        H.paired(
+            {c.name: functools.partial(_timed_epoch, c, c is auto) for c in contenders},
+            rounds=args.epochs,
+            order="rotate",
+        )
         report = auto.loader.stats().autotune
         assert report is not None
     finally:
@@ -167,21 +172,35 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
     }
 
 
+COLUMNS = [
+    H.Col("workload", left=True),
+    H.Col("auto chose", left=True),
+    H.Col("tuning"),
+    H.Col("auto b/s", ".1f"),
+    H.Col("best fixed", left=True),
+    H.Col("b/s", ".1f"),
+    H.Col("auto/best", ".2f", "x"),
+    H.Col("auto/same", ".2f", "x"),
+    H.Col("memory / budget"),
+]
+
+
 def render(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        f"{'workload':<8} {'auto chose':<20} {'tuning':>6} {'auto b/s':>9} "
-        f"{'best fixed':<20} {'b/s':>9} {'auto/best':>9} {'auto/same':>9} "
-        f"{'memory / budget':>20}"
-    ]
-    for row in rows:
-        memory = f"{row['memory'] / 2**20:.0f} / {row['memory_limit'] / 2**20:.0f} MiB"
-        same = "-" if row["same"] is None else f"{row['same']:.2f}x"
-        lines.append(
-            f"{row['workload']:<8} {row['layout']:<20} {row['tuning_epochs']:>6} "
-            f"{row['medians']['auto']:>9.1f} {row['best']:<20} "
-            f"{row['medians'][row['best']]:>9.1f} {row['ratio']:>8.2f}x {same:>9} {memory:>20}"
+    cells = [
+        (
+            row["workload"],
+            row["layout"],
+            row["tuning_epochs"],
+            row["medians"]["auto"],
+            row["best"],
+            row["medians"][row["best"]],
+            row["ratio"],
+            row["same"],
+            f"{row['memory'] / 2**20:.0f} / {row['memory_limit'] / 2**20:.0f} MiB",
         )
-    lines.append("")
+        for row in rows
+    ]
+    lines = [H.table(COLUMNS, cells), ""]
     lines.append("auto/same: against the fixed loader of the layout auto chose (the noise here)")
     lines.append("every fixed layout (median batches/s):")
     for row in rows:
@@ -196,8 +215,11 @@ def _limit(text: str) -> int | float:
     return float(text) if "." in text else int(text)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.autotune", description=__doc__)
+def parser() -> argparse.ArgumentParser:
+    return H.parser("autotune", __doc__, add_arguments, summary=False)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="shorter epochs, one thread split")
     parser.add_argument("--epochs", type=int, default=None, help="timed epochs per contender")
     parser.add_argument("--tune-epochs", type=int, default=5, help="most tuning epochs")
@@ -210,17 +232,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--workloads", default="images,python,tiny", help="comma-separated: images,python,tiny"
     )
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    built = parser()
+    args = built.parse_args(argv)
     if args.epochs is None:
         args.epochs = 5 if args.quick else 9
     wanted = args.workloads.split(",")
     unknown = set(wanted) - {"images", "python", "tiny"}
     if unknown:
-        parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+        built.error(f"unknown workloads: {', '.join(sorted(unknown))}")
     load_before = os.getloadavg()
     print(f"load average {load_before[0]:.1f}", flush=True)
-    started = time.perf_counter()
     rows = []
+    clock = H.Clock().__enter__()
     for workload in workloads(args.quick):
         if workload.name in wanted:
             rows.append(run_workload(workload, args))
@@ -229,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     print(render(rows))
     load_after = os.getloadavg()
     print(
-        f"\n{time.perf_counter() - started:.0f} s; load average {load_before[0]:.1f} before, "
+        f"\n{clock.lap():.0f} s; load average {load_before[0]:.1f} before, "
         f"{load_after[0]:.1f} after (1-minute)"
     )
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -35,6 +34,7 @@ from typing import Any
 
 import psutil
 
+from bench import _harness as H
 from bench import _sources as S
 from loader import Loader, ensure_sample_dataset, list_images
 from loader.sample import image_source, image_step
@@ -121,33 +121,24 @@ class Run:
     first_batch_s: float  # from building the contender to its first batch
 
 
-def _cpu(processes: list[psutil.Process]) -> float:
-    total = 0.0
-    for process in processes:
-        times = process.cpu_times()
-        total += times.user + times.system
-    return total
-
-
 def _timed(epochs: Iterator[Iterable[Any]], count: int, processes: Any) -> Run:
     """The first epoch is a warm-up (it traces; its first batch is the start), then ``count``
     timed epochs. ``processes()`` lists the processes whose CPU counts, once warm."""
-    started = time.perf_counter()
     first = 0.0
-    for batch in next(epochs):
-        if not first:
-            first = time.perf_counter() - started
-        del batch
-    watched = processes()
-    cpu = _cpu(watched)
-    timed_started = time.perf_counter()
-    batches = 0
-    for _ in range(count):
+    with H.Clock() as start:
         for batch in next(epochs):
-            batches += 1
+            if not first:
+                first = start.lap()
             del batch
-    elapsed = time.perf_counter() - timed_started
-    return Run(batches / elapsed, 1e3 * (_cpu(watched) - cpu) / batches, first)
+    watched = processes()
+    cpu = H.process_cpu(watched)
+    batches = 0
+    with H.Clock() as clock:
+        for _ in range(count):
+            for batch in next(epochs):
+                batches += 1
+                del batch
+    return Run(batches / clock.wall, 1e3 * (H.process_cpu(watched) - cpu) / batches, first)
 
 
 def measure_loader(root: str, epochs: int, threads: int) -> Run:
@@ -181,15 +172,12 @@ def measure_classic(root: str, epochs: int, threads: int) -> Run:
 # ------------------------------------------------------------------------------- phases
 def _epoch_cost(epochs: Iterator[Iterable[Any]]) -> tuple[float, float]:
     """CPU (this process, every thread) and wall ms per batch of the next epoch."""
-    cpu, wall = time.process_time(), time.perf_counter()
     count = 0
-    for batch in next(epochs):
-        count += 1
-        del batch
-    return (
-        1e3 * (time.process_time() - cpu) / count,
-        1e3 * (time.perf_counter() - wall) / count,
-    )
+    with H.Clock() as clock:
+        for batch in next(epochs):
+            count += 1
+            del batch
+    return 1e3 * clock.cpu / count, 1e3 * clock.wall / count
 
 
 def _classic_run(root: str, threads: int, per_epoch: int) -> Iterator[Iterable[Any]]:
@@ -282,38 +270,34 @@ def phases(
     running = {name: make() for name, make in variants.items()}
     for epochs in running.values():
         _epoch_cost(epochs)  # build, trace
-    cpu: dict[str, list[float]] = {name: [] for name in running}
-    wall: dict[str, list[float]] = {name: [] for name in running}
     timed = _Phases()
-    for round_ in range(rounds):
-        names = list(running) if round_ % 2 == 0 else list(reversed(running))
-        for name in names:
-            _epoch_cost(running[name])
-            before = (dict(parts.wall), dict(parts.cpu))
-            spent, elapsed = _epoch_cost(running[name])
-            for part in parts.wall:
-                timed.wall[part] = (
-                    timed.wall.get(part, 0) + parts.wall[part] - before[0].get(part, 0)
-                )
-                timed.cpu[part] = timed.cpu.get(part, 0) + parts.cpu[part] - before[1].get(part, 0)
-            cpu[name].append(spent)
-            wall[name].append(elapsed)
+
+    def second_epoch(epochs: Iterator[Iterable[Any]]) -> tuple[float, float]:
+        _epoch_cost(epochs)
+        before = (dict(parts.wall), dict(parts.cpu))
+        cost = _epoch_cost(epochs)
+        for part in parts.wall:
+            timed.wall[part] = timed.wall.get(part, 0) + parts.wall[part] - before[0].get(part, 0)
+            timed.cpu[part] = timed.cpu.get(part, 0) + parts.cpu[part] - before[1].get(part, 0)
+        return cost
+
+    found = H.paired(
+        {name: functools.partial(second_epoch, epochs) for name, epochs in running.items()},
+        rounds=rounds,
+    )
     for epochs in running.values():
         epochs.close()  # type: ignore[attr-defined]
-    return [(name, cpu[name], wall[name]) for name in running], timed, rounds * per_epoch
+    rows = [
+        (name, [t.value[0] for t in made], [t.value[1] for t in made])
+        for name, made in found.items()
+    ]
+    return rows, timed, rounds * per_epoch
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.0f}-{max(values):.0f})"
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.classic", description=__doc__.split("\n")[0]
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pairs", type=int, default=8, help="alternated loader/classic pairs")
     parser.add_argument("--epochs", type=int, default=8, help="timed epochs per run")
-    parser.add_argument("--threads", type=int, default=None, help="total DALI threads (CPUs)")
+    H.add_threads(parser)
     parser.add_argument(
         "--phases",
         type=int,
@@ -321,63 +305,77 @@ def main(argv: list[str] | None = None) -> None:
         metavar="THREADS",
         help="instead: per-batch CPU of the parts of a batch in one process with THREADS threads",
     )
-    args = parser.parse_args(argv)
-    threads = args.threads or len(os.sched_getaffinity(0))
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("classic", __doc__, add_arguments)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    threads = H.threads(args.threads)
     root = str(ensure_sample_dataset())
+    print(f"load average at start: {H.load_average()}")
     if args.phases is not None:
-        print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-        print(
-            f"{'one process, ' + str(args.phases) + ' thread(s)':<26} "
-            f"{'CPU ms/batch (range)':>20} {'wall ms/batch (range)':>20}"
-        )
-        rows, parts, batches = phases(root, args.epochs, args.phases)
-        for name, cpu, wall in rows:
-            print(f"{name:<26} {_spread(cpu):>20} {_spread(wall):>20}")
-        print(f"{'worker loop, by part':<26} {'main thread CPU ms':>20} {'wall ms/batch':>20}")
-        for part, spent in parts.wall.items():
-            print(
-                f"  {part:<24} {parts.cpu[part] / 1e6 / batches:>20.2f} "
-                f"{spent / 1e6 / batches:>20.2f}"
-            )
-        print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-        return
-    contenders = {
-        "loader W=2": functools.partial(measure_loader, root, args.epochs, threads),
-        "classic+plugin": functools.partial(measure_classic, root, args.epochs, threads),
-    }
-    print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    print(
-        f"{'pair':>4} {'contender':<15} {'batches/s':>9} {'CPU ms/batch':>12} {'1st batch s':>11}"
+        print_phases(root, args.epochs, args.phases)
+    else:
+        print_pairs(root, args.pairs, args.epochs, threads)
+    print(f"load average at end: {H.load_average()}")
+
+
+def print_phases(root: str, epochs: int, threads: int) -> None:
+    rows, parts, batches = phases(root, epochs, threads)
+    H.print_table(
+        [
+            H.Col(f"one process, {threads} thread(s)", left=True),
+            H.Col("CPU ms/batch (range)"),
+            H.Col("wall ms/batch (range)"),
+        ],
+        [(name, H.spread(cpu), H.spread(wall)) for name, cpu, wall in rows],
     )
-    ratios = []
-    cpu: dict[str, list[float]] = {name: [] for name in contenders}
-    for pair in range(args.pairs):
-        names = list(contenders) if pair % 2 == 0 else list(reversed(contenders))
-        runs = {}
-        for name in names:
-            run = runs[name] = contenders[name]()
-            cpu[name].append(run.cpu_ms)
-            print(
-                f"{pair:>4} {name:<15} {run.batches_per_second:>9.2f} {run.cpu_ms:>12.1f} "
-                f"{run.first_batch_s:>11.2f}",
-                flush=True,
-            )
-        ratios.append(
-            runs["loader W=2"].batches_per_second / runs["classic+plugin"].batches_per_second
-        )
-    median = statistics.median(ratios)
-    print(f"loader / classic+plugin per pair: {' '.join(f'{r:.2f}' for r in ratios)}")
-    print(
-        f"median {median:.3f} (range {min(ratios):.2f}-{max(ratios):.2f}); target >= 0.97: "
-        f"{'met' if median >= 0.97 else 'MISSED'}"
+    H.print_table(
+        [
+            H.Col("worker loop, by part", left=True),
+            H.Col("main thread CPU ms", ".2f"),
+            H.Col("wall ms/batch", ".2f"),
+        ],
+        [
+            (f"  {part}", parts.cpu[part] / 1e6 / batches, spent / 1e6 / batches)
+            for part, spent in parts.wall.items()
+        ],
     )
-    loader_cpu, classic_cpu = (statistics.median(cpu[name]) for name in contenders)
+
+
+def print_pairs(root: str, pairs: int, epochs: int, threads: int) -> None:
+    found = H.paired(
+        {
+            "loader W=2": functools.partial(measure_loader, root, epochs, threads),
+            "classic+plugin": functools.partial(measure_classic, root, epochs, threads),
+        },
+        rounds=pairs,
+    )
+    H.print_table(
+        [
+            H.Col("pair"),
+            H.Col("contender", left=True),
+            H.Col("batches/s", ".2f"),
+            H.Col("CPU ms/batch", ".1f"),
+            H.Col("1st batch s", ".2f"),
+        ],
+        [
+            (t.round, name, t.value.batches_per_second, t.value.cpu_ms, t.value.first_batch_s)
+            for name, t in H.in_order(found)
+        ],
+    )
+    ratios = H.ratios(found, "loader W=2", "classic+plugin", lambda run: run.batches_per_second)
+    H.print_ratios("loader / classic+plugin", ratios, 0.97)
+    cpu = {name: [t.value.cpu_ms for t in made] for name, made in found.items()}
+    loader_cpu, classic_cpu = (statistics.median(values) for values in cpu.values())
     print(
-        f"CPU ms per batch, median (range): loader W=2 {_spread(cpu['loader W=2'])}, "
-        f"classic+plugin {_spread(cpu['classic+plugin'])}; classic / loader "
+        f"CPU ms per batch, median (range): loader W=2 {H.spread(cpu['loader W=2'])}, "
+        f"classic+plugin {H.spread(cpu['classic+plugin'])}; classic / loader "
         f"{classic_cpu / loader_cpu:.3f} (the throughput ratio when both keep every core busy)"
     )
-    print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

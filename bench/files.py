@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
+from bench import _harness as H
 from bench import _sources as S
 from loader import Loader, ensure_sample_dataset
 from loader.sample import image_source, image_step
@@ -37,10 +36,6 @@ class Run:
     first_batch_ms: float  # median over the timed epochs
 
 
-def _cpu(processes: list[psutil.Process]) -> float:
-    return sum(p.cpu_times().user + p.cpu_times().system for p in processes)
-
-
 def measure(source: Callable[..., Any], epochs: int, threads: int) -> Run:
     with Loader(
         source,
@@ -52,62 +47,69 @@ def measure(source: Callable[..., Any], epochs: int, threads: int) -> Run:
         for batch in loader:  # the traced epoch is not timed
             del batch
         workers = [psutil.Process(pid) for pid in loader.worker_pids()]
-        cpu = _cpu(workers)
-        started = time.perf_counter()
+        cpu = H.process_cpu(workers)
         count = 0
         firsts: list[float] = []
-        for _ in range(epochs):
-            epoch_started = time.perf_counter()
-            first = None
-            for batch in loader:
-                if first is None:
-                    first = time.perf_counter() - epoch_started
-                count += 1
-                del batch
-            firsts.append(first or 0.0)
-        elapsed = time.perf_counter() - started
-        cpu = _cpu(workers) - cpu
-    return Run(count / elapsed, 1e3 * cpu / count, 1e3 * statistics.median(firsts))
+        with H.Clock() as clock:
+            for _ in range(epochs):
+                with H.Clock() as epoch:
+                    first = None
+                    for batch in loader:
+                        if first is None:
+                            first = epoch.lap()
+                        count += 1
+                        del batch
+                firsts.append(first or 0.0)
+        cpu = H.process_cpu(workers) - cpu
+    return Run(count / clock.wall, 1e3 * cpu / count, 1e3 * statistics.median(firsts))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pairs", type=int, default=10, help="alternated reader/files pairs")
+    parser.add_argument("--epochs", type=int, default=8, help="timed epochs per run")
+    H.add_threads(parser)
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("files", __doc__, add_arguments)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.files", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--pairs", type=int, default=10, help="alternated reader/files pairs")
-    parser.add_argument("--epochs", type=int, default=8, help="timed epochs per run")
-    parser.add_argument("--threads", type=int, default=None, help="total DALI threads (CPUs)")
-    args = parser.parse_args(argv)
-    threads = args.threads or len(os.sched_getaffinity(0))
+    args = parser().parse_args(argv)
+    threads = H.threads(args.threads)
     root = str(ensure_sample_dataset())
-    contenders = {
-        "readers.File": functools.partial(image_source, root=root, batch_size=BATCH),
+    sources = {  # the first pair starts with sharded_files
         "sharded_files": functools.partial(S.files_source, root=root, batch_size=BATCH),
+        "readers.File": functools.partial(image_source, root=root, batch_size=BATCH),
     }
-    print(
-        f"{'pair':>4} {'contender':<14} {'batches/s':>9} {'worker CPU ms/batch':>19} "
-        f"{'1st batch of epoch ms':>21}"
+    found = H.paired(
+        {
+            name: functools.partial(measure, source, args.epochs, threads)
+            for name, source in sources.items()
+        },
+        rounds=args.pairs,
     )
-    ratios = []
-    for pair in range(args.pairs):
-        names = list(contenders) if pair % 2 else list(reversed(contenders))
-        runs = {}
-        for name in names:
-            run = runs[name] = measure(contenders[name], args.epochs, threads)
-            print(
-                f"{pair:>4} {name:<14} {run.batches_per_second:>9.2f} "
-                f"{run.worker_cpu_ms:>19.1f} {run.first_batch_ms:>21.0f}",
-                flush=True,
+    H.print_table(
+        [
+            H.Col("pair"),
+            H.Col("contender", left=True),
+            H.Col("batches/s", ".2f"),
+            H.Col("worker CPU ms/batch", ".1f"),
+            H.Col("1st batch of epoch ms", ".0f"),
+        ],
+        [
+            (
+                t.round,
+                name,
+                t.value.batches_per_second,
+                t.value.worker_cpu_ms,
+                t.value.first_batch_ms,
             )
-        ratios.append(
-            runs["sharded_files"].batches_per_second / runs["readers.File"].batches_per_second
-        )
-    median = statistics.median(ratios)
-    print(f"sharded_files / readers.File per pair: {' '.join(f'{r:.2f}' for r in ratios)}")
-    print(
-        f"median {median:.3f} (range {min(ratios):.2f}-{max(ratios):.2f}); target >= 0.97: "
-        f"{'met' if median >= 0.97 else 'MISSED'}"
+            for name, t in H.in_order(found)
+        ],
     )
+    ratios = H.ratios(found, "sharded_files", "readers.File", lambda run: run.batches_per_second)
+    H.print_ratios("sharded_files / readers.File", ratios, 0.97)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 from dataclasses import dataclass
 
 import psutil
 
+from bench import _harness as H
 from loader import Loader, ensure_sample_dataset
 from loader.sample import image_source, image_step
 
@@ -48,12 +48,13 @@ def measure(root: str, start_method: str | None, epochs: int) -> Run:
     ) as loader:
         for batch in loader:  # warm-up epoch: start, trace
             del batch
-        started, batches = time.perf_counter(), 0
-        for _ in range(epochs):
-            for batch in loader:
-                batches += 1
-                del batch
-        elapsed = time.perf_counter() - started
+        batches = 0
+        with H.Clock() as clock:
+            for _ in range(epochs):
+                for batch in loader:
+                    batches += 1
+                    del batch
+        elapsed = clock.wall
         memory = [psutil.Process(pid).memory_full_info() for pid in loader.worker_pids()]
     return Run(
         batches / elapsed,
@@ -63,35 +64,50 @@ def measure(root: str, start_method: str | None, epochs: int) -> Run:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pairs", type=int, default=3, help="alternated default/spawn pairs")
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs per run")
-    args = parser.parse_args()
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("forked", __doc__, add_arguments)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     root = str(ensure_sample_dataset())
-    runs: dict[str, list[Run]] = {"default (forked)": [], "spawn": []}
-    ratios = []
-    for pair in range(args.pairs):
-        order = [None, "spawn"] if pair % 2 == 0 else ["spawn", None]
-        found = {method: measure(root, method, args.epochs) for method in order}
-        runs["default (forked)"].append(found[None])
-        runs["spawn"].append(found["spawn"])
-        ratios.append(found[None].batches_per_second / found["spawn"].batches_per_second)
-    print(f"images, W={WORKERS}, batch {BATCH}, {args.epochs} timed epochs per run")
-    print(
-        f"{'start method':<17} {'batches/s':>9} {'runs':>20} {'worker RSS MiB':>15} "
-        f"{'USS MiB':>8} {'PSS MiB':>8}"
+    found = H.paired(
+        {
+            "default (forked)": functools.partial(measure, root, None, args.epochs),
+            "spawn": functools.partial(measure, root, "spawn", args.epochs),
+        },
+        rounds=args.pairs,
     )
-    for name, values in runs.items():
-        rates = " ".join(f"{v.batches_per_second:.1f}" for v in values)
-        print(
-            f"{name:<17} {statistics.median(v.batches_per_second for v in values):>9.2f} "
-            f"{rates:>20} {statistics.median(v.rss for v in values):>15.0f} "
-            f"{statistics.median(v.uss for v in values):>8.0f} "
-            f"{statistics.median(v.pss for v in values):>8.0f}"
-        )
-    pairs = " ".join(f"{r:.2f}" for r in ratios)
-    print(f"default / spawn per pair: {pairs}; median {statistics.median(ratios):.2f}")
+    runs = {name: [t.value for t in made] for name, made in found.items()}
+    ratios = H.ratios(found, "default (forked)", "spawn", lambda run: run.batches_per_second)
+    print(f"images, W={WORKERS}, batch {BATCH}, {args.epochs} timed epochs per run")
+    H.print_table(
+        [
+            H.Col("start method", left=True),
+            H.Col("batches/s", ".2f"),
+            H.Col("runs"),
+            H.Col("worker RSS MiB", ".0f"),
+            H.Col("USS MiB", ".0f"),
+            H.Col("PSS MiB", ".0f"),
+        ],
+        [
+            (
+                name,
+                statistics.median(v.batches_per_second for v in values),
+                H.runs((v.batches_per_second for v in values), ".1f"),
+                statistics.median(v.rss for v in values),
+                statistics.median(v.uss for v in values),
+                statistics.median(v.pss for v in values),
+            )
+            for name, values in runs.items()
+        ],
+    )
+    print(f"default / spawn per pair: {H.runs(ratios)}; median {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":

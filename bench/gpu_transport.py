@@ -7,8 +7,11 @@ a spawned process fills 50 MB slots on its stream and the trainer consumes them 
 
 from __future__ import annotations
 
+import argparse
+import functools
 import statistics
-import time
+
+from bench import _harness as H
 
 
 def device_copy(nbytes: int, repeats: int) -> float:
@@ -18,23 +21,36 @@ def device_copy(nbytes: int, repeats: int) -> float:
     target = cupy.empty_like(source)
     target[...] = source
     cupy.cuda.get_current_stream().synchronize()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        target[...] = source
-    cupy.cuda.get_current_stream().synchronize()
-    return nbytes * repeats / (time.perf_counter() - started)
+    with H.Clock() as clock:
+        for _ in range(repeats):
+            target[...] = source
+        cupy.cuda.get_current_stream().synchronize()
+    return nbytes * repeats / clock.wall
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    return H.parser("gpu_transport", __doc__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser().parse_args(argv)
     from tests.gpu._exporter import run_ring
 
     nbytes = 50 * 10**6
-    copies = [device_copy(nbytes, 50) for _ in range(3)]
-    rings = [run_ring(nbytes, 60, num_slots=3, check=False) for _ in range(3)]
-    copy, ring = statistics.median(copies), statistics.median(rings)
-    print(f"{'path':<34} {'GB/s':>8}")
-    print(f"{'same-process D2D copy (50 MB)':<34} {copy / 1e9:>8.1f}")
-    print(f"{'CUDA IPC slot ring (50 MB)':<34} {ring / 1e9:>8.1f}")
+    found = H.paired(
+        {
+            "same-process D2D copy (50 MB)": functools.partial(device_copy, nbytes, 50),
+            "CUDA IPC slot ring (50 MB)": functools.partial(
+                run_ring, nbytes, 60, num_slots=3, check=False
+            ),
+        },
+        rounds=3,
+    )
+    copy, ring = (statistics.median(t.value for t in runs) for runs in found.values())
+    H.print_table(
+        [H.Col("path", left=True), H.Col("GB/s", ".1f")],
+        [(name, statistics.median(t.value for t in runs) / 1e9) for name, runs in found.items()],
+    )
     print(f"ratio ring / copy: {ring / copy:.2f} (target >= 0.8)")
 
 

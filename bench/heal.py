@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench import _harness as H
 from bench import _sources as S
 from loader import Loader, ensure_sample_dataset
 from loader.sample import image_step
@@ -70,53 +71,66 @@ def time_to_heal(root: str, step: Callable[..., Any]) -> float:
         del batch
         time.sleep(1.0)  # worker 0 fills its slots: all it made before dying is delivered first
         os.kill(loader.worker_pids()[0], signal.SIGKILL)
-        killed = time.perf_counter()
         made_before = prefetched + loader.config.num_slots  # steps it can have published
-        for batch in batches:
-            if batch.info.worker == 0 and batch.info.worker_step > made_before:
-                break
-            del batch
-        elapsed = time.perf_counter() - killed
+        with H.Clock() as clock:
+            for batch in batches:
+                if batch.info.worker == 0 and batch.info.worker_step > made_before:
+                    break
+                del batch
         assert loader.stats().restarts == 1
-    return elapsed
+    return clock.wall
 
 
 def time_fresh(root: str, step: Callable[..., Any]) -> float:
-    started = time.perf_counter()
-    with _loader(root, step) as loader:
+    with H.Clock() as clock, _loader(root, step) as loader:
         batch = next(iter(loader))
-        elapsed = time.perf_counter() - started
+        elapsed = clock.lap()
         del batch
     return elapsed
 
 
 def measure(root: str, step: Callable[..., Any], title: str) -> None:
     first = time_fresh(root, step)  # the first loader of the job
-    heal = [time_to_heal(root, step) for _ in range(3)]
-    fresh = [time_fresh(root, step) for _ in range(3)]
-    print(f"{title:<40} {'median s':>9} {'runs':>20}")
-    for label, runs in (
-        ("kill -> next batch of its shard", heal),
-        ("first loader of the job -> 1st batch", [first]),
-        ("later fresh loader -> 1st batch", fresh),
-    ):
-        shown = " ".join(f"{r:.2f}" for r in runs)
-        print(f"{label:<40} {statistics.median(runs):>9.2f} {shown:>20}")
+    found = H.paired(
+        {
+            "kill -> next batch of its shard": lambda: time_to_heal(root, step),
+            "later fresh loader -> 1st batch": lambda: time_fresh(root, step),
+        },
+        rounds=3,
+        order="fixed",
+    )
+    heal, fresh = ([t.value for t in runs] for runs in found.values())
+    H.print_table(
+        [H.Col(title, left=True), H.Col("median s", ".2f"), H.Col("runs")],
+        [
+            (label, statistics.median(runs), H.runs(runs))
+            for label, runs in (
+                ("kill -> next batch of its shard", heal),
+                ("first loader of the job -> 1st batch", [first]),
+                ("later fresh loader -> 1st batch", fresh),
+            )
+        ],
+    )
     print("target: kill -> next batch of its shard <= 3 s")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.heal", description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--empty-files", type=int, metavar="N", help="a folder of N empty files")
-    args = parser.parse_args()
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("heal", __doc__, add_arguments, summary=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.empty_files is None:
         measure(str(ensure_sample_dataset()), image_step, "images, sharded_files, W=2")
         return
     with tempfile.TemporaryDirectory(prefix="bench-heal-cache-") as cache:
         os.environ["DALI_LOADER_CACHE_DIR"] = cache  # (inherited by the workers)
-        started = time.perf_counter()
-        with empty_folder(args.empty_files) as root:
-            written = time.perf_counter() - started
+        with H.Clock() as clock, empty_folder(args.empty_files) as root:
+            written = clock.lap()
             print(f"{args.empty_files:,} empty files written in {written:.0f} s")
             title = f"{args.empty_files:,} empty files, W=2"
             measure(root, S.labels_step, title)

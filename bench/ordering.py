@@ -12,10 +12,12 @@ Reports batches/s (median of 3 epochs after a warm-up epoch) and the ratio.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import statistics
 import time
 
+from bench import _harness as H
 from bench import _sources as S
 from loader import Loader
 
@@ -41,17 +43,22 @@ def rate(source: object, step: object, batch_size: int, in_order: bool) -> float
             del batch
         rates = []
         for _ in range(3):
-            started = time.perf_counter()
             count = 0
-            for batch in loader:
-                _spin(TRAINER_SECONDS)
-                count += 1
-                del batch
-            rates.append(count / (time.perf_counter() - started))
+            with H.Clock() as clock:
+                for batch in loader:
+                    _spin(TRAINER_SECONDS)
+                    count += 1
+                    del batch
+            rates.append(count / clock.wall)
     return statistics.median(rates)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    return H.parser("ordering", __doc__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser().parse_args(argv)
     workloads = {
         "heavy-tail": (
             functools.partial(S.heavy_tail_source, total=8 * 240, batch_size=8),
@@ -60,13 +67,27 @@ def main() -> None:
         ),
         "tiny": (functools.partial(S.tiny_source, batches=600), S.tiny_step, S.TINY_BATCH),
     }
-    print(f"{'workload':<11} {'in_order=True':>14} {'in_order=False':>15} {'ratio':>6}")
+    rows = []
     for name, (source, step, batch_size) in workloads.items():
-        ordered = rate(source, step, batch_size, True)
-        unordered = rate(source, step, batch_size, False)
-        print(
-            f"{name:<11} {ordered:>11.1f} b/s {unordered:>11.1f} b/s {unordered / ordered:>5.2f}x"
+        found = H.paired(
+            {
+                "in_order=True": lambda: rate(source, step, batch_size, True),  # noqa: B023
+                "in_order=False": lambda: rate(source, step, batch_size, False),  # noqa: B023
+            },
+            rounds=1,
+            order="fixed",
         )
+        ordered, unordered = (found[key][0].value for key in found)
+        rows.append((name, ordered, unordered, unordered / ordered))
+    H.print_table(
+        [
+            H.Col("workload", left=True),
+            H.Col("in_order=True", ".1f", " b/s"),
+            H.Col("in_order=False", ".1f", " b/s"),
+            H.Col("ratio", ".2f", "x"),
+        ],
+        rows,
+    )
     print("targets: heavy-tail ratio >= 1.2; tiny ratio ~1.0 (within noise)")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import time
 import tracemalloc
 import types
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import _harness as H
 from ipc.wire import Position, Sampling
 from workers import shard_batches, steps_per_epoch
 
@@ -62,20 +62,15 @@ def baseline() -> ShardBatches | None:
     return function
 
 
-def measure(call: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """Best seconds of ``repeats`` calls, then the peak MB of one call under tracemalloc."""
-    seconds = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - started)
+def peak_mb(call: Callable[[], object]) -> float:
+    """The peak MB of one call under tracemalloc."""
     tracemalloc.start()
     try:
         call()
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    return min(seconds), peak / 2**20
+    return peak / 2**20
 
 
 def run_case(
@@ -86,40 +81,61 @@ def run_case(
     received = np.random.default_rng(1).integers(0, steps + 1, shards).tolist()
     position = Position(3, ((shards, tuple(received)),))
     new = shards // 2
-    plan_seconds, plan_mb = measure(lambda: plan(sampling, 3, new + 1, shards, None), repeats)
-    reshard_seconds, reshard_mb = measure(
-        lambda: plan(sampling, 3, new // 2, new, position), repeats
-    )
+    calls = {
+        "plan": lambda: plan(sampling, 3, new + 1, shards, None),
+        "reshard": lambda: plan(sampling, 3, new // 2, new, position),
+    }
+    found = H.paired(calls, rounds=repeats)  # best of ``repeats``, then one under tracemalloc
     return {
         "total": total,
         "shards": shards,
-        "plan_seconds": plan_seconds,
-        "plan_mb": plan_mb,
-        "reshard_seconds": reshard_seconds,
-        "reshard_mb": reshard_mb,
+        "plan_seconds": min(t.wall for t in found["plan"]),
+        "plan_mb": peak_mb(calls["plan"]),
+        "reshard_seconds": min(t.wall for t in found["reshard"]),
+        "reshard_mb": peak_mb(calls["reshard"]),
         "position_json_bytes": len(json.dumps(received)),
     }
 
 
+COLUMNS = [
+    H.Col("samples", ","),
+    H.Col("shards"),
+    H.Col("planning", left=True),
+    H.Col("plan s", ".4f"),
+    H.Col("plan MB", ".1f"),
+    H.Col("reshard s", ".4f"),
+    H.Col("reshard MB", ".1f"),
+]
+
+
 def render(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        f"{'samples':>13} {'shards':>17} {'planning':<18} {'plan s':>9} {'plan MB':>9} "
-        f"{'reshard s':>10} {'reshard MB':>11}"
-    ]
-    for row in rows:
-        layout = f"{row['shards']:,} -> {row['shards'] // 2:,}"
-        lines.append(
-            f"{row['total']:>13,} {layout:>17} {row['planning']:<18} "
-            f"{row['plan_seconds']:>9.4f} {row['plan_mb']:>9.1f} "
-            f"{row['reshard_seconds']:>10.4f} {row['reshard_mb']:>11.1f}"
-        )
-    return "\n".join(lines)
+    return H.table(
+        COLUMNS,
+        [
+            (
+                row["total"],
+                f"{row['shards']:,} -> {row['shards'] // 2:,}",
+                row["planning"],
+                row["plan_seconds"],
+                row["plan_mb"],
+                row["reshard_seconds"],
+                row["reshard_mb"],
+            )
+            for row in rows
+        ],
+    )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the baseline at 10M only (< 20 s)")
-    args = parser.parse_args()
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("plan", __doc__, add_arguments, summary=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     cases = [(10**9, 65_536), (10**8, 8_192), (10**7, 1_024)]
     rows = [
         {"planning": "per position", **run_case(shard_batches, total, shards, repeats=5)}

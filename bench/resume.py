@@ -8,11 +8,12 @@ the trainer's cost per tiny batch.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import statistics
-import time
 import timeit
 
+from bench import _harness as H
 from bench import _sources as S
 from loader import Loader, ensure_sample_dataset, list_images
 from loader.sample import image_step
@@ -37,14 +38,13 @@ def time_to_first_batch(root: str, total: int, fraction: float | None) -> float:
     source = functools.partial(S.files_source, root=root, batch_size=BATCH)
     with Loader(source, image_step, batch_size=BATCH, num_workers=2) as loader:
         steps = len(loader) // 2
-        started = time.perf_counter()
-        if fraction is not None:
-            done = int(steps * fraction)
-            loader.load_state_dict(_state(total, [done, done]))
-        batch = next(iter(loader))
-        elapsed = time.perf_counter() - started
+        with H.Clock() as clock:
+            if fraction is not None:
+                done = int(steps * fraction)
+                loader.load_state_dict(_state(total, [done, done]))
+            batch = next(iter(loader))
         del batch
-    return elapsed
+    return clock.wall
 
 
 def bookkeeping_seconds() -> float:
@@ -60,22 +60,38 @@ def bookkeeping_seconds() -> float:
     )
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    return H.parser("resume", __doc__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser().parse_args(argv)
     root = str(ensure_sample_dataset())
     total = len(list_images(root)[0])
-    rows = []
-    for label, fraction in (
-        ("fresh loader", None),
-        ("resume at 0%", 0.0),
-        ("resume at 50%", 0.5),
-        ("resume at 90%", 0.9),
-    ):
-        times = [time_to_first_batch(root, total, fraction) for _ in range(3)]
-        rows.append((label, statistics.median(times)))
-    print(f"{'images, sharded_files, W=2':<28} {'first batch s':>14} {'vs 0%':>7}")
-    base = rows[1][1]
-    for label, seconds in rows:
-        print(f"{label:<28} {seconds:>14.3f} {seconds / base:>6.2f}x")
+    fractions = {
+        "fresh loader": None,
+        "resume at 0%": 0.0,
+        "resume at 50%": 0.5,
+        "resume at 90%": 0.9,
+    }
+    found = H.paired(
+        {
+            label: functools.partial(time_to_first_batch, root, total, fraction)
+            for label, fraction in fractions.items()
+        },
+        rounds=3,
+        order="fixed",
+    )
+    medians = {label: statistics.median(t.value for t in runs) for label, runs in found.items()}
+    base = medians["resume at 0%"]
+    H.print_table(
+        [
+            H.Col("images, sharded_files, W=2", left=True),
+            H.Col("first batch s", ".3f"),
+            H.Col("vs 0%"),
+        ],
+        [(label, seconds, H.ratio(seconds, base)) for label, seconds in medians.items()],
+    )
     per = bookkeeping_seconds()
     tiny_batch = 1 / 3000  # the tiny workload moves ~3,000 batches/s (python -m bench)
     print(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import _harness as H
 from bench import _sources as S
 from bench import classic
 from loader import Loader, ensure_sample_dataset, list_images
@@ -62,27 +62,25 @@ def measure(
     one_process: bool = False,
 ) -> Result:
     """``make_epochs()`` yields one iterable per epoch (the first yield may build everything)."""
-    started = time.perf_counter()
-    epochs = make_epochs()
     rates: list[float] = []
     cpu = 0.0
     timed_batches = 0
     first_batch = 0.0
+    with H.Clock() as start:
+        epochs = make_epochs()
     try:
         for epoch in range(repeats + 1):
             batches = next(epochs)
-            epoch_started = time.perf_counter()
-            cpu_started = time.process_time()
             count = 0
-            for batch in batches:
-                if epoch == 0 and count == 0:
-                    first_batch = time.perf_counter() - started
-                count += 1
-                del batch
-            elapsed = time.perf_counter() - epoch_started
+            with H.Clock() as clock:
+                for batch in batches:
+                    if epoch == 0 and count == 0:
+                        first_batch = start.lap()
+                    count += 1
+                    del batch
             if epoch > 0:
-                rates.append(count / elapsed)
-                cpu += time.process_time() - cpu_started
+                rates.append(count / clock.wall)
+                cpu += clock.cpu
                 timed_batches += count
     finally:
         epochs.close()
@@ -339,22 +337,38 @@ def _tiny_es(batches: int) -> Any:
 
 
 # ------------------------------------------------------------------------------- output
+COLUMNS = [
+    H.Col("workload", left=True),
+    H.Col("contender", left=True),
+    H.Col("W"),
+    H.Col("batches/s", ".1f"),
+    H.Col("samples/s", ".0f"),
+    H.Col("vs best"),
+    H.Col("1st batch s", ".2f"),
+    H.Col("trainer CPU s/1k", ".3f"),
+]
+
+
 def render(results: list[Result]) -> str:
-    lines = [
-        f"{'workload':<8} {'contender':<22} {'W':>2} {'batches/s':>10} {'samples/s':>10} "
-        f"{'vs best':>8} {'1st batch s':>11} {'trainer CPU s/1k':>16}"
-    ]
+    cells: list[tuple[Any, ...] | None] = []
     for workload in dict.fromkeys(r.workload for r in results):
         rows = [r for r in results if r.workload == workload]
         best = max(r.batches_per_second for r in rows)
-        for r in rows:
-            lines.append(
-                f"{r.workload:<8} {r.contender:<22} {r.workers:>2} {r.batches_per_second:>10.1f} "
-                f"{r.samples_per_second:>10.0f} {r.batches_per_second / best:>7.2f}x "
-                f"{r.first_batch_seconds:>11.2f} {r.trainer_cpu_per_1000:>16.3f}"
+        cells += [
+            (
+                r.workload,
+                r.contender,
+                r.workers,
+                r.batches_per_second,
+                r.samples_per_second,
+                H.ratio(r.batches_per_second, best),
+                r.first_batch_seconds,
+                r.trainer_cpu_per_1000,
             )
-        lines.append("")
-    return "\n".join(lines)
+            for r in rows
+        ]
+        cells.append(None)
+    return H.table(COLUMNS, cells)
 
 
 def targets(results: list[Result]) -> list[str]:
@@ -504,13 +518,19 @@ def plot(results: list[Result], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="W=2 only, fewer batches (< 3 min)")
     parser.add_argument("--repeats", type=int, default=3, help="timed epochs per contender")
-    parser.add_argument("--threads", type=int, default=None, help="total DALI threads (CPUs)")
-    args = parser.parse_args(argv)
-    threads = args.threads or len(os.sched_getaffinity(0))
+    H.add_threads(parser)
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("", __doc__, add_arguments)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    threads = H.threads(args.threads)
     started = time.perf_counter()
     results = run(args.quick, args.repeats, threads)
     print()

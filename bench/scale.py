@@ -19,13 +19,13 @@ import argparse
 import functools
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
 
+from bench import _harness as H
 from bench import _sources as S
 from loader import Loader, steps_per_epoch
 
@@ -59,10 +59,9 @@ def every_rank(state: dict[str, Any]) -> dict[str, Any]:
 def first_batch(total: int) -> dict[str, float]:
     """One loader over ``total`` samples: first batch seconds and memory (bytes), then a resume
     of every rank's state on half the ranks."""
-    started = time.perf_counter()
-    with _loader(total, WORLD_SIZE) as loader:
+    with H.Clock() as clock, _loader(total, WORLD_SIZE) as loader:
         batch = next(iter(loader))
-        seconds = time.perf_counter() - started
+        seconds = clock.lap()
         del batch
         (pid,) = loader.worker_pids()
         state = loader.state_dict()
@@ -75,24 +74,49 @@ def first_batch(total: int) -> dict[str, float]:
         }
     with _loader(total, WORLD_SIZE // 2) as loader:
         (pid,) = loader.worker_pids()
-        started = time.perf_counter()
-        loader.load_state_dict(every_rank(state))
-        batch = next(iter(loader))
-        row["resume_seconds"] = time.perf_counter() - started
+        with H.Clock() as clock:
+            loader.load_state_dict(every_rank(state))
+            batch = next(iter(loader))
+        row["resume_seconds"] = clock.wall
         del batch
         row["resume_peak"] = peak_rss(pid)
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--totals", type=int, nargs="+", default=[10_000, 1_000_000, 100_000_000])
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("scale", __doc__, add_arguments, summary=False)
+
+
+COLUMNS = [
+    H.Col("samples", ","),
+    H.Col("1st batch s", ".2f"),
+    H.Col("vs first", "+.2f"),
+    H.Col("worker MiB", ".0f"),
+    H.Col("peak MiB", ".0f"),
+    H.Col("trainer MiB", ".0f"),
+    H.Col("state B", ",.0f"),
+    H.Col("resume s", ".2f"),
+    H.Col("peak MiB", ".0f"),
+    H.Col("runs (s)", left=True),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     first_batch(args.totals[0])  # warm: imports, page cache
+    found = H.paired(
+        {str(total): functools.partial(first_batch, total) for total in args.totals},
+        rounds=args.repeats,
+        order="fixed",
+    )
     rows = []
-    for total in args.totals:
-        runs = [first_batch(total) for _ in range(args.repeats)]
+    for total, timed in zip(args.totals, found.values(), strict=True):
+        runs = [t.value for t in timed]
         rows.append(
             (total, {key: statistics.median(run[key] for run in runs) for key in runs[0]}, runs)
         )
@@ -100,20 +124,25 @@ def main() -> None:
         f"sharded_source, rank {RANK} of {WORLD_SIZE:,}, 1 worker, batches of {BATCH}; "
         f"median of {args.repeats}\n"
     )
-    print(
-        f"{'samples':>13} {'1st batch s':>12} {'vs first':>9} {'worker MiB':>11} "
-        f"{'peak MiB':>9} {'trainer MiB':>12} {'state B':>8} {'resume s':>9} "
-        f"{'peak MiB':>9}  runs (s)"
-    )
     base_seconds, base_peak = rows[0][1]["seconds"], rows[0][1]["worker_peak"]
-    for total, row, runs in rows:
-        shown = " ".join(f"{run['seconds']:.2f}" for run in runs)
-        print(
-            f"{total:>13,} {row['seconds']:>12.2f} {row['seconds'] - base_seconds:>+9.2f} "
-            f"{row['worker_rss'] / MIB:>11.0f} {row['worker_peak'] / MIB:>9.0f} "
-            f"{row['trainer_rss'] / MIB:>12.0f} {row['state_bytes']:>8,.0f} "
-            f"{row['resume_seconds']:>9.2f} {row['resume_peak'] / MIB:>9.0f}  {shown}"
-        )
+    H.print_table(
+        COLUMNS,
+        [
+            (
+                total,
+                row["seconds"],
+                row["seconds"] - base_seconds,
+                row["worker_rss"] / MIB,
+                row["worker_peak"] / MIB,
+                row["trainer_rss"] / MIB,
+                row["state_bytes"],
+                row["resume_seconds"],
+                row["resume_peak"] / MIB,
+                H.runs(run["seconds"] for run in runs),
+            )
+            for total, row, runs in rows
+        ],
+    )
     last = rows[-1][1]
     print(
         f"\n{rows[-1][0]:,} vs {rows[0][0]:,}: first batch {last['seconds'] - base_seconds:+.2f} s "

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import numpy as np
 import psutil
 
+from bench import _harness as H
 from bench._sources import soak_source, soak_step
 from loader import Loader
 
@@ -30,37 +30,48 @@ def soak(epochs: int, batches: int, batch_size: int, workers: int) -> bool:
     with Loader(source, soak_step, batch_size=batch_size, num_workers=workers, seed=5) as loader:
         pids = loader.worker_pids()
         first: list[float] = []
-        started = time.perf_counter()
-        print(f"{'epoch':>5} {'batches':>8} {'lost':>5} {'dup':>5} {'padded':>6} {'seconds':>8}")
-        for epoch in range(epochs):
-            counts = np.zeros(total, dtype=np.int64)
-            padded = 0
-            seen = 0
-            epoch_started = time.perf_counter()
-            for batch in loader:
-                ids = np.asarray(batch["id"]).ravel()
-                real = len(ids) - batch.info.padded
-                np.add.at(counts, ids[:real], 1)
-                padded += batch.info.padded
-                seen += 1
-                del batch, ids
-            lost = int((counts == 0).sum())
-            duplicated = int((counts > 1).sum())
-            ok &= lost == 0 and duplicated == 0
-            print(
-                f"{epoch:>5} {seen:>8} {lost:>5} {duplicated:>5} {padded:>6} "
-                f"{time.perf_counter() - epoch_started:>8.2f}"
-            )
-            if epoch == 0:
-                first = rss_mib([psutil.Process().pid, *pids])
-        last = rss_mib([psutil.Process().pid, *pids])
-        elapsed = time.perf_counter() - started
-    print(f"\n{epochs * batches} batches in {elapsed:.1f} s")
-    print(f"{'process':<10} {'RSS after epoch 0':>18} {'RSS after last':>15} {'change':>8}")
+        rows = []
+        with H.Clock() as whole:
+            for epoch in range(epochs):
+                with H.Clock() as clock:
+                    seen, lost, duplicated, padded = _epoch(loader, total)
+                ok &= lost == 0 and duplicated == 0
+                rows.append((epoch, seen, lost, duplicated, padded, clock.wall))
+                if epoch == 0:
+                    first = rss_mib([psutil.Process().pid, *pids])
+            last = rss_mib([psutil.Process().pid, *pids])
+    H.print_table(
+        [H.Col(name) for name in ("epoch", "batches", "lost", "dup", "padded")]
+        + [H.Col("seconds", ".2f")],
+        rows,
+    )
+    print(f"\n{epochs * batches} batches in {whole.wall:.1f} s")
     names = ["trainer"] + [f"worker {i}" for i in range(workers)]
-    for name, a, b in zip(names, first, last, strict=True):
-        print(f"{name:<10} {a:>15.1f} MiB {b:>11.1f} MiB {b - a:>+7.1f}")
+    H.print_table(
+        [
+            H.Col("process", left=True),
+            H.Col("RSS after epoch 0", ".1f", " MiB"),
+            H.Col("RSS after last", ".1f", " MiB"),
+            H.Col("change", "+.1f"),
+        ],
+        [(name, a, b, b - a) for name, a, b in zip(names, first, last, strict=True)],
+    )
     return ok
+
+
+def _epoch(loader: Loader, total: int) -> tuple[int, int, int, int]:
+    """One epoch of sample ids: batches seen, ids lost, ids seen twice, padded samples."""
+    counts = np.zeros(total, dtype=np.int64)
+    padded = 0
+    seen = 0
+    for batch in loader:
+        ids = np.asarray(batch["id"]).ravel()
+        real = len(ids) - batch.info.padded
+        np.add.at(counts, ids[:real], 1)
+        padded += batch.info.padded
+        seen += 1
+        del batch, ids
+    return seen, int((counts == 0).sum()), int((counts > 1).sum()), padded
 
 
 def time_close(workers: int, repeats: int) -> list[float]:
@@ -69,19 +80,25 @@ def time_close(workers: int, repeats: int) -> list[float]:
     for _ in range(repeats):
         loader = Loader(source, soak_step, batch_size=4, num_workers=workers, num_threads=1)
         next(iter(loader))
-        started = time.perf_counter()
-        loader.close()
-        times.append(time.perf_counter() - started)
+        with H.Clock() as clock:
+            loader.close()
+        times.append(clock.wall)
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batches", type=int, default=3000, help="batches per epoch, all workers")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
-    args = parser.parse_args()
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("soak", __doc__, add_arguments)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     ok = soak(args.epochs, args.batches, args.batch_size, args.workers)
     closes = time_close(8, 3)
     print(f"\nclose() of 8 workers: {', '.join(f'{t * 1000:.0f} ms' for t in closes)}")

@@ -36,6 +36,7 @@ right after the imports; later loaders <= 0.2 s.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -45,6 +46,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
+
+from bench import _harness as H
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,12 +184,21 @@ def run_row(directory: Path, script_kind: str, method: str) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--scripts", default="dali,heavy,early")
     parser.add_argument("--methods", default="in-process,default,exec,spawn")
-    args = parser.parse_args()
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("startup", __doc__, add_arguments)
+
+
+Row = tuple[str, str]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     rows = [
         (script, method)
         for script in args.scripts.split(",")
@@ -194,49 +206,68 @@ def main() -> None:
         if not (script == "early" and method != "default")
     ]
     columns = ("imports", "first", "later", "ready", "trace", "boundary")
-    results: dict[tuple[str, str], dict[str, list[float]]] = {
-        row: {c: [] for c in columns} for row in rows
-    }
-    servers: dict[tuple[str, str], set[str]] = {row: set() for row in rows}
+    results: dict[Row, dict[str, list[float]]] = {row: {c: [] for c in columns} for row in rows}
+    servers: dict[Row, set[str]] = {row: set() for row in rows}
     with tempfile.TemporaryDirectory() as folder:
-        for _ in range(args.repeats):
-            for row in rows:
-                found = run_row(Path(folder), *row)
-                values = results[row]
-                values["imports"].append(found["imports"])
-                values["first"].append(found["first"][0])
-                values["later"].append(statistics.median(found["first"][1:]))
-                values["ready"].append(found["ready"][0])
-                values["trace"].append(found["trace"][0])
-                values["boundary"].append(statistics.median(found["boundary"]))
-                servers[row].add(found["server"])
-    print_table(results, servers, args.repeats)
+        found = H.paired(
+            {"/".join(row): functools.partial(run_row, Path(folder), *row) for row in rows},
+            rounds=args.repeats,
+            order="fixed",
+        )
+    for row, runs in zip(rows, found.values(), strict=True):
+        for run in runs:
+            values, got = results[row], run.value
+            values["imports"].append(got["imports"])
+            values["first"].append(got["first"][0])
+            values["later"].append(statistics.median(got["first"][1:]))
+            values["ready"].append(got["ready"][0])
+            values["trace"].append(got["trace"][0])
+            values["boundary"].append(statistics.median(got["boundary"]))
+            servers[row].add(got["server"])
+    render(results, servers, args.repeats)
 
 
-def print_table(
-    results: dict[tuple[str, str], dict[str, list[float]]],
-    servers: dict[tuple[str, str], set[str]],
-    repeats: int,
+COLUMNS = [
+    H.Col("script", left=True),
+    H.Col("imports s", ".2f"),
+    H.Col("start method", left=True),
+    H.Col("server", left=True),
+    H.Col("1st loader s", ".2f"),
+    H.Col("(ready", ".2f"),
+    H.Col("trace)", ".2f"),
+    H.Col("vs in-proc"),
+    H.Col("later s", ".2f"),
+    H.Col("boundary ms", ".1f"),
+]
+
+
+def render(
+    results: dict[Row, dict[str, list[float]]], servers: dict[Row, set[str]], repeats: int
 ) -> None:
-    print(
-        f"{'script':<7} {'imports s':>9} {'start method':<12} {'server':<6} "
-        f"{'1st loader s':>12} {'(ready':>7} {'trace)':>7} {'vs in-proc':>10} "
-        f"{'later s':>8} {'boundary ms':>11}"
-    )
+    rows = []
     for (script, method), values in results.items():
         med = {c: statistics.median(v) for c, v in values.items()}
         reference = results.get((script, "in-process"))
         if script == "early":
             reference = results.get(("heavy", "in-process"))
-        ratio = "-"
-        if reference and method != "in-process":
-            ratio = f"{med['first'] / statistics.median(reference['first']):.1f}x"
-        print(
-            f"{script:<7} {med['imports']:>9.2f} {method:<12} "
-            f"{'/'.join(sorted(servers[(script, method)])):<6} {med['first']:>12.2f} "
-            f"{med['ready']:>7.2f} {med['trace']:>7.2f} {ratio:>10} {med['later']:>8.2f} "
-            f"{med['boundary']:>11.1f}"
+        base = statistics.median(reference["first"]) if reference else None
+        ratio = H.ratio(med["first"], base, ".1f") if method != "in-process" else "-"
+        server = "/".join(sorted(servers[(script, method)]))
+        rows.append(
+            (
+                script,
+                med["imports"],
+                method,
+                server,
+                med["first"],
+                med["ready"],
+                med["trace"],
+                ratio,
+                med["later"],
+                med["boundary"],
+            )
         )
+    H.print_table(COLUMNS, rows)
     print(
         f"medians of {repeats} run(s) per row, rows alternated; targets (default settings): "
         "1st loader <= 1.0 s after >= 2 s of imports, <= 3x in-process; later loaders <= 0.2 s"

@@ -22,14 +22,16 @@ Target (issue 35): the default suite within 1.2x the in-process suite's wall tim
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
+
+from bench import _harness as H
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,12 +123,11 @@ def write_suite(folder: Path, tests: int, files: int = 4) -> None:
             (suite / f"test_suite_{index}.py").write_text(text)
 
 
-def run_way(folder: Path, way: str) -> float:
+def run_way(folder: Path, way: str) -> None:
     kind, arguments, extra = WAYS[way]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DALI_LOADER_")}
     env.update(extra)
     command = [sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider"]
-    started = time.perf_counter()
     done = subprocess.run(
         [*command, *arguments, str(folder / kind)],
         capture_output=True,
@@ -134,34 +135,46 @@ def run_way(folder: Path, way: str) -> float:
         env=env,
         cwd=folder / kind,
     )
-    wall = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"{way}: pytest failed:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}")
-    return wall
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--tests", type=int, default=12)
     parser.add_argument("--ways", default=",".join(WAYS), help="comma-separated, of " + str(WAYS))
-    args = parser.parse_args()
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("suite", __doc__, add_arguments)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     ways = args.ways.split(",")
-    walls: dict[str, list[float]] = {way: [] for way in ways}
     with tempfile.TemporaryDirectory() as name:
         folder = Path(name)
         write_suite(folder, args.tests)
-        for _ in range(args.repeats):
-            for way in ways:
-                walls[way].append(run_way(folder, way))
+        found = H.paired(
+            {way: functools.partial(run_way, folder, way) for way in ways},
+            rounds=args.repeats,
+            order="fixed",
+        )
+    walls = {way: [t.wall for t in runs] for way, runs in found.items()}
     base = statistics.median(walls["in-process"]) if "in-process" in walls else None
     print(f"{args.tests} tests, pytest -n 2, tiny workload, W=2, one epoch each")
-    print(f"{'way':<12} {'wall s':>8} {'runs':>24} {'vs in-process':>14}")
-    for way, values in walls.items():
-        wall = statistics.median(values)
-        ratio = f"{wall / base:.2f}x" if base else "-"
-        runs = " ".join(f"{v:.1f}" for v in values)
-        print(f"{way:<12} {wall:>8.1f} {runs:>24} {ratio:>14}")
+    H.print_table(
+        [H.Col("way", left=True), H.Col("wall s", ".1f"), H.Col("runs"), H.Col("vs in-process")],
+        [
+            (
+                way,
+                statistics.median(values),
+                H.runs(values, ".1f"),
+                H.ratio(statistics.median(values), base),
+            )
+            for way, values in walls.items()
+        ],
+    )
     if base and "default" in walls:
         ratio = statistics.median(walls["default"]) / base
         verdict = "met" if ratio <= 1.2 else "MISSED"

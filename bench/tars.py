@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import socket
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import _harness as H
 from bench import _sources as S
 from bench.files import BATCH, Run, measure
 from loader import Shard, ensure_sample_dataset, sharded_tars, write_tars
@@ -106,13 +106,10 @@ def _serve(shards: list[Path]) -> tuple[subprocess.Popen[bytes], dict[str, Any]]
     return server, options
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.tars", description=__doc__.split("\n")[0]
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of every contender")
     parser.add_argument("--epochs", type=int, default=4, help="timed epochs per run")
-    parser.add_argument("--threads", type=int, default=None, help="total DALI threads (CPUs)")
+    H.add_threads(parser)
     parser.add_argument(
         "--remote-scale", action="store_true", help="requests and bytes before the first batch"
     )
@@ -133,25 +130,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--start-ratio", type=int, default=0, help="rounds of first batches, sizes side by side"
     )
-    args = parser.parse_args(argv)
-    if args.start_ratio:
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("tars", __doc__, add_arguments)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.start_ratio or args.remote_epoch or args.remote_scale:
         from bench import tars_remote
 
-        sizes = [int(n) for n in (args.shards or "48,1024").split(",")]
-        tars_remote.start_ratio(sizes, args.start_ratio)
+        if args.start_ratio:
+            sizes = [int(n) for n in (args.shards or "48,1024").split(",")]
+            tars_remote.start_ratio(sizes, args.start_ratio)
+        elif args.remote_epoch:
+            tars_remote.epoch_bytes()
+        else:
+            sizes = [int(n) for n in (args.shards or "64,1024").split(",")]
+            tars_remote.main(sizes, args.no_scan_above)
         return
-    if args.remote_epoch:
-        from bench import tars_remote
-
-        tars_remote.epoch_bytes()
-        return
-    if args.remote_scale:
-        from bench import tars_remote
-
-        sizes = [int(n) for n in (args.shards or "64,1024").split(",")]
-        tars_remote.main(sizes, args.no_scan_above)
-        return
-    threads = args.threads or len(os.sched_getaffinity(0))
     root = str(ensure_sample_dataset())
     with tempfile.TemporaryDirectory() as directory:
         shards = write_tars(root, directory, samples_per_shard=64)
@@ -159,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         server, options = _serve(shards)
         try:
             remote = f"s3://{BUCKET}/train-{{000000..{len(shards) - 1:06d}}}.tar"
-            contenders = {
+            sources = {
                 "sharded_files": functools.partial(S.files_source, root=root, batch_size=BATCH),
                 "tars local": functools.partial(tars_source, urls=local, window=None, options=None),
                 "tars local w=2": functools.partial(
@@ -169,36 +167,59 @@ def main(argv: list[str] | None = None) -> None:
                     tars_source, urls=remote, window=2, options=options
                 ),
             }
-            runs: dict[str, list[Run]] = {name: [] for name in contenders}
-            ratios: dict[str, list[float]] = {name: [] for name in contenders}
-            for round_number in range(args.rounds):
-                names = list(contenders)
-                names = names[round_number % len(names) :] + names[: round_number % len(names)]
-                done = {name: measure(contenders[name], args.epochs, threads) for name in names}
-                for name, run in done.items():
-                    runs[name].append(run)
-                    ratios[name].append(
-                        run.batches_per_second / done["sharded_files"].batches_per_second
-                    )
-                print(
-                    f"round {round_number}: "
-                    + ", ".join(f"{n} {r.batches_per_second:.2f}" for n, r in done.items()),
-                    flush=True,
-                )
+            found = compare(sources, args.rounds, args.epochs, H.threads(args.threads))
         finally:
             server.kill()
             server.wait()
-    print(
-        f"\n{'contender':<15} {'batches/s':>9} {'vs files':>8} {'worker CPU ms/batch':>19} "
-        f"{'1st batch ms':>12}"
+    ratios = {name: H.ratios(found, name, "sharded_files", _rate) for name in found}
+    print()
+    H.print_table(
+        [
+            H.Col("contender", left=True),
+            H.Col("batches/s", ".2f"),
+            H.Col("vs files", ".2f"),
+            H.Col("worker CPU ms/batch", ".1f"),
+            H.Col("1st batch ms", ".0f"),
+        ],
+        [
+            (
+                name,
+                statistics.median(t.value.batches_per_second for t in made),
+                statistics.median(ratios[name]),
+                statistics.median(t.value.worker_cpu_ms for t in made),
+                statistics.median(t.value.first_batch_ms for t in made),
+            )
+            for name, made in found.items()
+        ],
     )
-    for name, made in runs.items():
-        print(
-            f"{name:<15} {statistics.median(r.batches_per_second for r in made):>9.2f} "
-            f"{statistics.median(ratios[name]):>8.2f} "
-            f"{statistics.median(r.worker_cpu_ms for r in made):>19.1f} "
-            f"{statistics.median(r.first_batch_ms for r in made):>12.0f}"
-        )
+
+
+def _rate(run: Run) -> float:
+    return run.batches_per_second
+
+
+def compare(
+    sources: dict[str, Any], rounds: int, epochs: int, threads: int
+) -> dict[str, list[H.Timed[Run]]]:
+    """The loader over each of ``sources`` in turn, ``rounds`` times, the order rotating; a line
+    per round."""
+
+    def report(name: str, timed: H.Timed[Run]) -> None:
+        line.append(f"{name} {timed.value.batches_per_second:.2f}")
+        if len(line) == len(sources):
+            print(f"round {timed.round}: " + ", ".join(line), flush=True)
+            line.clear()
+
+    line: list[str] = []
+    return H.paired(
+        {
+            name: functools.partial(measure, source, epochs, threads)
+            for name, source in sources.items()
+        },
+        rounds=rounds,
+        order="rotate",
+        report=report,
+    )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import Any
 
 import nvidia.dali.experimental.dynamic as ndd
 
+from bench import _harness as H
 from bench._s3 import CountingProxy, S3Server
 from loader import Loader, Shard, sharded_tars
 from tests.tar_pipelines import write_payload_tars
@@ -126,7 +127,7 @@ def epoch_bytes(shards: int = 20, per_shard: int = 40, payload: int = 8000) -> N
     read by 2 ranks (one after the other) of 1, 2 and 4 workers. Each rank runs two epochs; the
     row counts the bytes served during its second one (the first also fills the cache, and
     either epoch's workers fetch the next epoch's first shards ahead of it)."""
-    print(f"{'ranks':>5} {'workers':>7} {'MB/epoch':>8} {'of data':>7} {'requests':>8}")
+    rows = []
     with tempfile.TemporaryDirectory(prefix="bench-tars-cache-") as cache:
         os.environ["DALI_LOADER_CACHE_DIR"] = cache
         server = S3Server(threaded=False)
@@ -141,14 +142,20 @@ def epoch_bytes(shards: int = 20, per_shard: int = 40, payload: int = 8000) -> N
                 index_command(proxy, urls, options)
                 for workers in (1, 2, 4):
                     served, requests = _two_ranks(proxy, urls, options, workers)
-                    print(
-                        f"{2:>5} {workers:>7} {served / 1e6:>8.2f} {served / size:>7.1%} "
-                        f"{requests:>8}",
-                        flush=True,
-                    )
+                    rows.append((2, workers, served / 1e6, served / size, requests))
         finally:
             proxy.close()
             server.close()
+    H.print_table(
+        [
+            H.Col("ranks"),
+            H.Col("workers"),
+            H.Col("MB/epoch", ".2f"),
+            H.Col("of data", ".1%"),
+            H.Col("requests"),
+        ],
+        rows,
+    )
 
 
 def _two_ranks(
@@ -184,7 +191,6 @@ def start_ratio(sizes: list[int], rounds: int) -> None:
     server = S3Server(threaded=False)
     proxy = CountingProxy(server.endpoint)
     options = server.options(proxy.endpoint)
-    times: dict[int, list[float]] = {count: [] for count in sizes}
     try:
         with tempfile.TemporaryDirectory() as directory:
             os.environ["DALI_LOADER_CACHE_DIR"] = f"{directory}/cache-warm-up"
@@ -197,19 +203,40 @@ def start_ratio(sizes: list[int], rounds: int) -> None:
                 upload(server, f"ratio-{count}", write_shards(Path(directory) / str(count), count))
                 urls[count] = f"s3://ratio-{count}/train-{{000000..{count - 1:06d}}}.tar"
                 index_command(proxy, urls[count], options)
-            for round_ in range(rounds):
-                for count in sizes:
-                    os.environ["DALI_LOADER_CACHE_DIR"] = f"{directory}/cache-{round_}-{count}"
-                    times[count].append(first_batch(proxy, urls[count], options)[2])
+            starts = iter(range(rounds * len(sizes)))
+
+            def start(count: int) -> float:
+                round_ = next(starts) // len(sizes)
+                os.environ["DALI_LOADER_CACHE_DIR"] = f"{directory}/cache-{round_}-{count}"
+                return first_batch(proxy, urls[count], options)[2]
+
+            found = H.paired(
+                {str(count): functools.partial(start, count) for count in sizes},
+                rounds=rounds,
+                order="fixed",
+            )
+            times = {count: [t.value for t in found[str(count)]] for count in sizes}
     finally:
         proxy.close()
         server.close()
     base = statistics.median(times[sizes[0]])
-    print(f"{'shards':>6} {'median s':>8} {'ratio':>6}  runs")
-    for count in sizes:
-        median = statistics.median(times[count])
-        runs = " ".join(f"{t:.2f}" for t in times[count])
-        print(f"{count:>6} {median:>8.2f} {median / base:>6.2f}  {runs}")
+    H.print_table(
+        [
+            H.Col("shards"),
+            H.Col("median s", ".2f"),
+            H.Col("ratio", ".2f"),
+            H.Col("runs", left=True),
+        ],
+        [
+            (
+                count,
+                statistics.median(times[count]),
+                statistics.median(times[count]) / base,
+                H.runs(times[count]),
+            )
+            for count in sizes
+        ],
+    )
 
 
 def main(sizes: list[int], no_scan_above: int) -> None:
@@ -239,33 +266,30 @@ def _measure(sizes: list[int], no_scan_above: int) -> None:
                     upload(server, bucket, paths)
                     measured = first_batch(proxy, f"s3://{bucket}/{pattern}", options)
                     rows.append((count, "no index", measured, size))
-                    print(_row(*rows[-1]), flush=True)
                 bucket = f"indexed-{count}"
                 upload(server, bucket, paths)
                 measured = index_command(proxy, f"s3://{bucket}/{pattern}", options)
                 rows.append((count, "index command", measured, size))
-                print(_row(*rows[-1]), flush=True)
                 measured = first_batch(proxy, f"s3://{bucket}/{pattern}", options)
                 rows.append((count, "after index", measured, size))
-                print(_row(*rows[-1]), flush=True)
                 streamed = webdataset_first(proxy, server, bucket, count)
                 if streamed is not None:
                     rows.append((count, "webdataset", streamed, size))
-                    print(_row(*rows[-1]), flush=True)
     finally:
         proxy.close()
         server.close()
-    print(f"\n{_HEADER}")
-    for row in rows:
-        print(_row(*row))
-
-
-_HEADER = f"{'shards':>6} {'run':<14} {'requests':>8} {'MB':>8} {'of data':>7} {'seconds':>7}"
-
-
-def _row(count: int, name: str, measured: tuple[int, int, float], size: int) -> str:
-    requests, served, seconds = measured
-    return (
-        f"{count:>6} {name:<14} {requests:>8} {served / 1e6:>8.2f} "
-        f"{served / size:>7.1%} {seconds:>7.1f}"
+    print()
+    H.print_table(
+        [
+            H.Col("shards"),
+            H.Col("run", left=True),
+            H.Col("requests"),
+            H.Col("MB", ".2f"),
+            H.Col("of data", ".1%"),
+            H.Col("seconds", ".1f"),
+        ],
+        [
+            (count, name, requests, served / 1e6, served / size, seconds)
+            for count, name, (requests, served, seconds), size in rows
+        ],
     )

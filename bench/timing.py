@@ -10,9 +10,11 @@ wall and CPU timers around ``load_batch``), and in the trainer (decoding ``Stage
 
 from __future__ import annotations
 
+import argparse
 import time
 import timeit
 
+from bench import _harness as H
 from ipc.wire import TIMING, BatchReady, OutputPlacement, StageTimes
 from loader import Timeline
 from workers import BatchClock
@@ -28,7 +30,12 @@ class _Totals:
     load_cpu_ns = 0
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    return H.parser("timing", __doc__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser().parse_args(argv)
     totals = _Totals()
     clock = BatchClock()
     clock.follow(totals)
@@ -59,15 +66,16 @@ def main() -> None:
     def baseline() -> None:
         pass
 
-    print(f"{'where':<24} {'us per batch':>12}")
     empty = min(timeit.repeat(baseline, number=RUNS, repeat=5)) / RUNS
+    rows = []
     for name, work in (
         ("worker main thread", worker_main_thread),
         ("worker prefetch thread", worker_prefetch_thread),
         ("trainer", trainer),
     ):
         best = min(timeit.repeat(work, number=RUNS, repeat=5)) / RUNS - empty
-        print(f"{name:<24} {best * 1e6:>12.2f}")
+        rows.append((name, best * 1e6))
+    H.print_table([H.Col("where", left=True), H.Col("us per batch", ".2f")], rows)
     print(f"(one time.perf_counter_ns() here: {_clock_cost() * 1e6:.2f} us)")
 
 

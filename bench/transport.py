@@ -19,12 +19,12 @@ import argparse
 import functools
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench import _harness as H
 from bench._sources import RepeatDataset, identity_step, repeat_source
 from loader import Loader
 
@@ -38,10 +38,10 @@ def time_memcpy(shape: tuple[int, ...], dtype: str, batch_size: int, count: int)
     source = np.random.default_rng(0).random((batch_size, *shape)).astype(dtype)
     target = np.empty_like(source)
     np.copyto(target, source)
-    started = time.perf_counter()
-    for _ in range(count):
-        np.copyto(target, source)
-    return (time.perf_counter() - started) / count
+    with H.Clock() as clock:
+        for _ in range(count):
+            np.copyto(target, source)
+    return clock.wall / count
 
 
 def time_loader(shape: tuple[int, ...], dtype: str, batch_size: int, count: int) -> float:
@@ -53,14 +53,13 @@ def time_loader(shape: tuple[int, ...], dtype: str, batch_size: int, count: int)
         for _ in range(10):  # warm up: arena creation, first faults
             del _
             next(iterator)
-        started = time.perf_counter()
-        cpu_started = time.process_time()
         n = 0
-        for batch in iterator:
-            n += 1
-            del batch
-        TRAINER_CPU.append((time.process_time() - cpu_started) / n)
-        return (time.perf_counter() - started) / n
+        with H.Clock() as clock:
+            for batch in iterator:
+                n += 1
+                del batch
+        TRAINER_CPU.append(clock.cpu / n)
+        return clock.wall / n
 
 
 TRAINER_CPU: list[float] = []
@@ -78,27 +77,30 @@ def time_torch(shape: tuple[int, ...], dtype: str, batch_size: int, count: int) 
     iterator = iter(data)
     for _ in range(10):
         next(iterator)
-    started = time.perf_counter()
     n = 0
-    for batch in iterator:
-        n += 1
-        del batch
-    elapsed = (time.perf_counter() - started) / n
+    with H.Clock() as clock:
+        for batch in iterator:
+            n += 1
+            del batch
     del iterator
-    return elapsed
+    return clock.wall / n
 
 
 def run(repeats: int, count_large: int, count_tiny: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, (shape, dtype, batch_size) in CASES.items():
         count = count_large if name == "large" else count_tiny
-        rows: dict[str, list[float]] = {"memcpy": [], "loader": [], "torch DataLoader": []}
-        for _ in range(repeats):
-            rows["memcpy"].append(time_memcpy(shape, dtype, batch_size, count))
-            rows["loader"].append(time_loader(shape, dtype, batch_size, count))
-            torch_time = time_torch(shape, dtype, batch_size, count)
-            if torch_time is not None:
-                rows["torch DataLoader"].append(torch_time)
+        case = (shape, dtype, batch_size, count)
+        found = H.paired(
+            {
+                "memcpy": functools.partial(time_memcpy, *case),
+                "loader": functools.partial(time_loader, *case),
+                "torch DataLoader": functools.partial(time_torch, *case),
+            },
+            rounds=repeats,
+            order="fixed",
+        )
+        rows = {k: [t.value for t in v if t.value is not None] for k, v in found.items()}
         nbytes = int(np.prod((batch_size, *shape))) * np.dtype(dtype).itemsize
         results[name] = {
             "bytes": nbytes,
@@ -110,30 +112,39 @@ def run(repeats: int, count_large: int, count_tiny: int) -> dict[str, Any]:
 
 
 def render(results: dict[str, Any]) -> str:
-    lines = [
-        f"{'batch':<6} {'contender':<18} {'per batch':>12} {'GB/s':>8} {'vs memcpy':>10}",
-    ]
+    rows = []
     for name, result in results.items():
         floor = result["seconds_per_batch"]["memcpy"]
         for contender, seconds in result["seconds_per_batch"].items():
             rate = result["bytes"] / seconds / 1e9
             per = f"{seconds * 1e6:.1f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
-            lines.append(
-                f"{name:<6} {contender:<18} {per:>12} {rate:>8.2f} {seconds / floor:>9.2f}x"
-            )
-    lines.append("")
+            rows.append((name, contender, per, rate, H.ratio(seconds, floor)))
+    columns = [
+        H.Col("batch", left=True),
+        H.Col("contender", left=True),
+        H.Col("per batch"),
+        H.Col("GB/s", ".2f"),
+        H.Col("vs memcpy"),
+    ]
+    lines = [H.table(columns, rows), ""]
     for name, result in results.items():
         cpu = result["loader_trainer_cpu_per_batch"] * 1e6
         lines.append(f"loader trainer-side CPU per {name} batch: {cpu:.1f} us")
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--large", type=int, default=60, help="batches per large run")
     parser.add_argument("--tiny", type=int, default=3000, help="batches per tiny run")
-    args = parser.parse_args()
+
+
+def parser() -> argparse.ArgumentParser:
+    return H.parser("transport", __doc__, add_arguments)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     results = run(args.repeats, args.large, args.tiny)
     print(render(results))
     out = Path(__file__).parent / "results" / "transport.json"
