@@ -26,7 +26,7 @@ def public_interface(path: Path = SESSION_MODULE) -> set[str]:
 
 
 def _annotation_kind(annotation: ast.expr | None) -> str | None:
-    """"one" for ``WorkerSession`` (or ``... | None``), "many" for a container of them."""
+    """ "one" for ``WorkerSession`` (or ``... | None``), "many" for a container of them."""
     if annotation is None:
         return None
     text = ast.unparse(annotation)
@@ -145,7 +145,7 @@ def test_the_scan_sees_the_engines_reads() -> None:
         assert counts[name] > 0, name
 
 
-PLANTED = '''
+PLANTED = """
 from loader.engine._session import WorkerSession
 
 
@@ -170,16 +170,14 @@ class C:
         blocked = [self.sessions[i] for i in range(2)]
         blocked[0].random
         return [w.delivered for w in self.sessions]
-'''
+"""
 
 
 def test_a_planted_read_of_a_field_is_found(tmp_path: Path) -> None:
     path = tmp_path / "planted.py"
     path.write_text(PLANTED)
     allowed = public_interface()
-    wrong = sorted(
-        attr for _, attr in session_reads(path.read_text()) if attr not in allowed
-    )
+    wrong = sorted(attr for _, attr in session_reads(path.read_text()) if attr not in allowed)
     assert wrong == sorted(
         ["_queue", "counters", "target", "heard_at", "shard", "epoch", "random", "delivered"]
     )

@@ -34,9 +34,10 @@ class FakeProcess:
         self.joined.append(timeout)
 
 
-@dataclass
+@dataclass(eq=False)
 class FakeHandle:
-    """A worker's process as the engine reads it; ``pid=None``: nothing is ever signalled."""
+    """A worker's process as the engine reads it; ``pid=None``: nothing is ever signalled.
+    Compared by identity, as a real handle is."""
 
     index: int = 0
     shard: Shard = field(default_factory=shard)
