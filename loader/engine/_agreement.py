@@ -43,7 +43,7 @@ class Agreement:
         if not self._due or any(s.signature_pending for s in sessions):
             return
         self._due = False
-        error, fell_back = _failures.disagreement(sessions)
+        error, fell_back = _failures.disagreement([s.view() for s in sessions])
         if error is not None:
             raise error
         self.reference = next((s.signature for s in sessions if s.signature), None)

@@ -44,7 +44,7 @@ from ._order import ArrivalOrder, InOrder, Take
 from ._releases import Releases
 from ._roster import Roster
 from ._routing import Router
-from ._session import Delivery, Idle, Stopped, WorkerSession
+from ._session import Delivery, Idle, SessionView, Stopped, WorkerSession, WorkerState
 from ._stats import LoaderStats, Timeline, TrainerCounters, snapshot
 from ._waiting import Limit, Waiter
 
@@ -122,12 +122,13 @@ class Coordinator:
         self.pool.start()
         self.roster.open(self.pool.handles)
         self.timeline.ensure(len(self.sessions))
-        while starting := [s for s in self.sessions if not s.up]:
-            late = min(starting, key=lambda s: s.heard_at)
+        while starting := [s.view() for s in self.sessions if not s.up]:
+            late = min(starting, key=lambda v: v.heard_at)
             remaining = late.heard_at + timeout - time.monotonic()
             if remaining <= 0:
                 raise self._fail(_failures.not_started(late, timeout))
-            self._wait(late, (remaining, ""), "the workers were starting", startup=True)
+            wanted = self.sessions[late.index]
+            self._wait(wanted, (remaining, ""), "the workers were starting", startup=True)
         self.agreement.expect(self.sessions)
 
     def start_epoch(self, epoch: int, base_steps: list[int] | None = None, cursor: int = 0) -> None:
@@ -145,15 +146,15 @@ class Coordinator:
         """Wait for the end of the epoch whose batches were all delivered (a trainer that stops
         after ``len(loader)`` batches never asks for the end itself)."""
         self._until(
-            lambda s: bool(s.queue) or not s.open_in_epoch,
+            lambda s: s.queued > 0 or not s.open_in_epoch,
             self.healing.wait_limit,
             "waiting for the end of the epoch",
         )
-        extra = next((s for s in self.sessions if s.queue), None)
+        extra = next((s for s in self.sessions if s.queued), None)
         if extra is not None:
             raise self._fail(
                 ProtocolError(
-                    f"{extra.describe()} sent more batches of epoch {extra.epoch} than its "
+                    f"{extra.describe()} sent more batches of epoch {extra.view().epoch} than its "
                     "epoch has"
                 )
             )
@@ -164,7 +165,7 @@ class Coordinator:
         for session in self.sessions:
             for descriptor in session.take_queued():
                 self.roster.release(session, descriptor)
-            if not isinstance(session.target, Idle):
+            if not isinstance(session.view().target, Idle):
                 self.roster.send(session, session.abort_epoch(epoch))
         self._until(_idle, self._command_limit, f"the workers were leaving epoch {epoch}")
         self.agreement.expect(self.sessions)
@@ -179,7 +180,7 @@ class Coordinator:
             self.roster.send(session, session.seek(position, states))
         self._until(_idle, self._command_limit, f"the workers were seeking epoch {position.epoch}")
         self.agreement.expect(self.sessions)
-        return [s.resumed_steps or 0 for s in self.sessions]
+        return [s.view().resumed_steps or 0 for s in self.sessions]
 
     def wait_signatures(self) -> None:
         """Wait until every worker whose loop traced sent its signature; checks agreement.
@@ -196,7 +197,7 @@ class Coordinator:
     def _until(
         self,
         done: Callable[[WorkerSession], bool],
-        limit: Callable[[WorkerSession], Limit],
+        limit: Callable[[SessionView], Limit],
         doing: str,
         *,
         resumable: bool = False,
@@ -205,12 +206,12 @@ class Coordinator:
         arrives (a worker replaced meanwhile is judged by its new process). ``doing``: the
         words for an interruption; ``resumable``: see :meth:`_wait`."""
         while (waiting := next((s for s in self.sessions if not done(s)), None)) is not None:
-            self._wait(waiting, limit(waiting), doing, resumable=resumable)
+            self._wait(waiting, limit(waiting.view()), doing, resumable=resumable)
 
-    def _command_limit(self, session: WorkerSession) -> Limit:
+    def _command_limit(self, view: SessionView) -> Limit:
         """A command's answer includes rebuilding the sources: the trace's limit."""
-        if not session.up:
-            return self.healing.wait_limit(session)
+        if not view.up:
+            return self.healing.wait_limit(view)
         trace = self.healing.timeouts.trace
         return trace, "" if trace is None else f"startup_timeout={trace:g}"
 
@@ -232,10 +233,10 @@ class Coordinator:
                     self._collect_views(blocked[0])
             waiting = self.sessions[decision.worker]
             doing = f"waiting for batch {step} ({waiting.describe()})"
-            self._wait(waiting, self.healing.wait_limit(waiting), doing, resumable=True)
+            self._wait(waiting, self.healing.wait_limit(waiting.view()), doing, resumable=True)
 
     def _deliver(self, session: WorkerSession, step: int) -> Delivery:
-        descriptor = session.queue[0]
+        descriptor = session.peek()
         if descriptor.skipped:  # (checked before any view of the slot is made)
             sampling = self.sampling()
             error = self.healing.delivered(descriptor, 0 if sampling is None else sampling.total)
@@ -268,7 +269,7 @@ class Coordinator:
         """Before declaring every slot held: collect dead views and send their releases."""
         gc.collect()
         self.roster.send_releases(lazy=False)
-        if session.reader.all_held and not session.queue:
+        if session.reader.all_held and not session.queued:
             raise self._fail(
                 SlotsExhaustedError(
                     f"the trainer holds all {session.reader.num_slots} shared-memory slots of "
@@ -301,9 +302,8 @@ class Coordinator:
 
     def worker_facts(self) -> tuple[WorkerFacts, ...]:
         """A snapshot of every worker, for tuning."""
-        return tuple(
-            WorkerFacts(s.handle.pid, s.counters.bytes, s.counters.steps) for s in self.sessions
-        )
+        views = [s.view() for s in self.sessions]
+        return tuple(WorkerFacts(v.handle.pid, v.counters.bytes, v.counters.steps) for v in views)
 
     def agreement_fields(self) -> dict[str, Any] | None:
         """What every rank's workers must agree on, from the signature they all sent (None
@@ -318,17 +318,17 @@ class Coordinator:
     def worker_names(self) -> list[str]:
         """Each worker as a trace names it: its index, shard and process."""
         return [
-            f"worker {s.index} (shard {s.shard.index}/{s.shard.count}, pid {s.handle.pid})"
-            for s in self.sessions
+            f"worker {v.index} (shard {v.shard.index}/{v.shard.count}, pid {v.handle.pid})"
+            for v in (s.view() for s in self.sessions)
         ]
 
     def delivered(self) -> list[int]:
         """Per worker, the batches of the epoch in progress handed to the user."""
-        return [s.delivered for s in self.sessions]
+        return [s.view().delivered for s in self.sessions]
 
     def random_states(self) -> list[wire.RandomStates]:
         """Per worker, the random generator states of its first batch not yet delivered."""
-        return [s.random for s in self.sessions]
+        return [s.view().random for s in self.sessions]
 
     def pids(self) -> list[int]:
         return [s.handle.pid for s in self.sessions if s.handle.pid is not None]
@@ -336,7 +336,7 @@ class Coordinator:
     def stats(self, trainer: TrainerCounters, window: float = 10.0, cpus: int = 1) -> LoaderStats:
         healing = self.healing
         return snapshot(
-            self.sessions,
+            [s.view() for s in self.sessions],
             trainer,
             now=time.monotonic(),
             wait_ns=self.wait_ns,
@@ -409,4 +409,4 @@ class Coordinator:
 
 
 def _idle(session: WorkerSession) -> bool:
-    return session.up and isinstance(session.target, Idle)
+    return session.state is WorkerState.READY

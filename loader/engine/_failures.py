@@ -31,7 +31,7 @@ from .._errors import (
 )
 from ..config._validate import died_early_hint
 from ..processes._pool import describe_exit
-from ._session import WorkerSession
+from ._session import SessionView
 
 NOTHING_CAPTURED = "no operators were captured"
 
@@ -72,20 +72,20 @@ SKIP_HINT = (
 )
 
 
-def where(session: WorkerSession, epoch: int | None, step: int | None) -> str:
-    parts = [f"worker {session.index}", session.shard.describe()]
+def where(view: SessionView, epoch: int | None, step: int | None) -> str:
+    parts = [f"worker {view.index}", view.shard.describe()]
     parts.append(f"epoch {epoch}" if epoch is not None else "before the first epoch")
     if step is not None:
         parts.append(f"step {step}")
     return ", ".join(parts)
 
 
-def relayed(session: WorkerSession, failure: wire.WorkerFailure) -> BaseException:
+def relayed(view: SessionView, failure: wire.WorkerFailure) -> BaseException:
     """A worker's exception (``WorkerFailure``) as the trainer raises it."""
     step = failure.step
-    if step is not None and failure.epoch == session.epoch:
-        step = session.epoch_step(step)  # the epoch's, not this process's
-    message = f"{failure.message} [{where(session, failure.epoch, step)}, in {failure.phase}]"
+    if step is not None:
+        step = view.step_of(failure.epoch, step)  # the epoch's, not this process's
+    message = f"{failure.message} [{where(view, failure.epoch, step)}, in {failure.phase}]"
     for pattern, hint in HINTS:
         if pattern in failure.message:
             message += f" Hint: {hint}"
@@ -96,8 +96,8 @@ def relayed(session: WorkerSession, failure: wire.WorkerFailure) -> BaseExceptio
         remote = f"{failure.type_module}.{failure.type_name}"
         error = WorkerError(f"{remote}: {message}{why_not}", remote_type=remote)
     for name, value in (
-        ("worker", session.index),
-        ("shard", session.shard.index),
+        ("worker", view.index),
+        ("shard", view.shard.index),
         ("epoch", failure.epoch),
         ("step", step),
         ("phase", failure.phase),
@@ -109,7 +109,7 @@ def relayed(session: WorkerSession, failure: wire.WorkerFailure) -> BaseExceptio
     return error
 
 
-def relay_warning(session: WorkerSession, relay: wire.WarningRelay) -> None:
+def relay_warning(view: SessionView, relay: wire.WarningRelay) -> None:
     """Re-emit a worker's warning in the trainer (its category when it is a builtin one)."""
     if NOTHING_CAPTURED in relay.message:
         return  # reported once, for all workers, by disagreement()
@@ -119,17 +119,17 @@ def relay_warning(session: WorkerSession, relay: wire.WarningRelay) -> None:
         if isinstance(found, type) and issubclass(found, Warning):
             category = found
     warnings.warn_explicit(
-        f"[worker {session.index}] {relay.message}",
+        f"[worker {view.index}] {relay.message}",
         category,
         relay.filename,
         relay.lineno,
-        module=f"worker{session.index}",
+        module=f"worker{view.index}",
     )
 
 
-def died(session: WorkerSession) -> tuple[BaseException, str]:
+def died(view: SessionView) -> tuple[BaseException, str]:
     """The error a dead worker raises, and a one-line cause for a restart's log record."""
-    handle = session.handle
+    handle = view.handle
     handle.process.join(0.5)
     exitcode = handle.process.exitcode
     text, signal_name = describe_exit(exitcode)
@@ -138,29 +138,27 @@ def died(session: WorkerSession) -> tuple[BaseException, str]:
     oom = out_of_memory(handle.oom_kills_at_start) if signal_name == "SIGKILL" else None
     last = (
         "no batch yet"
-        if session.last_step is None
-        else f"last step sent {session.epoch_step(session.last_step)}"
+        if view.last_step is None
+        else f"last step sent {view.epoch_step(view.last_step)}"
     )
     if oom is not None:
         making = (
             "its first step"
-            if session.last_step is None
-            else f"step {session.epoch_step(session.last_step) + 1}"
+            if view.last_step is None
+            else f"step {view.epoch_step(view.last_step) + 1}"
         )
         text = f"was killed by the kernel's out-of-memory killer (SIGKILL) while making {making}"
     unexpectedly = "" if oom is not None else " unexpectedly"
-    message = (
-        f"{session.describe()} {text}{unexpectedly} [{where(session, session.epoch, None)}, {last}]"
-    )
+    message = f"{view.describe()} {text}{unexpectedly} [{where(view, view.epoch, None)}, {last}]"
     if oom is not None:
         message += f": {oom}"
     if stack.strip():
         message += f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
-    elif session.hello is None and exitcode == 1:
+    elif view.hello is None and exitcode == 1:
         message += f": {died_early_hint()}"
     error = WorkerDiedError(
         message,
-        worker=session.index,
+        worker=view.index,
         pid=handle.pid,
         exitcode=exitcode,
         signal_name=signal_name,
@@ -193,9 +191,9 @@ def out_of_memory(before: dict[str, int]) -> str | None:
     )
 
 
-def read_stack(session: WorkerSession) -> str:
-    """Every thread's stack of ``session``'s live process (faulthandler's), or ""."""
-    handle = session.handle
+def read_stack(view: SessionView) -> str:
+    """Every thread's stack of ``view``'s live process (faulthandler's), or ""."""
+    handle = view.handle
     if handle.pid is None or handle.exited:
         return ""
     try:
@@ -211,24 +209,24 @@ def _stack_text(stack: str) -> str:
     return f"\n--- worker stack (faulthandler) ---\n{stack.rstrip()}"
 
 
-def not_started(session: WorkerSession, timeout: float) -> StartupError:
+def not_started(view: SessionView, timeout: float) -> StartupError:
     """The error of a worker that sent nothing for ``timeout`` (``startup_timeout``) before
     its Hello: what it was doing (the last ``wire.Starting`` it sent) and its stack."""
     return StartupError(
-        f"{session.describe()} did not start: it sent nothing for {timeout:g} s "
-        f"(startup_timeout) and has not said Hello; {session.doing()}. The machine may be "
+        f"{view.describe()} did not start: it sent nothing for {timeout:g} s "
+        f"(startup_timeout) and has not said Hello; {view.doing()}. The machine may be "
         "overloaded, or that step hangs (the stack below says where)"
-        + _stack_text(read_stack(session))
+        + _stack_text(read_stack(view))
     )
 
 
-def timed_out(session: WorkerSession, timeout: float, setting: str) -> tuple[BaseException, str]:
+def timed_out(view: SessionView, timeout: float, setting: str) -> tuple[BaseException, str]:
     """The error a worker that sent nothing for ``timeout`` (``setting`` says where that limit
     comes from) raises, its stack read first; and a cause for a restart's log. The sample a
     ``load`` is stuck on, when there is one, travels as ``error.hung_load``."""
-    stack = read_stack(session)
-    waiting_for = "its first batch" if session.received == 0 else "a batch"
-    step = session.epoch_step(session.next_step)  # the epoch's, not this process's
+    stack = read_stack(view)
+    waiting_for = "its first batch" if view.received == 0 else "a batch"
+    step = view.epoch_step(view.received)  # the epoch's, not this process's
     # the sample a load has been stuck on since (about) the wait began hangs; a load that
     # started later is merely the one running when the wait, for a slow batch, ran out
     running = wire.LoadRunning.find(stack)
@@ -241,17 +239,17 @@ def timed_out(session: WorkerSession, timeout: float, setting: str) -> tuple[Bas
             else f"sample {hung.index} ({hung.name})"
         )
         hangs = f"; its load() hangs on {named} (running for {hung.seconds:.1f} s)"
-    if not session.up:  # (a replacement that has not said Hello yet)
-        hangs += f"; {session.doing()}"
+    if not view.up:  # (a replacement that has not said Hello yet)
+        hangs += f"; {view.doing()}"
     message = (
-        f"{session.describe()} sent nothing for {timeout:g} s while the trainer waited for "
-        f"{waiting_for} ({setting}) [{where(session, session.epoch, step)}]{hangs}"
+        f"{view.describe()} sent nothing for {timeout:g} s while the trainer waited for "
+        f"{waiting_for} ({setting}) [{where(view, view.epoch, step)}]{hangs}"
     ) + _stack_text(stack)
     error = WorkerTimeoutError(
         message,
-        worker=session.index,
+        worker=view.index,
         stack=stack,
-        epoch=session.epoch,
+        epoch=view.epoch,
         step=step,
         hung_load=hung,
     )
@@ -289,30 +287,30 @@ def memory_risk(slot_bytes: Sequence[tuple[int, int, int]]) -> str | None:
     )
 
 
-def disagreement(sessions: Sequence[WorkerSession]) -> tuple[BaseException | None, list[str]]:
+def disagreement(views: Sequence[SessionView]) -> tuple[BaseException | None, list[str]]:
     """Every worker's signature must match the first signed one's: the error when one does
     not, and the workers (described) whose capture fell back to eager execution."""
-    signed = [s for s in sessions if s.signature is not None]
+    signed = [v for v in views if v.signature is not None]
     if not signed:
         return None, []
-    reference_session = signed[0]
-    reference = reference_session.signature
+    reference_view = signed[0]
+    reference = reference_view.signature
     assert reference is not None
     expected = reference.agreement_fields()
-    for session in signed[1:]:
-        assert session.signature is not None
-        for field, value in session.signature.agreement_fields().items():
+    for view in signed[1:]:
+        assert view.signature is not None
+        for field, value in view.signature.agreement_fields().items():
             if value != expected[field]:
                 return AgreementError(
-                    f"{session.describe()} disagrees with worker {reference_session.index} on "
+                    f"{view.describe()} disagrees with worker {reference_view.index} on "
                     f"{field}: {_short(value)} != {_short(expected[field])}. Every worker must "
                     "trace the same loop: make source(shard) and step() give the same batch "
                     "size, device and outputs on every shard"
                 ), []
     fell_back = [
-        f"{s.index} ({s.shard.describe()})"
-        for s in signed
-        if s.signature and s.signature.capture_requested and not s.signature.captured
+        f"{v.index} ({v.shard.describe()})"
+        for v in signed
+        if v.signature and v.signature.capture_requested and not v.signature.captured
     ]
     return None, fell_back
 

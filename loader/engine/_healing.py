@@ -21,7 +21,7 @@ from workers import WorkerSpec, continue_from
 from .._errors import SkipLimitError
 from ..config._config import LoaderConfig
 from ..processes._pool import WorkerHandle
-from ._session import Aborting, Idle, Running, Seeking, Stopped, Target, WorkerSession
+from ._session import Aborting, Idle, Running, Seeking, SessionView, Stopped, Target
 
 logger = logging.getLogger("loader")
 
@@ -76,7 +76,7 @@ class Healing:
 
     # ------------------------------------------------------------------------ samples
     def samples_failed(
-        self, session: WorkerSession, message: wire.SamplesFailed
+        self, view: SessionView, message: wire.SamplesFailed
     ) -> wire.BadSamples | None:
         """on_error="skip": remember the samples; returns what to tell the other workers (each
         would otherwise fail on them in a later epoch, and be replaced for it, or log them
@@ -89,23 +89,21 @@ class Healing:
         ]
         # the step counted in this process's epoch (a replacement's, or a resumed one's, starts
         # at 0); a batch of the next epoch (prefetched across the epoch's end) counts from 0
-        step = message.step
-        if message.epoch == session.epoch:
-            step = session.epoch_step(step)
+        step = view.step_of(message.epoch, message.step)
         for index, name in new:
             described = f"sample {index}" if name == str(index) else f"sample {index} ({name})"
             logger.warning(
                 "skipped %s: worker %d (%s) fails on it at epoch %d, its own step %d (%s)",
                 described,
-                session.index,
-                session.shard.describe(),
+                view.index,
+                view.shard.describe(),
                 message.epoch,
                 step,
                 message.reason,
             )
         self.bad_samples.update(message.ids)
         if message.exits:
-            self._exiting.add(session.index)
+            self._exiting.add(view.index)
         return wire.BadSamples(tuple(index for index, _ in new)) if new else None
 
     def delivered(self, info: wire.BatchReady, total: int) -> SkipLimitError | None:
@@ -129,14 +127,14 @@ class Healing:
 
     # ------------------------------------------------------------------------ restarts
     def decide(
-        self, session: WorkerSession, error: BaseException, cause: str
+        self, view: SessionView, error: BaseException, cause: str
     ) -> tuple[Replace | Fail, wire.BadSamples | None]:
         """A dead or stuck worker: replace it when allowed, else fail with ``error`` (saying
         why not). Also returns what to tell the other workers of a sample whose load hangs."""
-        if session.index in self._exiting:
-            self._exiting.discard(session.index)
-            return self._replace(session, "skipped samples that fail inside DALI", False), None
-        reason = self._no_restart_reason(session)
+        if view.index in self._exiting:
+            self._exiting.discard(view.index)
+            return self._replace(view, "skipped samples that fail inside DALI", False), None
+        reason = self._no_restart_reason(view)
         if reason is not None:
             if reason:
                 error.args = (f"{error.args[0]} ({reason})", *error.args[1:])
@@ -148,7 +146,7 @@ class Healing:
             # other workers told, and the replacement (the stuck process is killed) makes its
             # batch without it
             found = self.samples_failed(
-                session,
+                view,
                 wire.SamplesFailed(
                     hung.epoch,
                     hung.step,
@@ -158,38 +156,38 @@ class Healing:
                     exits=False,
                 ),
             )
-        return self._replace(session, cause, True), found
+        return self._replace(view, cause, True), found
 
-    def _no_restart_reason(self, session: WorkerSession) -> str | None:
+    def _no_restart_reason(self, view: SessionView) -> str | None:
         if self.max_restarts == 0:
             return ""  # the default: fail fast, with the plain message
         if self.restarts >= self.max_restarts:
             return f"no restart: the restart budget (max_restarts={self.max_restarts}) is spent"
-        if session.hello is None:
+        if view.hello is None:
             return "no restart: the worker never started, so its source is unknown"
-        if session.hello.sampling is None:
+        if view.hello.sampling is None:
             return (
                 "no restart: the source cannot start mid-shard (a DALI reader or a plain "
                 "ExternalSource); use sharded_files() or sharded_source() to heal"
             )
-        if isinstance(session.target, Stopped):
+        if isinstance(view.target, Stopped):
             return "no restart: the loader is closing"
         return None
 
-    def _replace(self, session: WorkerSession, cause: str, budgeted: bool) -> Replace:
-        """A new process for ``session``'s shard, starting at the first batch the trainer has
+    def _replace(self, view: SessionView, cause: str, budgeted: bool) -> Replace:
+        """A new process for ``view``'s shard, starting at the first batch the trainer has
         not received; batches the old one published and the trainer did not hand out are
         dropped (the new process makes them again), so every sample still arrives once, in
         the same order."""
         if budgeted:
             self.restarts += 1
-        target, shard = session.target, session.shard
-        first = session.first_step
+        target, shard = view.target, view.shard
+        first = view.first_step
         new: Target
         position: Position | None
         # a worker that ended its epoch but whose batches the trainer has not all handed out
         # is replaced like a running one: the new process makes the rest of them again
-        if isinstance(target, Running) and (not target.ended or session.queue):
+        if isinstance(target, Running) and (not target.ended or view.queued):
             new = Running(target.epoch, target.start)
             epoch = target.epoch
             position = continue_from(
@@ -197,10 +195,10 @@ class Healing:
                 epoch,
                 shard.count,
                 shard.index,
-                session.delivered,
+                view.delivered,
                 ranks=shard.world_size,
             )
-            first = session.base_step + session.delivered
+            first = view.undelivered_step
             where = f"goes on at batch {first} of epoch {epoch}"
         elif isinstance(target, Seeking):
             new = Seeking(target.position, sent=False)
@@ -218,7 +216,7 @@ class Healing:
             logger.warning(
                 "worker %d (%s) %s; replaced it with a new process (restart %d of "
                 "max_restarts=%d), which %s",
-                session.index,
+                view.index,
                 shard.describe(),
                 cause,
                 self.restarts,
@@ -227,23 +225,23 @@ class Healing:
             )
         else:  # a DALI error leaves a process unable to trace again: a fresh one goes on
             logger.info(
-                "worker %d (%s) %s; a new process %s", session.index, shard.describe(), cause, where
+                "worker %d (%s) %s; a new process %s", view.index, shard.describe(), cause, where
             )
         spec = dataclasses.replace(
-            session.handle.spec,
+            view.handle.spec,
             shard=shard.for_epoch(epoch, position),
             bad_samples=frozenset(self.bad_samples),
-            random=session.random,  # those of the first batch it makes: the same bytes again
+            random=view.random,  # those of the first batch it makes: the same bytes again
         )
         return Replace(spec, new, first, budgeted)
 
-    def started(self, session: WorkerSession) -> None:
-        """``session`` has a replacement process (its first trace is bounded apart)."""
-        self._replacements[session.index] = (session.handle, len(session.counters.trace_seconds))
+    def started(self, view: SessionView) -> None:
+        """``view``'s worker has a replacement process (its first trace is bounded apart)."""
+        self._replacements[view.index] = (view.handle, len(view.counters.trace_seconds))
 
     # ------------------------------------------------------------------------ waits
-    def wait_limit(self, session: WorkerSession) -> tuple[float | None, str]:
-        """How long the trainer waits for ``session``'s next record, and the setting it comes
+    def wait_limit(self, view: SessionView) -> tuple[float | None, str]:
+        """How long the trainer waits for ``view``'s next record, and the setting it comes
         from (for messages): ``startup_timeout`` while a process starts or traces its first
         batch, else ``timeout``.
 
@@ -254,12 +252,12 @@ class Healing:
         here, measured: a replacement traces the same loop again), so a hang is seen after
         about ``timeout`` per restart."""
         timeout, startup = self.timeouts.timeout, self.timeouts.startup
-        starting = not session.up
-        tracing = session.signature_pending and session.received == 0
-        traced = session.counters.trace_seconds
+        starting = not view.up
+        tracing = view.signature_pending and view.received == 0
+        traced = view.counters.trace_seconds
         # a replacement process that has not traced yet (a later trace, after a rebuild, is
         # bounded like any worker's)
-        replacement = self._replacements.get(session.index) == (session.handle, len(traced))
+        replacement = self._replacements.get(view.index) == (view.handle, len(traced))
         if timeout is not None and replacement and (starting or tracing):
             if not starting and traced:
                 extra = round(2 * max(traced), 1)

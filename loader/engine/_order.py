@@ -66,17 +66,17 @@ class InOrder:
 
     def choose(self, sessions: Sequence[WorkerSession]) -> Decision:
         turn = sessions[self.cursor]
-        if turn.queue:  # (the usual cases, decided without looking at the others)
+        if turn.queued:  # (the usual cases, decided without looking at the others)
             self.cursor = (self.cursor + 1) % len(sessions)
             return Take(turn.index)
         if turn.open_in_epoch:
             return Wait(turn.index, (turn.index,))
         index = choose_worker(
-            self.cursor, [bool(s.queue) for s in sessions], [s.open_in_epoch for s in sessions]
+            self.cursor, [s.queued > 0 for s in sessions], [s.open_in_epoch for s in sessions]
         )
         if index is None:
             return None
-        if sessions[index].queue:
+        if sessions[index].queued:
             self.cursor = (index + 1) % len(sessions)
             return Take(index)
         return Wait(index, (index,))
@@ -98,16 +98,16 @@ class ArrivalOrder:
         arrivals = self._arrivals
         while arrivals:
             index = arrivals.popleft()
-            if sessions[index].queue:  # (a replaced worker's queue was dropped)
+            if sessions[index].queued:  # (a replaced worker's queue was dropped)
                 return Take(index)
-        queued = [s.index for s in sessions if s.queue]
+        queued = [s.index for s in sessions if s.queued]
         if queued:  # never wait while a batch is queued (its worker may be out of slots)
             return Take(queued[0])
         open_sessions = [s for s in sessions if s.open_in_epoch]
         if not open_sessions:
             return None
         # waits on every worker; a timeout names the one that is furthest behind
-        waiting = min(open_sessions, key=lambda s: s.received)
+        waiting = min(open_sessions, key=lambda s: s.next_step)
         return Wait(waiting.index, tuple(s.index for s in open_sessions))
 
 

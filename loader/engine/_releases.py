@@ -134,7 +134,7 @@ class Releases:
             if (
                 lazy
                 and len(fills) < max(1, reader.num_slots // 2)
-                and (session.queue or reader.held + len(fills) < reader.num_slots)
+                and (session.queued or reader.held + len(fills) < reader.num_slots)
             ):
                 continue
             del pending[reader]

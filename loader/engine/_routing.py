@@ -82,7 +82,7 @@ class Router:
             else:  # a batch of an epoch the trainer left
                 self._roster.release(session, record)
         elif isinstance(record, (wire.ArenaReady, wire.CudaRingReady)):
-            session.reader.attach(open_region(record, session.handle.channel, self._stream_of))
+            session.attach(open_region(record, session.handle.channel, self._stream_of))
             if isinstance(record, wire.ArenaReady):
                 self._slots[session.index] = (record.num_slots, record.slot_size)
                 self._check_memory()
@@ -100,11 +100,11 @@ class Router:
             self._timeline.started(session.index, record)
             self._roster.send(session, session.on_hello(record))
         elif isinstance(record, wire.SamplesFailed):
-            self._roster.tell_others(session, self._healing.samples_failed(session, record))
+            self._roster.tell_others(session, self._healing.samples_failed(session.view(), record))
         elif isinstance(record, wire.WorkerFailure):
-            raise _failures.relayed(session, record)
+            raise _failures.relayed(session.view(), record)
         elif isinstance(record, wire.WarningRelay):
-            _failures.relay_warning(session, record)
+            _failures.relay_warning(session.view(), record)
         elif isinstance(record, wire.LogRelay):
             logger.log(record.level, "worker %d: %s", session.index, record.message)
         elif isinstance(record, wire.Starting):

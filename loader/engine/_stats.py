@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ipc import wire
 from ipc.limits import Limits, read_limits
 
-from ._session import WorkerSession
+from ._session import SessionView
 
 if TYPE_CHECKING:
     from ..config._autotune import AutotuneReport
@@ -447,15 +447,15 @@ class Timeline:
 
 
 def worker_stats(
-    session: WorkerSession, timeline: Timeline | None = None, span: tuple[int, int] = (0, 0)
+    view: SessionView, timeline: Timeline | None = None, span: tuple[int, int] = (0, 0)
 ) -> WorkerStats:
-    counters = session.counters
+    counters = view.counters
     busy = counters.busy_ns / 1e9
-    track = None if timeline is None else timeline.workers[session.index]
+    track = None if timeline is None else timeline.workers[view.index]
     return WorkerStats(
-        worker=session.index,
-        shard=session.shard.index,
-        pid=session.handle.pid,
+        worker=view.index,
+        shard=view.shard.index,
+        pid=view.handle.pid,
         steps=counters.steps,
         traces=counters.traces,
         rebuilds=counters.rebuilds,
@@ -471,7 +471,7 @@ def worker_stats(
 
 
 def snapshot(
-    sessions: Sequence[WorkerSession],
+    views: Sequence[SessionView],
     trainer: TrainerCounters,
     *,
     now: float,
@@ -483,7 +483,7 @@ def snapshot(
     cpus: int = 1,
 ) -> LoaderStats:
     span = (0, 0) if timeline is None else timeline.span(window)
-    workers = tuple(worker_stats(session, timeline, span) for session in sessions)
+    workers = tuple(worker_stats(view, timeline, span) for view in views)
     ready = trainer.ready_at if trainer.ready_at is not None else now
     iterating = 0.0
     if trainer.iterating_since is not None and trainer.last_batch_at is not None:
@@ -494,10 +494,10 @@ def snapshot(
         samples=trainer.samples,
         bytes_moved=sum(w.bytes for w in workers),
         wait_seconds=(wait_ns - trainer.startup_wait_ns) / 1e9,
-        slots_in_use=sum(s.reader.held for s in sessions),
+        slots_in_use=sum(v.slots_held for v in views),
         skipped=tuple(skipped.items()),
         left_out=tuple(
-            sorted({line for s in sessions if s.hello is not None for line in s.hello.left_out})
+            sorted({line for v in views if v.hello is not None for line in v.hello.left_out})
         ),
         restarts=restarts,
         startup_seconds=ready - trainer.created,

@@ -74,7 +74,7 @@ class Waiter:
         if not ready:
             if not startup:
                 assert timeout is not None  # (a wait without a limit does not time out)
-                self._heal(wanted, *_failures.timed_out(wanted, timeout, setting))
+                self._heal(wanted, *_failures.timed_out(wanted.view(), timeout, setting))
             return
         died: list[WorkerSession] = []
         for fd, _events in ready:
@@ -86,7 +86,7 @@ class Waiter:
                 queue.clear_wakeup()
         for session in died:
             self._router.drain(session)  # a failure record sent just before exiting explains it
-            self._heal(session, *_failures.died(session))
+            self._heal(session, *_failures.died(session.view()))
         self._roster.send_releases(lazy=True)
 
     def _poll_set_for_live_sessions(self) -> _PollSet:
@@ -117,7 +117,7 @@ class Waiter:
 
     def _heal(self, session: WorkerSession, error: BaseException, cause: str) -> None:
         """Replace ``session``'s worker when the healing policy allows; else raise ``error``."""
-        decision, found = self._healing.decide(session, error, cause)
+        decision, found = self._healing.decide(session.view(), error, cause)
         self._roster.tell_others(session, found)
         if isinstance(decision, Fail):
             raise decision.error
@@ -126,6 +126,6 @@ class Waiter:
         session.drop_process()
         handle = self._pool.replace(session.index, decision.spec)
         session.replaced(handle, decision.target, decision.first_step)
-        self._healing.started(session)
+        self._healing.started(session.view())
         self._agreement.reopen()
         self._poll_set = None  # the new process has its own channel and sentinel

@@ -64,7 +64,7 @@ def test_lifecycle_allows_only_the_documented_transitions() -> None:
         session.go(Running(0, ended=True))
     session.go(Running(0))
     assert session.state == WorkerState.RUNNING
-    assert session.open_in_epoch and session.epoch == 0
+    assert session.open_in_epoch and session.view().epoch == 0
     session.go(Running(0, ended=True))
     assert session.state == WorkerState.ENDED and not session.open_in_epoch
     session.go(Running(1))
