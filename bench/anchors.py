@@ -15,7 +15,7 @@ Each loader then runs, each in a fresh process with an empty cache (a new node's
 * **resume**: a new process loads that state and takes its first batch (seconds, requests).
 
 Each size starts with one more run of this loader to its first batch with no analysis of DALI's
-on disk yet (a machine's first job: :mod:`workers._analysis_cache`); the runs in the table find
+on disk yet (a machine's first job: :mod:`workers.startup`); the runs in the table find
 it, as every later job on a machine does. ``--setup S`` gives every script ``S`` seconds of its
 own CPU work between importing its data library and building the loader, as a model's
 construction would (this loader's worker server imports DALI meanwhile); after each size's table
@@ -320,7 +320,7 @@ def run_size(
             + (f"; each script's set-up: {args.setup:g} s of CPU" if args.setup else ""),
             flush=True,
         )
-        # DALI's source analysis, which this loader keeps on disk (workers._analysis_cache): the
+        # DALI's source analysis, which this loader keeps on disk (workers.startup): the
         # first run of this size starts with none (a machine's first job), the rest find it
         analysis = {"DALI_LOADER_ANALYSIS_CACHE": str(directory / "analysis-cache")}
         cold = measure(

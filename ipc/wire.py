@@ -230,7 +230,7 @@ class Hello:
     #: on_error="skip": its name, what is wrong, what of it is read)
     left_out: tuple[str, ...] = ()
     #: where the start went: ``(name, begin_ns, end_ns, pid)`` (``time.perf_counter_ns``), the
-    #: worker's own spans (its pid) and those of the server it was forked from (workers._startup)
+    #: worker's own spans (its pid) and those of the server it was forked from (workers.startup)
     startup: tuple[tuple[str, int, int, int], ...] = ()
 
 

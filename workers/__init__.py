@@ -1,41 +1,62 @@
-"""Worker side: the process that owns one shard's DALI source and capture loop.
+"""Worker side: the process that owns one shard's DALI source and capture loop. This module is
+the package's public face: ``loader`` imports from here (and starts :mod:`workers.server`).
 
-Imports ``ipc`` only; never ``loader``. The process entry point is :func:`run_worker`; it imports
-DALI in the child, so importing this package does not import DALI.
+Imports ``ipc`` only; never ``loader``. The process's one entry point is :func:`run_worker`
+(:mod:`workers.process`); it imports DALI in the child, so importing this package does not
+import DALI.
+
+The package, by job (each sub-package's ``__init__`` says what it owns and may import):
+
+* :mod:`workers.process` -- the worker process: its entry point, set-up, title, DALI's import.
+* :mod:`workers.capture` -- on the worker's main thread: the command loop and the capture loops.
+* :mod:`workers.transport` -- what goes to the trainer: batches into slots, signatures, stage
+  times, failure records.
+* :mod:`workers.sources` -- the data sources and the planning arithmetic (the trainer's too).
+* :mod:`workers.startup` -- a start's spans, and what is kept on disk for the next start.
+* :mod:`workers.server` -- the worker server's process, which forks workers.
+* :mod:`workers.dali` -- the one adapter to DALI's capture API; :mod:`workers.shard` and
+  :mod:`workers.spec` -- what the trainer tells a worker.
+
+Bottom first, each imports only those before it: ``shard``, ``spec``, ``dali`` (which names
+``sources`` for the type checker only), ``startup``, ``transport``, ``sources``, ``capture``,
+``process``, ``server``.
 """
 
 from typing import Any
 
 from ipc.wire import Position, Sampling
 
-from ._entry import run_worker
-from ._error_text import FAILING_SAMPLES
-from ._imports import modules_of, prepare_worker_server
-from ._phase import Phase
-from ._shard import Shard
-from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
-from ._timing import BatchClock
-from .sources._datasets import FilesDataset, SamplesDataset, TarsDataset
-from .sources._files import list_files
-from .sources._image_size import MAX_IMAGE_PIXELS, ImageTooLargeError
-from .sources._mix import sharded_mix
-from .sources._parts import describe_difference
-from .sources._positions import (
+from .capture import Phase
+from .process import modules_of, prepare_worker_server, run_worker
+from .shard import Shard
+from .sources import (
+    MAX_IMAGE_PIXELS,
+    BatchedSamples,
+    FilesDataset,
+    ImageTooLargeError,
+    IndexProgress,
+    SamplesDataset,
+    StorageFailure,
+    TarsDataset,
     continue_from,
+    describe_difference,
     every_shard_steps,
+    index_dataset,
+    list_files,
     plan_epoch,
     shard_batches,
     shard_indices,
     shard_steps,
+    sharded_files,
+    sharded_mix,
+    sharded_source,
+    sharded_tars,
     steps_left,
     steps_per_epoch,
+    write_tars,
 )
-from .sources._sampling import BatchedSamples
-from .sources._sharded import sharded_files, sharded_source, sharded_tars
-from .sources._storage import StorageFailure
-from .sources._tar_tool import Progress as IndexProgress
-from .sources._tar_tool import index_dataset
-from .sources._tars import write_tars
+from .spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
+from .transport import FAILING_SAMPLES, BatchClock
 
 #: DALI-facing helpers shared with in-process measurements; importing them imports DALI.
 _DALI_HELPERS = ("epoch_iterator", "make_context")
@@ -44,9 +65,9 @@ _DALI_HELPERS = ("epoch_iterator", "make_context")
 def __getattr__(name: str) -> Any:
     """``epoch_iterator``/``make_context`` of the DALI adapter, imported on first use."""
     if name in _DALI_HELPERS:
-        from . import _dali
+        from . import dali
 
-        return getattr(_dali, name)
+        return getattr(dali, name)
     raise AttributeError(f"module 'workers' has no attribute {name!r}")
 
 

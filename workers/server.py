@@ -1,6 +1,7 @@
 """The worker server's process: DALI imported (never run), the trainer's main module imported once
 as ``__mp_main__``, and a loop that forks one worker per request. Runs in the server process;
-each child it forks becomes one worker (:func:`_start_forked_worker`, then :mod:`workers._main`).
+each child it forks becomes one worker (:func:`_start_forked_worker`, then the worker's one entry
+point, :func:`workers.process.run_worker`).
 
 ::
 
@@ -8,18 +9,18 @@ each child it forks becomes one worker (:func:`_start_forked_worker`, then :mod:
     Setup, Prepare, Fork + descriptors  ══ SEQPACKET ══►  serve(): one request at a time
     status socket, one per worker       ◄──────────────  pid once forked; exit code once reaped
     start pipe, one per worker          ─────────────────►  forked child: WorkerStart, then
-                                                            run_worker (workers/_entry.py)
+                                                            run_worker (workers/process/_entry.py)
 
 The server reads every request from its one client, the trainer that started it; it writes only
 to the status sockets. It never runs a DALI operator and has one thread, so a fork of it is a clean
 copy: DALI imported, the main module and the loaders' modules imported, DALI's source analysis of
-their files cached (:mod:`workers._imports`), nothing running. Its children share those pages
+their files cached (:mod:`workers.process`), nothing running. Its children share those pages
 (``gc.freeze()`` keeps the garbage collector from writing to them).
 
 It stops serving at the end of stream on its socket (the trainer exited, or called
 ``loader.shutdown_worker_server()``) and exits once the workers it forked have exited (those
 of a trainer that is gone exit on their own liveness pipes, and are waited for at most
-:data:`ORPHANED_WAIT` seconds). Its title is ``dali-loader-server`` (:mod:`workers._title`).
+:data:`ORPHANED_WAIT` seconds). Its title is ``dali-loader-server`` (:mod:`workers.process._title`).
 A worker whose main module the server could not import imports it itself, as a spawned worker
 does, so its error reaches the trainer the same way.
 
@@ -50,8 +51,8 @@ from ipc import limits
 from ipc import server_wire as sw
 from ipc.signals import leave_to_trainer
 
-from . import _startup
-from ._title import server_title, set_title
+from . import startup
+from .process import server_title, set_title
 
 logger = logging.getLogger("loader")
 
@@ -189,13 +190,12 @@ class Server:
     def warm(self) -> None:
         """Import DALI and the worker's modules, parse DALI's own traced files and the main
         module's file for DALI's capture, and import the storage backends the script's earlier
-        runs opened (:mod:`workers._warm_storage`), before any request needs them."""
-        from . import _warm_storage
-        from ._imports import prepare_worker_server
+        runs opened (:mod:`workers.startup._warm_storage`), before any request needs them."""
+        from .process import prepare_worker_server
 
         prepare_worker_server([self._setup.main_path] if self._setup.main_path else [])
-        with _startup.span("storage backends"):
-            _warm_storage.warm(self._setup.main_path or self._setup.main_name)
+        with startup.span("storage backends"):
+            startup.warm(self._setup.main_path or self._setup.main_name)
         gc.freeze()
 
     def serve(self) -> None:
@@ -246,18 +246,18 @@ class Server:
     def _prepare(self, request: sw.Prepare) -> None:
         if self._main_state == "pending":
             try:
-                with _startup.span("main module"):
+                with startup.span("main module"):
                     imported = import_main(self._setup)
                 self._main_state = "imported" if imported else "none"
             except BaseException:  # each worker imports it again and reports (docstring)
                 self._main_state = "failed"
                 logger.debug("worker server: the main module did not import", exc_info=True)
-        with _startup.span("the loader's modules"):
+        with startup.span("the loader's modules"):
             self._import_modules(request)
 
     def _import_modules(self, request: sw.Prepare) -> None:
         """The modules of the loader's functions, and DALI's analysis of their files."""
-        from ._imports import warm_source_analysis
+        from .process import warm_source_analysis
 
         for name in request.modules:
             if name in ("__main__", "__mp_main__"):
@@ -286,7 +286,7 @@ class Server:
 
     def _start_child(self, fds: list[int]) -> NoReturn:
         """In the forked child: drop the server's descriptors and become the worker."""
-        _startup.process_started()
+        startup.process_started()
         code = 1
         try:
             signal.set_wakeup_fd(-1)
@@ -325,7 +325,7 @@ class Server:
 def _start_forked_worker(fds: list[int], *, import_main_first: bool, setup: sw.Setup) -> None:
     """A forked child's start: read :class:`~ipc.server_wire.WorkerStart` from the start pipe,
     take the trainer's environment, directory and path, then run the worker
-    (:func:`workers._entry.run_worker`, which does not return)."""
+    (:func:`workers.process._entry.run_worker`, which does not return)."""
     start_fd, conn_fd, stack_fd, alive_fd = fds
     start = pickle.loads(sw.read_all(start_fd))
     os.close(start_fd)
@@ -338,7 +338,7 @@ def _start_forked_worker(fds: list[int], *, import_main_first: bool, setup: sw.S
     if import_main_first:
         import_main(setup)  # fails here as in a spawned worker, with its traceback on stderr
     spec = pickle.loads(start.spec)
-    from ._entry import run_worker
+    from .process import run_worker
 
     run_worker(
         spec,

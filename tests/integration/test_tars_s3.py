@@ -610,7 +610,7 @@ def test_a_worker_sets_its_store_client_up_ahead_and_without_a_request(counted: 
     code = textwrap.dedent(
         """
         import sys, threading, time
-        from workers._control import STARTED_TOGETHER
+        from workers.sources._control import STARTED_TOGETHER
         from workers.sources._storage import storage_for
 
         url, options = sys.argv[1], eval(sys.argv[2])

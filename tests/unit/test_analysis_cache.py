@@ -1,5 +1,6 @@
-"""DALI's source analysis kept on disk (workers._analysis_cache): a file parsed once is loaded, not
-parsed, by the next process, and DALI's capture classifies its call sites the same way."""
+"""DALI's source analysis kept on disk (workers.startup._analysis_cache): a file parsed once is
+loaded, not parsed, by the next process, and DALI's capture classifies its call sites the same
+way."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from workers import _analysis_cache
-from workers._imports import dali_verified, warm_source_analysis
+from workers.process._imports import dali_verified, warm_source_analysis
+from workers.startup import _analysis_cache
 
 pytestmark = pytest.mark.skipif(not dali_verified(), reason="needs the DALI it was made for")
 
@@ -213,7 +214,7 @@ def test_only_the_entries_used_last_are_kept(
     assert len(entries(cache)) == 3
     for path in files:
         forget(path, dali_analysis)
-    kept = [_analysis_cache.load(str(path), dali_analysis) for path in files]
+    kept = [_analysis_cache.load_analysis(str(path), dali_analysis) for path in files]
     assert kept == [False, False, True, True, True]
     for path in files:
         forget(path, dali_analysis)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from workers import Position, Shard
-from workers._control import FeedState, SampleControl
+from workers.sources._control import FeedState, SampleControl
 from workers.sources._files import read_file
 from workers.sources._sampling import BatchedSamples, _batch_arrays
 
@@ -131,7 +131,7 @@ def test_a_sharded_source_is_found_by_its_type() -> None:
     import nvidia.dali.experimental.dynamic as ndd
 
     from workers import sharded_source
-    from workers._dali import sharded_samples
+    from workers.dali import sharded_samples
 
     shard = Shard.make(rank=0, world_size=1, worker=0, num_workers=1, seed=5)
     source = sharded_source(shard, 30, _id, 4)

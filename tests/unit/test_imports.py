@@ -8,13 +8,13 @@ import textwrap
 
 import pytest
 
-from workers._imports import torch_deferred
+from workers.process._imports import torch_deferred
 
 SCRIPT = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from workers._imports import import_dali_modules
+    from workers.process._imports import import_dali_modules
 
     import_dali_modules()
     assert "nvidia.dali.experimental.dynamic" in sys.modules
@@ -66,6 +66,6 @@ def test_the_switch_turns_the_deferral_off(monkeypatch: pytest.MonkeyPatch) -> N
 def test_the_deferral_is_gated_on_the_dali_it_was_verified_with() -> None:
     import nvidia.dali
 
-    from workers._imports import VERIFIED_DALI, dali_verified
+    from workers.process._imports import VERIFIED_DALI, dali_verified
 
     assert dali_verified() == nvidia.dali.__version__.startswith(VERIFIED_DALI)

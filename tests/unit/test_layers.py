@@ -5,6 +5,8 @@ import in ``loader/`` goes down the layers that ``loader/__init__.py`` draws."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -204,6 +206,75 @@ def test_loader_has_at_most_eight_modules_at_its_top() -> None:
 def test_each_layer_says_what_it_owns_and_may_import(package: str) -> None:
     doc = ast.get_docstring(ast.parse((ROOT / "loader" / package / "__init__.py").read_text()))
     assert doc is not None and "May import" in doc, package
+
+
+def test_workers_has_at_most_eight_modules_at_its_top() -> None:
+    top = sorted(path.name for path in (ROOT / "workers").glob("*.py"))
+    assert len(top) <= 8, top
+
+
+def _all_of(tree: ast.Module) -> list[str] | None:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+        ):
+            names = ast.literal_eval(node.value)
+            return list(names)
+    return None
+
+
+def _ruff_order(name: str) -> tuple[int, str]:
+    """``__all__``'s order, as ruff's RUF022 keeps it: CONSTANTS, then Classes, then the rest."""
+    return (0 if name.isupper() else 1 if name[:1].isupper() else 2, name)
+
+
+@pytest.mark.parametrize(
+    "package", sorted(p.parent.name for p in (ROOT / "workers").glob("*/__init__.py"))
+)
+def test_each_workers_subpackage_has_a_face(package: str) -> None:
+    """Its ``__init__`` says what it owns and which process runs it, and names, sorted, what
+    other packages may use of it."""
+    tree = ast.parse((ROOT / "workers" / package / "__init__.py").read_text(encoding="utf-8"))
+    doc = ast.get_docstring(tree)
+    assert doc is not None and "May import" in doc and "Runs in" in doc, package
+    names = _all_of(tree)
+    assert names, f"workers/{package}/__init__.py has no __all__"
+    assert names == sorted(names, key=_ruff_order), package
+
+
+def test_workers_has_one_entry_point() -> None:
+    """One module defines the worker process's entry point, ``run_worker``, and says so."""
+    defining = {}
+    for path in sorted((ROOT / "workers").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any(isinstance(n, ast.FunctionDef) and n.name == "run_worker" for n in tree.body):
+            defining[str(path.relative_to(ROOT))] = ast.get_docstring(tree) or ""
+    assert list(defining) == ["workers/process/_entry.py"]
+    assert "one entry point" in defining["workers/process/_entry.py"].splitlines()[0]
+
+
+def test_no_module_imports_another_packages_private_module() -> None:
+    """A module of ``workers`` (or one importing from it) goes through a package's face or its
+    public modules: not ``_x`` of its parent package, of a sibling, or of a sub-package."""
+    graph = import_graph()
+    private = []
+    for module, targets in graph.items():
+        path = ROOT / Path(*module.split("."))
+        mine = module if (path / "__init__.py").exists() else module.rpartition(".")[0]
+        for target in targets:
+            if not (module.startswith("workers") or target.startswith("workers")):
+                continue
+            theirs, _, last = target.rpartition(".")
+            if last.startswith("_") and not last.startswith("__") and theirs != mine:
+                private.append(f"{module} imports {target}")
+    assert private == []
+
+
+def test_importing_workers_imports_no_dali() -> None:
+    """The trainer imports ``workers``; DALI is imported in the workers only."""
+    code = "import sys, workers; assert 'nvidia.dali' not in sys.modules, 'DALI imported'"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 #: Writes to attributes of objects that are not ours whose names our classes also use.

@@ -15,8 +15,8 @@ import pytest
 
 from ipc import place_outputs, wire
 from loader.run._checkpoint import make_state, parse_state
-from workers import _dali
-from workers._random import RandomGenerators
+from workers import dali
+from workers.capture._random import RandomGenerators
 from workers.sources._files import ListedFiles
 from workers.sources._folder_index import CACHE_DIR_ENV, open_folder
 
@@ -140,14 +140,14 @@ def _run(start: int, states: bytes) -> tuple[list[bytes], list[bytes]]:
     images = [np.full((6 + k, 7, 3), k, dtype=np.uint8) for k in range(2)]
     generators = RandomGenerators()
     try:
-        _dali.seed_random(5)
+        dali.seed_random(5)
         generators.rebuilt(states)
         outputs, after = [], []
         for _ in range(start, 6):
             crop, flip = _step(ndd.batch(images, layout="HWC"))
             after.append(generators.after_step())
-            data = [np.asarray(t).tobytes() for t in _dali.storage_of(crop)]
-            outputs.append(b"".join(data) + np.asarray(_dali.storage_of(flip)[0]).tobytes())
+            data = [np.asarray(t).tobytes() for t in dali.storage_of(crop)]
+            outputs.append(b"".join(data) + np.asarray(dali.storage_of(flip)[0]).tobytes())
         return outputs, after
     finally:
         generators.close()
@@ -168,11 +168,11 @@ def test_a_generators_key_is_its_seed() -> None:
     import nvidia.dali.experimental.dynamic as ndd
 
     generator = ndd.random.RNG(seed=99)
-    before = _dali.generator_state(generator)
+    before = dali.generator_state(generator)
     generator.advance(1000)
-    assert _dali.generator_key(_dali.generator_state(generator)) == _dali.generator_key(before)
-    assert _dali.generator_key(before) != _dali.generator_key(
-        _dali.generator_state(ndd.random.RNG(seed=98))
+    assert dali.generator_key(dali.generator_state(generator)) == dali.generator_key(before)
+    assert dali.generator_key(before) != dali.generator_key(
+        dali.generator_state(ndd.random.RNG(seed=98))
     )
 
 

@@ -10,7 +10,7 @@ import nvidia.dali.experimental.dynamic as ndd
 import pytest
 
 from loader.sample import list_images, write_sample_dataset
-from workers import _dali
+from workers import dali
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +37,10 @@ def make_reader(files: list[str], shard: int, shards: int, **kwargs: Any) -> Any
 def read_epoch(reader: Any, batch_size: int, ctx: Any, capture: bool) -> list[list[int]]:
     """One epoch through the worker's own entry point: the labels of each batch."""
     batches = []
-    for _jpegs, labels in _dali.epoch_iterator(reader, batch_size, ctx, capture):
+    for _jpegs, labels in dali.epoch_iterator(reader, batch_size, ctx, capture):
         if capture:
             labels = ndd.cast(labels, dtype=ndd.int64)  # something for capture mode to capture
-        rows = np.asarray(_dali.storage_of(labels).as_array()).ravel()
+        rows = np.asarray(dali.storage_of(labels).as_array()).ravel()
         batches.append([int(v) for v in rows])
     return batches
 
@@ -50,7 +50,7 @@ def read_epoch(reader: Any, batch_size: int, ctx: Any, capture: bool) -> list[li
 @pytest.mark.parametrize("shards", [1, 2, 3, 4])
 @pytest.mark.parametrize("count", [12, 13, 10, 7])
 def test_probe_matches_what_each_shard_yields(files: list[str], count: int, shards: int) -> None:
-    ctx = _dali.make_context(1, None)
+    ctx = dali.make_context(1, None)
     for batch_size in (1, 3, 5):
         for capture in (False, True):
             case = f"{count} files, {shards} shards, batch {batch_size}, capture={capture}"
@@ -58,8 +58,8 @@ def test_probe_matches_what_each_shard_yields(files: list[str], count: int, shar
             steps = set()
             for shard in range(shards):
                 reader = make_reader(files[:count], shard, shards, max_batch_size=batch_size)
-                probed = _dali.probe_reader(reader, batch_size)
-                assert isinstance(probed, _dali.ReaderShard)
+                probed = dali.probe_reader(reader, batch_size)
+                assert isinstance(probed, dali.ReaderShard)
                 for epoch in range(2):
                     batches = read_epoch(reader, batch_size, ctx, capture)
                     where = f"{case}, shard {shard}, epoch {epoch}: {probed} {batches}"
@@ -72,7 +72,7 @@ def test_probe_matches_what_each_shard_yields(files: list[str], count: int, shar
                     # ... and every row after them repeats the shard's last file.
                     assert padding == [real[-1]] * len(padding), where
                     if capture:
-                        assert _dali.capture_state(reader, capture) == "captured", where
+                        assert dali.capture_state(reader, capture) == "captured", where
                 seen += real
                 steps.add(probed.steps)
             # The shards split the files: each file in exactly one shard.
@@ -84,15 +84,15 @@ def test_probe_matches_what_each_shard_yields(files: list[str], count: int, shar
 def test_a_shorter_shard_reports_its_own_size(files: list[str]) -> None:
     """200 files over 3 shards: 66, 67 and 67 real samples, 9 batches of 8 each."""
     probed = [
-        _dali.probe_reader(make_reader(files, shard, 3, max_batch_size=8), 8) for shard in range(3)
+        dali.probe_reader(make_reader(files, shard, 3, max_batch_size=8), 8) for shard in range(3)
     ]
-    assert probed == [_dali.ReaderShard(real=real, steps=9) for real in (66, 67, 67)]
+    assert probed == [dali.ReaderShard(real=real, steps=9) for real in (66, 67, 67)]
 
 
 def test_probe_rejects_a_reader_built_for_another_batch_size(files: list[str]) -> None:
     reader = make_reader(files[:12], 0, 2, max_batch_size=4)
     with pytest.raises(ValueError, match=r"max_batch_size=4 but the Loader's batch_size is 2"):
-        _dali.probe_reader(reader, 2)
+        dali.probe_reader(reader, 2)
 
 
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "capture"])
@@ -100,10 +100,10 @@ def test_probe_gives_a_reader_without_max_batch_size_the_loop_batch_size(
     files: list[str], capture: bool
 ) -> None:
     reader = make_reader(files[:12], 1, 2)
-    assert _dali.probe_reader(reader, 4) == _dali.ReaderShard(real=6, steps=2)
-    batches = read_epoch(reader, 4, _dali.make_context(1, None), capture)
+    assert dali.probe_reader(reader, 4) == dali.ReaderShard(real=6, steps=2)
+    batches = read_epoch(reader, 4, dali.make_context(1, None), capture)
     assert batches == [[6, 7, 8, 9], [10, 11, 11, 11]]
 
 
 def test_probe_ignores_an_external_source() -> None:
-    assert _dali.probe_reader(ndd.ExternalSource(source=iter([])), 2) is None
+    assert dali.probe_reader(ndd.ExternalSource(source=iter([])), 2) is None

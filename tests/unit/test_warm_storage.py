@@ -1,4 +1,4 @@
-"""The storage backends a starting worker server imports (workers._warm_storage): those the
+"""The storage backends a starting worker server imports (workers.startup._warm_storage): those the
 script's earlier runs opened, from a record beside DALI's source analysis. Each ``warm`` runs in
 a fresh interpreter, as a starting server is one (the test process has s3fs imported)."""
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from workers import _warm_storage
+from workers.startup import _warm_storage
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "/srv/jobs/train.py"
@@ -53,7 +53,7 @@ def warm_in_fresh_interpreter(
         f"""
         import json, sys, warnings
         {setup}
-        from workers import _warm_storage
+        from workers.startup import _warm_storage
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             imported = _warm_storage.warm({script!r})
@@ -127,7 +127,7 @@ def test_a_damaged_record_an_unknown_protocol_or_the_switch_off_import_nothing(
     recorded.write_text(json.dumps({"protocols": {"no-such-store": time.time()}}))
     assert warm_in_fresh_interpreter(cache, SCRIPT)["imported"] == []
     recorded.write_text(json.dumps({"protocols": {"s3": time.time()}}))
-    code = "from workers import _warm_storage; import sys; "
+    code = "from workers.startup import _warm_storage; import sys; "
     code += f"print(_warm_storage.warm({SCRIPT!r}), 's3fs' in sys.modules)"
     env = dict(os.environ, DALI_LOADER_ANALYSIS_CACHE="0", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -167,7 +167,7 @@ def test_a_backend_whose_import_starts_a_thread_is_dropped_with_a_warning(
 def test_the_records_of_the_scripts_run_last_are_kept(
     cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workers import _analysis_cache
+    from workers.startup import _analysis_cache
 
     monkeypatch.setattr(_analysis_cache, "MAX_ENTRIES", 3)
     for number in range(5):
@@ -189,7 +189,7 @@ def test_a_server_that_imports_s3fs_loads_botocores_s3_data_for_its_workers_sess
     that s3fs would give its own session (a profile) or a session of the user's keep theirs."""
     setup = "import botocore.loaders"
     code = f"""
-        from workers import _warm_storage
+        from workers.startup import _warm_storage
         opened = []
         real = botocore.loaders.JSONFileLoader.load_file
         def counted(self, path):  # (each data file read from disk)

@@ -15,8 +15,74 @@ One family over one planning core:
   only those listed before it (no import circle).
 * ``_storage`` (local ``pread`` or fsspec, identities, retries) and ``_index_file`` (mapped index
   files): the one storage layer they share.
+* ``_control``: the worker's control state a ``sharded_source``/``sharded_files`` root is bound
+  with (``on_error``, the samples known to fail, the batches in flight), made by the worker.
 
-May import: ``ipc``, the standard library, numpy, and from ``workers`` only ``_shard``,
-``_control``, ``_dali`` and ``_timing`` (what a source needs of its worker). Never ``loader``.
-Public names are re-exported by ``workers`` (and ``loader``).
+May import: ``ipc``, the standard library, numpy, and from ``workers`` only :mod:`workers.shard`,
+:mod:`workers.transport` (an error's context), :mod:`workers.startup` (the storage backends a
+script opens) and, inside functions, :mod:`workers.dali` (what a source needs of its worker).
+Never ``loader``. The public names below are re-exported by ``workers`` (and ``loader``); the
+worker's command loop (:mod:`workers.capture`) takes the control state and
+:class:`BatchedSamples` from here.
 """
+
+from ._control import (
+    REPORT_PROGRESS,
+    SKIP_DAMAGED,
+    STARTED_TOGETHER,
+    FeedState,
+    SampleControl,
+)
+from ._datasets import FilesDataset, SamplesDataset, TarsDataset
+from ._files import list_files
+from ._image_size import MAX_IMAGE_PIXELS, ImageTooLargeError
+from ._mix import sharded_mix
+from ._parts import describe_difference
+from ._positions import (
+    continue_from,
+    every_shard_steps,
+    plan_epoch,
+    shard_batches,
+    shard_indices,
+    shard_steps,
+    steps_left,
+    steps_per_epoch,
+)
+from ._sampling import BatchedSamples
+from ._sharded import sharded_files, sharded_source, sharded_tars
+from ._storage import StorageFailure
+from ._tar_tool import Progress as IndexProgress
+from ._tar_tool import index_dataset
+from ._tars import write_tars
+
+__all__ = [
+    "MAX_IMAGE_PIXELS",
+    "REPORT_PROGRESS",
+    "SKIP_DAMAGED",
+    "STARTED_TOGETHER",
+    "BatchedSamples",
+    "FeedState",
+    "FilesDataset",
+    "ImageTooLargeError",
+    "IndexProgress",
+    "SampleControl",
+    "SamplesDataset",
+    "StorageFailure",
+    "TarsDataset",
+    "continue_from",
+    "describe_difference",
+    "every_shard_steps",
+    "index_dataset",
+    "list_files",
+    "plan_epoch",
+    "shard_batches",
+    "shard_indices",
+    "shard_steps",
+    "sharded_files",
+    "sharded_mix",
+    "sharded_source",
+    "sharded_tars",
+    "steps_left",
+    "steps_per_epoch",
+    "write_tars",
+]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._shard import Shard
+from ..shard import Shard
 from ._image_size import MAX_IMAGE_PIXELS, checked_limit
 from ._sampling import BatchedSamples, Batching, OpenedSource
 from ._storage import AHEAD_BYTES, RETRIES
@@ -38,7 +38,7 @@ class _Kind:
 
     def _batched(self, shard: Shard, batching: Batching) -> Any:
         """:meth:`source`, its options (those of every ``sharded_*`` function) as one."""
-        from .._dali import ShardedExternalSource
+        from ..dali import ShardedExternalSource
 
         opened = self.open(shard, shard.seed - shard.index, shuffle=batching.shuffle)
         samples = BatchedSamples(

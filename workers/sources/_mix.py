@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .._shard import Shard
+from ..shard import Shard
 from ._datasets import Dataset, FilesDataset, SamplesDataset, TarsDataset
 from ._epoch_order import EpochOrder
 from ._positions import Order
@@ -297,7 +297,7 @@ def sharded_mix(
     permutation (see the module docstring). The same guarantees as :func:`sharded_source`.
     """
     batching = Batching.pick(locals())
-    from .._dali import ShardedExternalSource
+    from ..dali import ShardedExternalSource
 
     names = _check_sources(sources)
     _check_weights(names, weights)

@@ -17,7 +17,7 @@ helpers here let the loader decide instead, deterministically from the seed and 
 
 A :class:`BatchedSamples` holds the user's state only. The worker's control state (``on_error``,
 the samples known to fail, the records of batches in flight, whether one iteration runs every
-epoch) is owned by the worker (:mod:`workers._control`) and handed over with
+epoch) is owned by the worker (:mod:`workers.sources._control`) and handed over with
 :meth:`BatchedSamples.bind`; unbound, it loads every sample, raises when a ``load`` raises and runs
 one epoch per iteration.
 """
@@ -36,9 +36,9 @@ import numpy as np
 
 from ipc.wire import LoadRunning, Sampling
 
-from .._control import FedBatch, FeedState, SampleControl
-from .._error_context import attach
-from .._shard import Shard
+from ..shard import Shard
+from ..transport import attach
+from ._control import FedBatch, FeedState, SampleControl
 from ._positions import Batch, Orders, shard_batches, shard_steps
 
 logger = logging.getLogger("workers")
@@ -192,7 +192,7 @@ class BatchedSamples:
 
     def _load(self, index: int, epoch: int) -> Any:
         """:meth:`load_sample`; an exception leaves with the phase and the sample id in its
-        context (:mod:`workers._error_context`)."""
+        context (:mod:`workers.transport._error_context`)."""
         self.loading = (index, time.monotonic())
         try:
             return self.load_sample(index, epoch)

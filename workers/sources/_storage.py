@@ -33,8 +33,8 @@ from typing import IO, Any, TypeVar
 
 import numpy as np
 
-from .. import _warm_storage
-from .._control import STARTED_TOGETHER
+from .. import startup
+from ._control import STARTED_TOGETHER
 
 logger = logging.getLogger("workers")
 
@@ -304,13 +304,13 @@ class RemoteStorage(Storage):
                 "pip install 'dali-capture-loader[s3]'"
             ) from error
         try:
-            self.fs = fsspec.filesystem(protocol, **_warm_storage.with_session(protocol, options))
+            self.fs = fsspec.filesystem(protocol, **startup.with_session(protocol, options))
         except ImportError as error:
             raise ImportError(
                 f"reading {protocol}:// URLs needs the fsspec backend for {protocol} "
                 f"({error}); for s3:// install s3fs: pip install 'dali-capture-loader[s3]'"
             ) from error
-        _warm_storage.opened(protocol)  # (the next server of this script imports it ahead)
+        startup.opened(protocol)  # (the next server of this script imports it ahead)
         _connect_ahead(self.fs, protocol)
         self.protocol, self.retries = protocol, retries
         #: objects whose identity a HEAD confirmed (stores whose reads do not tell it)

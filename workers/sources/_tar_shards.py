@@ -45,8 +45,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .. import _control
-from . import _index_file
+from . import _control, _index_file
 from ._folder_index import cache_dir
 from ._parts import encode_parts
 from ._storage import (
@@ -366,7 +365,7 @@ def _as_listing(
 
 def node_listing(storage: Storage, directory: str) -> dict[str, Identity] | None:
     """The listing of ``directory``; of a remote one, shared by the workers started together (a
-    loader's pool: :data:`workers._control.STARTED_TOGETHER`): the first to need it lists
+    loader's pool: :data:`workers.sources._control.STARTED_TOGETHER`): the first to need it lists
     (under a lock) and keeps it in this node's cache, and the others read it while it is younger
     than :data:`LISTING_FRESH` seconds. A rank of W workers lists each directory once, not W
     times (a listing of 8,192 shards with their ``.idx`` files is 17 requests and 5 MB). Another
@@ -682,7 +681,7 @@ def _write_summaries(
 
 class _WalkProgress:
     """What a walk over shards has done: told to the trainer about every :data:`TELL_EVERY`
-    seconds (``wire.Starting`` through :data:`workers._control.REPORT_PROGRESS`: the worker
+    seconds (``wire.Starting`` through :data:`workers.sources._control.REPORT_PROGRESS`: the worker
     is alive, and a walk is not its start-up), and by the ``lead`` worker in a log line every
     :data:`PROGRESS_EVERY` seconds (the first after :data:`PROGRESS_FIRST`): a WARNING naming
     the index command the first time (a walk that long is worth avoiding), then INFO."""

@@ -15,9 +15,9 @@ from typing import Any
 
 from ipc import wire
 
-from . import _dali
+from .. import dali
+from ..spec import WorkerSpec
 from ._publish import describe_outputs
-from ._spec import WorkerSpec
 
 
 class Signature:
@@ -58,8 +58,8 @@ class Signature:
             num_threads=spec.num_threads,
             outputs=outputs,
             output_kind=kind,
-            captured=_dali.capture_state(self._source, spec.capture) == "captured",
+            captured=dali.capture_state(self._source, spec.capture) == "captured",
             capture_requested=spec.capture,
-            dali_version=_dali.DALI_VERSION,
+            dali_version=dali.DALI_VERSION,
             trace_seconds=time.perf_counter() - self._started,
         )

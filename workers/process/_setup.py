@@ -1,9 +1,10 @@
-"""The worker process's entry point: process setup around one :class:`Worker`.
+"""Process setup around one :class:`~workers.capture.Worker`, once the entry point
+(:func:`workers.process.run_worker`) has imported DALI.
 
-Runs only in a spawned worker process. ``run_worker`` arms faulthandler (stacks for hangs and
+Runs only in a worker process. :func:`serve` arms faulthandler (stacks for hangs and
 crashes go to the trainer's stack pipe), the parent-death signal and a thread that exits the
 process when the trainer's liveness pipe closes, routes logging and warnings to the trainer, and
-then serves the trainer's commands (:mod:`workers._loop`).
+then serves the trainer's commands (:mod:`workers.capture._loop`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Any
 from ipc import ChannelClosed, ControlChannel, limits, wire
 from ipc.signals import STACK_SIGNAL, leave_to_trainer
 
-from ._loop import ShutdownRequested, Stop, Worker
-from ._spec import WorkerSpec
+from ..capture import ShutdownRequested, Stop, Worker
+from ..spec import WorkerSpec
 from ._title import set_title, worker_title
 
 _PR_SET_PDEATHSIG = 1
@@ -98,7 +99,7 @@ def _add_load_in_progress(worker: Worker, stack: Connection, signum: int, frame:
             os.write(stack.fileno(), running.line().encode("utf-8", "replace"))
 
 
-def run_worker(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connection) -> None:
+def serve(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connection) -> None:
     """Process entry point. Never returns normally: the process exits when serving ends."""
     set_title(worker_title(spec.shard.worker, spec.parent_pid))
     leave_to_trainer()  # a cluster's SIGTERM, Ctrl-C's SIGINT: the trainer's to handle

@@ -11,14 +11,15 @@ import ctypes
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import nvidia.dali as dali
 import nvidia.dali.experimental.dynamic as ndd
 import nvidia.dali.types as dali_types
 
-from .sources._sampling import BatchedSamples
+if TYPE_CHECKING:
+    from .sources import BatchedSamples
 
 DALI_VERSION: str = str(dali.__version__)
 

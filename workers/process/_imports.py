@@ -17,7 +17,7 @@ that imported torch has it already. ``DALI_LOADER_DEFER_TORCH=0`` turns it off.
 run DALI: DALI 2.4's capture parses each file that calls an operator (libcst; 0.1-0.8 s per file
 and process on the 2-core machine), and caches the result per file; parsed once in the server,
 every forked worker finds it cached; and the result is kept on disk for the next process
-(:mod:`workers._analysis_cache`).
+(:mod:`workers.startup._analysis_cache`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-from . import _analysis_cache, _startup
+from .. import startup
 
 logger = logging.getLogger("loader")
 
@@ -98,7 +98,7 @@ def torch_deferred() -> Iterator[None]:
 def import_dali_modules() -> None:
     """Import the worker's DALI-facing modules (and DALI) with torch deferred."""
     with torch_deferred():
-        from . import _main  # noqa: F401
+        from . import _setup  # noqa: F401
 
 
 def dali_files_traced() -> list[str]:
@@ -113,7 +113,7 @@ def warm_source_analysis(files: Sequence[str]) -> list[str]:
     """Parse ``files`` the way DALI's capture does at a first trace, without running anything,
     so that processes forked afterwards find them in DALI's cache; a file analysed before, by
     any process of this user's, is loaded from the disk cache instead, and one parsed here is
-    written to it (:mod:`workers._analysis_cache`). Only with the DALI release this was checked
+    written to it (:mod:`workers.startup`). Only with the DALI release this was checked
     with (:data:`VERIFIED_DALI`); returns the files parsed or loaded."""
     if not dali_verified():
         return []
@@ -128,7 +128,7 @@ def warm_source_analysis(files: Sequence[str]) -> list[str]:
     for path in dict.fromkeys(files):
         if not path.endswith(".py") or not os.path.isfile(path):
             continue
-        if _analysis_cache.load(path, _source_analysis):
+        if startup.load_analysis(path, _source_analysis):
             done.append(path)
             continue
         try:
@@ -138,7 +138,7 @@ def warm_source_analysis(files: Sequence[str]) -> list[str]:
             logger.debug("source analysis of %s not warmed", path, exc_info=True)
             continue
         done.append(path)
-        _analysis_cache.store(path, _source_analysis)
+        startup.store_analysis(path, _source_analysis)
     return done
 
 
@@ -168,8 +168,8 @@ def prepare_worker_server(files: Sequence[str]) -> None:
     """What a worker server does before it forks any worker: import DALI and the worker's
     modules (torch deferred), and parse DALI's own traced files, the main module's and
     ``files`` for DALI's capture (:func:`warm_source_analysis`)."""
-    with _startup.span("import DALI"):
+    with startup.span("import DALI"):
         import_dali_modules()
     main = getattr(sys.modules.get("__main__"), "__file__", None)
-    with _startup.span("DALI's source analysis"):
+    with startup.span("DALI's source analysis"):
         warm_source_analysis([*dali_files_traced(), *([main] if main else []), *files])

@@ -1,15 +1,16 @@
 """The worker's command loop and its epochs. Runs in the worker.
 
 :class:`Worker` answers the trainer's commands and runs each epoch's steps; the parts it drives
-live beside it: its phase, epoch and step (:class:`~workers._phase.Activity`), the capture loops
-(:mod:`workers._capture_loops`), the epoch's signature (:mod:`workers._signature`), the search of
-a failed batch for its failing samples (:mod:`workers._isolation`), the failure record
-(:mod:`workers._error_text`, :mod:`workers._error_context`), publishing (:mod:`workers._publish`)
-and the random generators (:mod:`workers._random`).
+live beside it: its phase, epoch and step (:class:`~._phase.Activity`), the capture loops
+(:mod:`._capture_loops`), the search of a failed batch for its failing samples
+(:mod:`._isolation`), the random generators (:mod:`._random`), and from
+:mod:`workers.transport`: the epoch's signature (:mod:`~workers.transport._signature`), the failure
+record (:mod:`~workers.transport._error_text`, :mod:`~workers.transport._error_context`) and
+publishing (:mod:`~workers.transport._publish`).
 
 A capture loop runs one epoch, or, over a ``sharded_source``/``sharded_files`` root without
 feeders, every epoch in turn: the worker then ends each epoch by its known step count, and DALI's
-prefetch goes on into the next epoch between them (see :mod:`workers._capture_loops`).
+prefetch goes on into the next epoch between them (see :mod:`workers.capture._capture_loops`).
 
 Invariants:
 
@@ -18,10 +19,9 @@ Invariants:
 * The control channel is read and written by the main thread only.
 * The worker owns its control state (``Worker.control``: ``on_error`` and the samples known to
   fail, for the process's life; ``Sources.feed``: the batches in flight, per built source) and
-  hands it to a sharded source (:mod:`workers._control`); only the main thread writes it.
+  hands it to a sharded source (:mod:`workers.sources._control`); only the main thread writes it.
 * DALI's random generators are set only right after the sources are built, before any loop over
-  them (``Worker.random``, :mod:`workers._random`); every batch carries their states after its
-  step.
+  them (``Worker.random``, :mod:`._random`); every batch carries their states after its step.
 * A slot is written only between acquiring it and publishing it; the worker never touches a
   published slot until the trainer's ``Release`` for that exact generation arrives.
 * Every exception becomes one ``WorkerFailure`` record, in order after the batches already sent;
@@ -41,18 +41,16 @@ from typing import Any
 from ipc import ChannelClosed, ControlChannel, wire
 from ipc.wire import Position
 
-from . import _dali, _error_text, _startup
+from .. import dali, startup
+from ..shard import Shard
+from ..sources import REPORT_PROGRESS, SampleControl
+from ..spec import WorkerSpec
+from ..transport import BatchClock, Publisher, Signature, failure, normalize_outputs
 from ._capture_loops import CaptureLoops
-from ._control import REPORT_PROGRESS, SampleControl
 from ._isolation import FailingSamples, can_isolate
 from ._phase import STARTING_DOING, Activity, Phase
-from ._publish import Publisher, normalize_outputs
 from ._random import RandomGenerators
-from ._shard import Shard
-from ._signature import Signature
 from ._sources import Sources, build_sources, delivery_info
-from ._spec import WorkerSpec
-from ._timing import BatchClock
 
 logger = logging.getLogger("workers")
 
@@ -95,14 +93,14 @@ class Worker:
         """Make the EvalContext and the publisher, build the sources, say Hello (the trainer is
         told each phase of it before: :meth:`set_phase`)."""
         self.set_phase(Phase.STARTUP)
-        self.ctx = _dali.make_context(self.spec.num_threads, self.spec.device_id)
+        self.ctx = dali.make_context(self.spec.num_threads, self.spec.device_id)
         self.publisher = Publisher(self.spec, self.channel, self.ctx, self.wait_for_trainer)
         # epoch 0 from its start, or (a replacement) where its predecessor stopped, its random
         # generators as they were at that batch
-        begun = _startup.started_ns()
+        begun = startup.started_ns()
         if begun is not None:
-            _startup.record("worker start", begun, time.perf_counter_ns())
-        with _startup.span("sources"):
+            startup.record("worker start", begun, time.perf_counter_ns())
+        with startup.span("sources"):
             sources = self.build(self.shard, self.spec.random)
         self.activity.idle()
         self.channel.send(
@@ -114,7 +112,7 @@ class Worker:
                 sources.sampling(),
                 sources.first_epoch_steps,
                 () if sources.sampled is None else sources.sampled.left_out,
-                _startup.spans(),
+                startup.spans(),
             )
         )
 
@@ -140,7 +138,7 @@ class Worker:
         self, doing: str, done: int = 0, total: int = 0, seconds: float = 0.0
     ) -> None:
         """Tell the trainer what a long part of building the sources does (a source's scan of
-        shards without an index: :data:`workers._control.REPORT_PROGRESS`); main thread only."""
+        shards without an index: :data:`workers.sources.REPORT_PROGRESS`); main thread only."""
         record = wire.Starting(self.activity.phase.value, doing, done, total, seconds)
         with contextlib.suppress(ChannelClosed, OSError):
             self.channel.send(record)
@@ -154,7 +152,7 @@ class Worker:
     ) -> Sources:
         """Sources for ``epoch`` (from ``position``), the random generators seeded for it or,
         when given, in the states ``random``."""
-        disabled = self.sources is not None and _dali.is_disabled(self.sources.source)
+        disabled = self.sources is not None and dali.is_disabled(self.sources.source)
         self.loops.drop()
         self.sources = None
         gc.collect()  # lets DALI shut the torn-down pipeline's threads down now
@@ -233,7 +231,7 @@ class Worker:
         sources, activity, loops = self.sources, self.activity, self.loops
         assert sources is not None and self.publisher is not None
         activity.begin(epoch)
-        tracing = _dali.will_trace(sources.source, self.spec.capture)
+        tracing = dali.will_trace(sources.source, self.spec.capture)
         signature = Signature(activity.signature_due(tracing), self.spec, sources.source)
         iterator: Iterator[Any] | None = None
         try:
@@ -345,7 +343,7 @@ class Worker:
         """After batch ``done`` of ``epoch`` failed: find its failing samples. With
         ``on_error="skip"`` tell the trainer which they are and end this process: the trainer
         starts a new one at that batch with them replaced. Otherwise, or when no sample fails
-        alone, raise ``error``, its message naming them first (:mod:`workers._isolation`)."""
+        alone, raise ``error``, its message naming them first (:mod:`._isolation`)."""
         sources = self.sources
         assert sources is not None and sources.sampled is not None
         search = FailingSamples(self.spec, self.ctx, sources.sampled, self.shard.worker)
@@ -369,13 +367,11 @@ class Worker:
 
     # ----------------------------------------------------------------------- errors
     def report(self, error: BaseException) -> None:
-        """Send ``error``'s ``WorkerFailure`` record (:func:`workers._error_text.failure`)."""
+        """Send ``error``'s ``WorkerFailure`` record (:func:`workers.transport.failure`)."""
         activity = self.activity
         with contextlib.suppress(ChannelClosed, OSError):
             self.channel.send(
-                _error_text.failure(
-                    error, phase=activity.phase.value, epoch=activity.epoch, step=activity.step
-                )
+                failure(error, phase=activity.phase.value, epoch=activity.epoch, step=activity.step)
             )
 
     def close(self) -> None:

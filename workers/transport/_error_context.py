@@ -6,10 +6,10 @@ a batch that failed may have been searched for the samples that fail alone (the 
 name them first). That knowledge travels with the error as one :class:`ErrorContext`:
 
 * written where it is learnt: :func:`attach` in ``BatchedSamples._load`` (the phase, ``load,
-  sample 14``) and in :mod:`workers._isolation` (the message naming the failing samples);
+  sample 14``) and in :mod:`workers.capture._isolation` (the message naming the failing samples);
 * read where the error is handled: :func:`context_of` in
-  :func:`workers._isolation.can_isolate` (a failed ``load`` is not searched again) and in
-  :func:`workers._error_text.failure` (the record the trainer gets).
+  :func:`workers.capture._isolation.can_isolate` (a failed ``load`` is not searched again) and in
+  :func:`workers.transport._error_text.failure` (the record the trainer gets).
 
 This module owns the storage; nothing else reads or writes it. The context lives exactly as long
 as its error, on whatever thread and through whatever frames (DALI's included) the error passes:

@@ -10,10 +10,10 @@ operator's own error, and names no operator. Either way the message sent to the 
 line: ``CPU operator decoders.Image failed: nvImageCodec failure: '#3'``; DALI's whole text
 travels in the worker's traceback (the trainer's ``remote_traceback`` and ``__cause__``).
 
-When the worker has found the samples that fail alone (:mod:`workers._isolation`), the
+When the worker has found the samples that fail alone (:mod:`workers.capture._isolation`), the
 message starts with :data:`FAILING_SAMPLES` and names them, and the trainer adds the hint that
 ``on_error="skip"`` leaves them out. :func:`failure` makes the record the trainer gets, from the
-error and what the worker knows of it (:mod:`workers._error_context`).
+error and what the worker knows of it (:mod:`workers.transport._error_context`).
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ def dali_summary(error: BaseException) -> tuple[str | None, str] | None:
         cause = _cause(lines[lines.index("encountered:") + 1 :])
         return f"{named.group(1)} operator {named.group(2)}", cause
     if text.strip() in _WRAPPERS and error.__cause__ is not None:
-        from . import _dali  # (not at import: importing ``workers`` does not import DALI)
+        from .. import dali  # (not at import: importing ``workers`` does not import DALI)
 
         inner = dali_summary(error.__cause__)
         if inner is None:
-            return _dali.failed_operator(error), _cause(str(error.__cause__).splitlines())
-        return inner[0] or _dali.failed_operator(error), inner[1]
+            return dali.failed_operator(error), _cause(str(error.__cause__).splitlines())
+        return inner[0] or dali.failed_operator(error), inner[1]
     return None
 
 

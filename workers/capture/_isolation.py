@@ -5,12 +5,13 @@ failing ``load`` is already handled sample by sample), with no feeders, can be s
 samples that fail on their own (:func:`can_isolate`). :class:`FailingSamples` does the search and
 decides what follows: with ``on_error="skip"`` the trainer is told which samples they are (it
 starts a new worker at that batch with them replaced); otherwise the error is raised again, its
-message naming them first (DALI names only the operator; see :mod:`workers._error_context`).
+message naming them first (DALI names only the operator; see
+:mod:`workers.transport._error_context`).
 
 Method: each sample of the batch is loaded and run through ``step`` alone, eagerly (a batch of
 one, in the worker's EvalContext): it costs one re-run of the batch's samples. What native code
 logs during the re-run repeats what the failed batch already printed: it is kept for the error,
-not printed again (:mod:`workers._stderr`).
+not printed again (:mod:`workers.capture._stderr`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,20 @@ from typing import Any
 
 from ipc import wire
 
-from . import _dali, _error_text, _stderr
-from ._error_context import attach, context_of
+from .. import dali
+from ..sources import BatchedSamples
+from ..spec import WorkerSpec
+from ..transport import (
+    attach,
+    context_of,
+    every_sample_fails,
+    normalize_outputs,
+    short_reason,
+)
+from ..transport import message as failure_message
+from . import _stderr
 from ._phase import Phase
-from ._publish import normalize_outputs
 from ._sources import Sources
-from ._spec import WorkerSpec
-from .sources._sampling import BatchedSamples
 
 logger = logging.getLogger("workers")
 
@@ -62,20 +70,20 @@ class FailingSamples:
         sampled = self._sampled
         failing = self.find(epoch, done)
         if failing is None:
-            attach(error, message=_error_text.every_sample_fails(error))
+            attach(error, message=every_sample_fails(error))
             raise error
         printed = list(dict.fromkeys(line for lines in failing.values() for line in lines))
         if self._spec.on_error != "skip" or not failing:
             if failing:
                 names = [sampled.describe(index) for index in failing]
-                attach(error, message=_error_text.message(error, names, printed))
+                attach(error, message=failure_message(error, names, printed))
             raise error
         return wire.SamplesFailed(
             epoch=epoch,
             step=done,
             ids=tuple(failing),
             names=tuple(sampled.name(index) for index in failing),
-            reason=_error_text.short_reason(error, printed),
+            reason=short_reason(error, printed),
         )
 
     def find(self, epoch: int, step: int) -> dict[int, list[str]] | None:
@@ -122,7 +130,7 @@ class FailingSamples:
             with self._ctx:
                 named, _kind = normalize_outputs(self._spec.call_step(inputs, {}))
                 for batch in named.values():
-                    _dali.storage_of(batch)  # evaluate: DALI's errors surface here
+                    dali.storage_of(batch)  # evaluate: DALI's errors surface here
         except Exception:
             return True
         return False

@@ -17,9 +17,9 @@ from typing import Any
 
 from ipc import wire
 
-from . import _dali
+from .. import dali
+from ..spec import WorkerSpec
 from ._sources import Sources
-from ._spec import WorkerSpec
 
 
 class CaptureLoops:
@@ -51,11 +51,11 @@ class CaptureLoops:
         spec = self._spec
         if not continuous:
             sources.feed.set_continuous(False)
-            return _dali.epoch_iterator(sources.source, spec.batch_size, ctx, spec.capture)
+            return dali.epoch_iterator(sources.source, spec.batch_size, ctx, spec.capture)
         if self._stream is None:
             assert sources.sampled is not None
             sources.feed.set_continuous(True)
-            self._stream = _dali.epoch_iterator(sources.source, spec.batch_size, ctx, spec.capture)
+            self._stream = dali.epoch_iterator(sources.source, spec.batch_size, ctx, spec.capture)
             self._stream_epoch = epoch
         elif self._stream_epoch != epoch:
             raise wire.ProtocolError(

@@ -12,8 +12,8 @@ from typing import Any
 
 from ipc import ControlChannel, SlotWriter, cuda_regions, memfd_regions, place_outputs, wire
 
-from . import _dali
-from ._spec import WorkerSpec
+from .. import dali
+from ..spec import WorkerSpec
 from ._timing import BatchClock
 
 
@@ -36,7 +36,7 @@ class Publisher:
         self.blocked_ns = 0
         if spec.device == "gpu":
             assert spec.device_id is not None
-            create = cuda_regions(spec.device_id, spec.num_slots, _dali.context_stream(ctx))
+            create = cuda_regions(spec.device_id, spec.num_slots, dali.context_stream(ctx))
         else:
             create = memfd_regions(
                 f"dali-capture-loader-w{spec.shard.worker}",
@@ -117,11 +117,11 @@ class Publisher:
         name, dtype, item size, sample shapes, DALI layout."""
         storages, described = [], []
         for name, batch in named.items():
-            storage = _dali.storage_of(_dali.to_device(batch, self.device, self.device_id))
-            dtype = _dali.numpy_dtype(storage, name)
+            storage = dali.storage_of(dali.to_device(batch, self.device, self.device_id))
+            dtype = dali.numpy_dtype(storage, name)
             storages.append(storage)
-            shapes = _dali.sample_shapes(storage)
-            described.append((name, dtype.str, dtype.itemsize, shapes, _dali.layout_of(storage)))
+            shapes = dali.sample_shapes(storage)
+            described.append((name, dtype.str, dtype.itemsize, shapes, dali.layout_of(storage)))
         return storages, described
 
     def _copy(self, storages: list[Any], placements: Any, nbytes: int) -> tuple[int, int, int]:
@@ -134,7 +134,7 @@ class Publisher:
             stream = region.copy_stream()
             for storage, placement in zip(storages, placements, strict=True):
                 if placement.nbytes:
-                    _dali.copy_packed(storage, base + placement.offset, stream)
+                    dali.copy_packed(storage, base + placement.offset, stream)
             arena_id, generation = self.writer.publish(slot)
         except BaseException:
             self.writer.abandon(slot)
@@ -157,7 +157,7 @@ def normalize_outputs(outputs: Any) -> tuple[dict[str, Any], str]:
         raise ValueError("step() returned no outputs; return a dict or tuple of DALI batches")
     sizes = set()
     for name, value in named.items():
-        if not _dali.is_batch(value):
+        if not dali.is_batch(value):
             raise TypeError(
                 f"step() output {name!r} is a {type(value).__name__}, not a DALI Batch; "
                 "return the batches produced by DALI operators (not samples or numpy arrays)"

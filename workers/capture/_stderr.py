@@ -3,7 +3,7 @@ worker, on its main thread.
 
 DALI's decoders log to file descriptor 2 themselves (nvImageCodec prints ``[ERROR] [jpeg_parser]
 Invalid marker`` for a corrupt JPEG), below Python. When a batch fails, the worker re-runs its
-samples one by one to find the failing ones (:mod:`workers._isolation`), and each failing
+samples one by one to find the failing ones (:mod:`workers.capture._isolation`), and each failing
 sample prints those lines again. :func:`repeats_captured` holds them back: such log lines become
 part of the error the trainer raises, and anything else printed in the block still reaches
 stderr, after it.

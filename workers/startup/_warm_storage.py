@@ -9,10 +9,10 @@ a small JSON record for the script, and the next worker server of that script im
 backends as it warms (:func:`warm`), usually while the script is still busy with its own set-up;
 its workers are forked with them imported.
 
-The record lives in the directory of DALI's source analysis (:mod:`workers._analysis_cache`),
+The record lives in the directory of DALI's source analysis (:mod:`._analysis_cache`),
 under its rules and its switch (``DALI_LOADER_ANALYSIS_CACHE=0`` turns both off): one file per
 script and interpreter, named by a hash of the main module's path (or name) and of
-``sys.executable``; the records of the :data:`~workers._analysis_cache.MAX_ENTRIES` scripts run
+``sys.executable``; the records of the :data:`~._analysis_cache.MAX_ENTRIES` scripts run
 last are kept. A protocol no run has opened for :data:`FORGET_AFTER` seconds is no longer
 imported. Only what fsspec's own registry names is imported, and only its class
 (``fsspec.get_filesystem_class``): no client, no connection. A backend whose import started a

@@ -6,8 +6,8 @@ yields per epoch (when the source can tell) and, for a reader that pads its shar
 shard's real samples end, so padded rows are flagged like ``sharded_source``'s.
 
 Behind a ``sharded_source``/``sharded_files`` root, :func:`build_sources` hands the
-:class:`~sources._sampling.BatchedSamples` the worker's :class:`~workers._control.SampleControl`
-(the worker's for its whole life) and a new :class:`~workers._control.FeedState` (this build's,
+:class:`~workers.sources.BatchedSamples` the worker's :class:`~workers.sources.SampleControl` (the
+worker's for its whole life) and a new :class:`~workers.sources.FeedState` (this build's,
 kept in :attr:`Sources.feed`); :func:`delivery_info` takes each delivered batch's record from it.
 """
 
@@ -19,12 +19,11 @@ from typing import Any
 
 from ipc import wire
 
-from . import _dali
-from ._control import SKIP_DAMAGED, STARTED_TOGETHER, FeedState, SampleControl
+from .. import dali
+from ..shard import Shard
+from ..sources import SKIP_DAMAGED, STARTED_TOGETHER, BatchedSamples, FeedState, SampleControl
+from ..spec import WorkerSpec
 from ._phase import Phase
-from ._shard import Shard
-from ._spec import WorkerSpec
-from .sources._sampling import BatchedSamples
 
 
 @dataclass
@@ -59,7 +58,7 @@ def build_sources(
 ) -> Sources:
     """Call ``source(shard)`` and ``feeders(shard)``, check and probe what they return.
     ``control``: the worker's, handed to a sharded source (see the module docstring)."""
-    _dali.seed_random(shard.seed + shard.epoch * shard.count)
+    dali.seed_random(shard.seed + shard.epoch * shard.count)
     set_phase(Phase.SOURCE)
     skipping = SKIP_DAMAGED.set(control.skip)
     together = STARTED_TOGETHER.set(spec.started_together)
@@ -68,11 +67,11 @@ def build_sources(
     finally:
         STARTED_TOGETHER.reset(together)
         SKIP_DAMAGED.reset(skipping)
-    problem = _dali.describe_source_error(source)
+    problem = dali.describe_source_error(source)
     if problem is not None:
         raise TypeError(problem)
-    built = Sources(source, _dali.sharded_samples(source))
-    probed = _dali.probe_reader(source, spec.batch_size)
+    built = Sources(source, dali.sharded_samples(source))
+    probed = dali.probe_reader(source, spec.batch_size)
     sampled = built.sampled
     if sampled is not None:
         sampled.bind(control, built.feed)
@@ -84,9 +83,9 @@ def build_sources(
                 f"the Loader's batch_size is {spec.batch_size}: take both from one place "
                 "(e.g. functools.partial)"
             )
-    elif probed is not None and _dali.sticks_to_shard(source):
+    elif probed is not None and dali.sticks_to_shard(source):
         built.steps_per_epoch = built.first_epoch_steps = probed.steps
-        if _dali.pads_last_batch(source):
+        if dali.pads_last_batch(source):
             built.reader_real_samples = probed.real
     if probed is not None and probed.real == 0:
         raise ValueError(
@@ -106,7 +105,7 @@ def check_feeders(made: Any) -> dict[str, Any]:
             f"got {type(made).__name__}"
         )
     for name, feeder in made.items():
-        if not _dali.is_external_source(feeder):
+        if not dali.is_external_source(feeder):
             raise TypeError(
                 f"feeder {name!r} must be an ndd.ExternalSource, got {type(feeder).__name__}"
             )

@@ -3,7 +3,7 @@
 Runs in the worker, on its main thread (where ``step`` runs and DALI's capture loop lives).
 
 DALI's random operators draw from an ``ndd.random.RNG``: the thread's default one (seeded by
-:func:`~workers._sources.build_sources` from the loader's seed, the shard and the epoch) or one the
+:func:`~._sources.build_sources` from the loader's seed, the shard and the epoch) or one the
 user's code made (``rng=``). With a fixed draw pattern (DALI's capture-mode rule: the same draws in
 the same order on every step) a captured loop and an eager one draw the same values and leave each
 generator in the same state, across epochs. So the states right after step *k* are exactly what
@@ -14,7 +14,7 @@ generators back in them between loops -- the one moment DALI allows it -- before
 Which generators: the default one, and every other RNG alive in this process that has drawn
 (noted at its first draw, in that order; one made afresh in every step is gone by the end of it
 and is not kept). A restored state is matched to a generator by its key (the seed it was made
-with, :func:`~workers._dali.generator_key`): a generator that exists already is set at once, one
+with, :func:`~workers.dali.generator_key`): a generator that exists already is set at once, one
 that the step makes later (on its first call, say) is set at its first draw, before DALI's
 capture layer anchors its schedule there.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 from ipc import wire
 
-from . import _dali
+from .. import dali
 
 
 class _Nobody:
@@ -56,7 +56,7 @@ class RandomGenerators:
         #: the generator that drew last, since the sources were built (an operator draws several
         #: words in a row: the next ones cost one comparison)
         self._last: weakref.ref[Any] = _NOBODY
-        self._stop = _dali.watch_draws(self._on_draw)
+        self._stop = dali.watch_draws(self._on_draw)
 
     def rebuilt(self, states: wire.RandomStates = b"") -> None:
         """The sources were just built (the default generator seeded): start from ``states``
@@ -64,9 +64,9 @@ class RandomGenerators:
         self._pending.clear()
         if states:
             default, *others = wire.split_states(states)
-            _dali.set_generator_state(_dali.default_generator(), default)
+            dali.set_generator_state(dali.default_generator(), default)
             for state in others:
-                self._pending.setdefault(_dali.generator_key(state), deque()).append(state)
+                self._pending.setdefault(dali.generator_key(state), deque()).append(state)
             for generator in self._alive():
                 self._restore(generator)
         self._drawn = False
@@ -77,9 +77,9 @@ class RandomGenerators:
         drew since the sources were built."""
         if not self._drawn:
             return b""
-        states = [_dali.generator_state(_dali.default_generator())]
+        states = [dali.generator_state(dali.default_generator())]
         if self._generators:
-            states += [_dali.generator_state(generator) for generator in self._alive()]
+            states += [dali.generator_state(generator) for generator in self._alive()]
         for waiting in self._pending.values():  # restored, not drawn from yet: still theirs
             states += waiting
         return " ".join(states).encode("ascii")  # (wire.join_states, DALI's words unchecked)
@@ -95,15 +95,15 @@ class RandomGenerators:
         if generator in self._seen:
             return
         self._seen.add(generator)
-        if generator is _dali.default_generator():
+        if generator is dali.default_generator():
             return
         self._restore(generator)
         self._generators.append(weakref.ref(generator))
 
     def _restore(self, generator: Any) -> None:
-        waiting = self._pending.get(_dali.generator_key(_dali.generator_state(generator)))
+        waiting = self._pending.get(dali.generator_key(dali.generator_state(generator)))
         if waiting:
-            _dali.set_generator_state(generator, waiting.popleft())
+            dali.set_generator_state(generator, waiting.popleft())
 
     def _alive(self) -> list[Any]:
         alive = [generator for ref in self._generators if (generator := ref()) is not None]

@@ -3,7 +3,7 @@
 DALI 2.4's capture parses, at a first trace, each file that calls an operator (libcst: its own
 ``_batch.py`` takes 0.6-0.8 s on the 2-core machine, a step's file 0.2-0.4 s), and keeps the
 result in the process. The worker server does that once for all of its workers
-(:func:`workers._imports.warm_source_analysis`), but every new job paid it again, and it was
+(:func:`workers.process._imports.warm_source_analysis`), but every new job paid it again, and it was
 the larger half of a job's wait for its first batch. This module keeps each file's result on disk,
 as Python keeps bytecode in ``__pycache__``: one file per analysed text, named by a hash of that
 text and of the DALI, libcst and Python versions, so an edited file, or another release, is parsed
@@ -104,7 +104,7 @@ def _reduce_mapping_proxy(proxy: types.MappingProxyType[Any, Any]) -> tuple[Any,
     return _mapping_proxy, (dict(proxy),)
 
 
-def load(path: str, analysis: types.ModuleType) -> bool:
+def load_analysis(path: str, analysis: types.ModuleType) -> bool:
     """Put the analysis of the file ``path`` from the cache where DALI's capture looks for it
     (``analysis``: DALI's ``_source_analysis`` module). True when it is there now, found in the
     process already or loaded; False when it must be parsed."""
@@ -135,7 +135,7 @@ def load(path: str, analysis: types.ModuleType) -> bool:
     return True
 
 
-def store(path: str, analysis: types.ModuleType) -> bool:
+def store_analysis(path: str, analysis: types.ModuleType) -> bool:
     """Write the analysis DALI holds for the file ``path`` to the cache (once parsed). True
     when it was written."""
     lines = linecache.getlines(path)
