@@ -5,7 +5,7 @@ trainer side is in layers, each a sub-package that imports only those below it (
 the direction and that no import circle exists)::
 
     cli/         the command line: python -m loader [doctor]      (prints)
-    ---------    the public face: Loader (_loader), sample, tars, testing, _errors
+    ---------    the public face: Loader (_loader), sample, tars, testing, errors
     run/         the run's lifecycle: Run, launcher, epochs, checkpoint, ranks, tuning
     observe/     trace, diagnose, advice (reads the engine's snapshots)
     engine/      coordinator (waiting, routing, roster, agreement), sessions, order,
@@ -34,7 +34,11 @@ from workers import (
     write_tars,
 )
 
-from ._errors import (
+from ._loader import OPEN_LOADERS as OPEN_LOADERS  # (for the leak_check fixture)
+from ._loader import Loader, LoaderStats, WorkerStats
+from .config import LoaderConfig, package_version
+from .engine import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple, Timeline
+from .errors import (
     AgreementError,
     LoaderClosedError,
     LoaderError,
@@ -47,11 +51,6 @@ from ._errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from ._loader import Loader, LoaderStats, WorkerStats
-from .config._config import LoaderConfig
-from .config._env import package_version
-from .engine._stats import Timeline
-from .engine._views import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple
 from .processes.server import server_pid as worker_server_pid
 from .processes.server import shutdown as shutdown_worker_server
 from .sample import ensure_sample_dataset, list_images

@@ -34,9 +34,9 @@ from typing import Any
 
 from workers import Shard
 
-from ._errors import LoaderClosedError
 from .config import AutotuneReport, LoaderConfig
 from .engine import LoaderStats, WorkerStats
+from .errors import LoaderClosedError
 from .observe import Diagnosis, diagnose, rank_path, trace_events, write_trace
 from .run import EpochIterator, EpochSampler, Run
 

@@ -61,7 +61,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ._loader import Loader
-from .engine._views import carry_info
+from .engine import carry_info
 
 #: The file of the loader's state in a Trainer checkpoint directory.
 STATE_NAME = "loader_state.json"

@@ -2,7 +2,7 @@
 doctor`` (:mod:`._doctor`), over the job's flags they share (:mod:`._flags`). The only layer that
 prints.
 
-May import: the public face (``loader._loader``, ``loader.sample``), observation
+May import: the public face (``loader``, ``loader.sample``), observation
 (``loader.observe``) and configuration (``loader.config``); nothing imports it but
 ``loader.__main__``.
 """
@@ -13,6 +13,8 @@ import sys
 
 from ._doctor import doctor
 from ._job import run_job
+
+__all__ = ["doctor", "main", "run_job"]
 
 
 def main(argv: list[str] | None = None) -> int:

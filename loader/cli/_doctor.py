@@ -28,11 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import LoaderError
-from .._loader import Loader
+from .. import Loader
 from ..config import distributed
-from ..observe import _trace
-from ..observe._diagnose import Diagnosis, measure_headspace
+from ..errors import LoaderError
+from ..observe import Diagnosis, measure_headspace, rank_path
 from ._flags import check_flags, job_flags, layout, make_loader, setup
 
 
@@ -354,5 +353,5 @@ def _print_report(
     if no_step:
         print(NO_HEADSPACE)
     if trace is not None:
-        paths = [str(_trace.rank_path(trace, r, world)) for r in range(world)]
+        paths = [str(rank_path(trace, r, world)) for r in range(world)]
         print(f"  trace: {', '.join(paths)} (open it in https://ui.perfetto.dev)")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .._loader import Loader
+from .. import Loader
 from ..sample import (
     ensure_sample_dataset,
     image_source,

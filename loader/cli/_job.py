@@ -8,9 +8,9 @@ import sys
 
 from tqdm import tqdm
 
-from .._errors import LoaderError
-from .._loader import LoaderStats
-from ..observe._diagnose import Diagnosis
+from .. import LoaderStats
+from ..errors import LoaderError
+from ..observe import Diagnosis
 from ..sample import list_images
 from ._flags import job_flags, make_loader, setup
 

@@ -6,7 +6,7 @@ Owns: :class:`~loader.config._config.LoaderConfig` (every setting, checked once,
 and the placement (:mod:`._env`: CPUs, memory, rank discovery), the checks of the user's
 functions (:mod:`._validate`) and the ``torch.distributed`` helpers (:mod:`.distributed`).
 
-May import: ``loader._errors``, ``workers``, ``ipc``. Nothing above it.
+May import: ``loader.errors``, ``workers``, ``ipc``. Nothing above it.
 """
 
 from . import distributed

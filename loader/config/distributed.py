@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .._errors import AgreementError
+from ..errors import AgreementError
 
 
 def group_size() -> int:

@@ -10,7 +10,7 @@ decisions and never call back: order (:mod:`._order`), healing (:mod:`._healing`
 (:mod:`._releases`), failures (:mod:`._failures`); the batches users hold (:mod:`._views`) and
 the counters and timeline that stats read (:mod:`._stats`).
 
-May import: ``loader._errors``, :mod:`loader.config`, :mod:`loader.processes`, ``workers``,
+May import: ``loader.errors``, :mod:`loader.config`, :mod:`loader.processes`, ``workers``,
 ``ipc``.
 """
 

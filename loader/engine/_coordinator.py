@@ -35,8 +35,8 @@ from typing import Any
 from ipc import ProtocolError, SlotReader, wire
 from ipc.wire import Position, Sampling
 
-from .._errors import SlotsExhaustedError
-from ..processes._pool import WorkerPool
+from ..errors import SlotsExhaustedError
+from ..processes import WorkerPool
 from . import _failures, _interrupts
 from ._agreement import Agreement
 from ._healing import Healing

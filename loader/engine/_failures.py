@@ -20,7 +20,8 @@ from ipc import limits, wire
 from ipc.signals import STACK_SIGNAL
 from workers import FAILING_SAMPLES
 
-from .._errors import (
+from ..config import died_early_hint
+from ..errors import (
     AgreementError,
     RemoteTraceback,
     SharedMemoryError,
@@ -29,8 +30,7 @@ from .._errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from ..config._validate import died_early_hint
-from ..processes._pool import describe_exit
+from ..processes import describe_exit
 from ._session import SessionView
 
 NOTHING_CAPTURED = "no operators were captured"

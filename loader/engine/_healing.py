@@ -18,9 +18,9 @@ from ipc import wire
 from ipc.wire import Position
 from workers import WorkerSpec, continue_from
 
-from .._errors import SkipLimitError
-from ..config._config import LoaderConfig
-from ..processes._pool import WorkerHandle
+from ..config import LoaderConfig
+from ..errors import SkipLimitError
+from ..processes import WorkerHandle
 from ._session import Aborting, Idle, Running, Seeking, SessionView, Stopped, Target
 
 logger = logging.getLogger("loader")

@@ -15,7 +15,7 @@ from typing import Any
 
 from ipc import wire
 
-from ..processes._pool import WorkerHandle
+from ..processes import WorkerHandle
 from ._releases import Releases
 from ._session import WorkerSession
 

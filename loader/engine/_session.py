@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ipc import ProtocolError, ReaderRegion, SlotReader, wire
 from ipc.wire import Position
 
-from ..processes._pool import WorkerHandle
+from ..processes import WorkerHandle
 from ._views import BatchInfo
 
 if TYPE_CHECKING:

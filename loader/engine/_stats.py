@@ -15,7 +15,7 @@ from ipc.limits import Limits, read_limits
 from ._session import SessionView
 
 if TYPE_CHECKING:
-    from ..config._autotune import AutotuneReport
+    from ..config import AutotuneReport
 
 #: A worker's stages, in the order a batch goes through them (their one list: ``wire.STAGES``).
 STAGES = wire.STAGES

@@ -19,7 +19,7 @@ from __future__ import annotations
 import select
 import time
 
-from ..processes._pool import WorkerPool
+from ..processes import WorkerPool
 from . import _failures
 from ._agreement import Agreement
 from ._healing import Fail, Healing

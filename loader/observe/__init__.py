@@ -4,7 +4,7 @@ Owns: the trace (:mod:`._trace`, Chrome trace-event JSON), the verdict (:mod:`._
 ``Loader.diagnose()``) and its advice (:mod:`._advice`). Reads; never starts, stops or changes
 anything.
 
-May import: ``loader._errors``, :mod:`loader.config`, :mod:`loader.engine` (its stats and
+May import: ``loader.errors``, :mod:`loader.config`, :mod:`loader.engine` (its stats and
 timeline), ``workers``, ``ipc``.
 """
 

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..config._env import OVERSUBSCRIBE, local_ranks, worker_budget
-from ..engine._stats import STAGES
+from ..config import OVERSUBSCRIBE, local_ranks, worker_budget
+from ..engine import STAGES
 
 #: The trainer waited at least this fraction of its loop's time: input-bound.
 INPUT_BOUND = 0.05

@@ -35,8 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..config import _env, distributed
-from ..engine._stats import STAGES, LoaderStats
+from ..config import distributed, host_facts
+from ..engine import STAGES, LoaderStats
 from ._advice import (
     BLOCKED,
     DEFAULT_AHEAD,
@@ -48,7 +48,7 @@ from ._advice import (
 )
 
 if TYPE_CHECKING:
-    from ..config._config import LoaderConfig
+    from ..config import LoaderConfig
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ def diagnose(
     if config is None:
         facts = rank_facts(stats, **settings)
         return report(facts, agree([facts]), stats, (load_average, machine_cpus))
-    host = _env.host_facts()
+    host = host_facts()
     local = host["local_world_size"]
     grouped = distributed.group_size() > 1
     if local is None and not grouped:

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..engine._stats import StartSpan, Timeline, batch_end
+from ..engine import StartSpan, Timeline, batch_end
 
 _TRAINER_TID = 0
 #: In a trace path, replaced by the rank.

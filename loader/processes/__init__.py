@@ -2,7 +2,7 @@
 process's worker server (:mod:`._server`; each worker it forks is a :mod:`._server_worker`). The
 only layer that starts, signals or reaps a process.
 
-May import: ``loader._errors``, :mod:`loader.config`, ``workers`` (its entry points and the
+May import: ``loader.errors``, :mod:`loader.config`, ``workers`` (its entry points and the
 server), ``ipc``.
 """
 

@@ -32,7 +32,7 @@ from ipc import ChannelClosed, ControlChannel, limits, wire
 from ipc.signals import STOP_SIGNAL, blocked_for_start
 from workers import Shard, WorkerSpec, modules_of, run_worker
 
-from ..config._validate import main_file
+from ..config import main_file
 from . import server as worker_server
 from ._server_worker import ServerWorker
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from ipc import server_wire as sw
 
-from .._errors import StartupError
+from ..errors import StartupError
 from .server import REPLY_TIMEOUT, WorkerServer
 
 

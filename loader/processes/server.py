@@ -61,7 +61,7 @@ from ipc import server_wire as sw
 from ipc.signals import blocked_for_start
 from workers import server as worker_server
 
-from ..config._validate import main_file
+from ..config import main_file
 
 logger = logging.getLogger("loader")
 

@@ -7,7 +7,7 @@ current layout: the only object that starts or replaces them), the epoch protoco
 (:mod:`._ranks`) and the measurements that ``num_workers="auto"`` decides on (:mod:`._tuning`).
 Only ``iter()`` and ``close()`` reach it to start, stop or replace processes.
 
-May import: ``loader._errors``, :mod:`loader.config`, :mod:`loader.processes`,
+May import: ``loader.errors``, :mod:`loader.config`, :mod:`loader.processes`,
 :mod:`loader.engine`, ``workers``, ``ipc``.
 """
 

@@ -25,8 +25,7 @@ from typing import Any
 from ipc.wire import Position, RandomStates, Sampling, join_states, split_states
 from workers import describe_difference
 
-from ..config import distributed
-from ..config._config import LoaderConfig
+from ..config import LoaderConfig, distributed
 
 logger = logging.getLogger("loader")
 

@@ -22,10 +22,10 @@ import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .._errors import LoaderClosedError
+from ..errors import LoaderClosedError
 
 if TYPE_CHECKING:
-    from .._loader import Loader
+    from .. import Loader
     from ._checkpoint import Resume
     from ._run import Run
 

@@ -13,7 +13,6 @@ import logging
 import time
 import warnings
 
-from .._errors import LoaderClosedError
 from ..config import LoaderConfig
 from ..engine import (
     Coordinator,
@@ -24,6 +23,7 @@ from ..engine import (
     current_stream,
     register_pytree_nodes,
 )
+from ..errors import LoaderClosedError
 from ..processes import WorkerPool
 
 logger = logging.getLogger("loader")

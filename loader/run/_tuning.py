@@ -6,7 +6,7 @@ memory
 off psutil; :func:`after_epoch` and :func:`at_start` gather every rank's figures (one
 ``all_gather_object`` with a process group up) and hand the combined figures to the policy,
 :class:`loader.config._autotune.Autotuner`, which returns the decision. The same gather carries each
-rank's host (:func:`loader.config._env.host_facts`), so the CPU budget is each host's CPUs split
+rank's host (:func:`loader.config.host_facts`), so the CPU budget is each host's CPUs split
 among
 its local ranks (``LOCAL_WORLD_SIZE``, else the ranks on the same host), the budget
 ``loader.diagnose()`` advises within.
@@ -18,14 +18,21 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..config import _env, distributed
-from ..config._autotune import Autotuner, Decision, Layout, Measurement, combine
-from ..engine._stats import batch_end
+from ..config import (
+    Autotuner,
+    Decision,
+    Layout,
+    Measurement,
+    combine,
+    distributed,
+    host_facts,
+    node_shares,
+)
+from ..engine import batch_end
 
 if TYPE_CHECKING:
-    from ..config._config import LoaderConfig
-    from ..engine._coordinator import WorkerFacts
-    from ..engine._stats import Timeline
+    from ..config import LoaderConfig
+    from ..engine import Timeline, WorkerFacts
 
 
 def measure(
@@ -118,13 +125,13 @@ def after_epoch(
         memory_limit=config.memory_limit or tuner.memory_limit,
     )
     gathered = distributed.gather(
-        {"measured": None if measured is None else measured.payload(), **_env.host_facts()}
+        {"measured": None if measured is None else measured.payload(), **host_facts()}
     )
     if gathered is not None:
         payloads = [g["measured"] for g in gathered]
         measured = None if None in payloads else combine(payloads)
         if measured is not None:
-            measured = dataclasses.replace(measured, cpus=min(_env.node_shares(gathered)))
+            measured = dataclasses.replace(measured, cpus=min(node_shares(gathered)))
     return None if measured is None else tuner.observe(epoch, measured)
 
 
@@ -134,11 +141,11 @@ def at_start(tuner: Autotuner, facts: Sequence[WorkerFacts], config: LoaderConfi
     CPU budget is the smallest share of any host's CPUs (a first guess made for more CPUs is
     replaced)."""
     memory, largest = worker_memory(facts, config.num_slots)
-    gathered = distributed.gather({"memory": memory, "worker_memory": largest, **_env.host_facts()})
+    gathered = distributed.gather({"memory": memory, "worker_memory": largest, **host_facts()})
     moved = False
     if gathered is not None:
         memory = max(int(g["memory"]) for g in gathered)
         largest = max(int(g["worker_memory"]) for g in gathered)
-        moved = tuner.rebudget(min(_env.node_shares(gathered)))
+        moved = tuner.rebudget(min(node_shares(gathered)))
     decision = tuner.fit(memory, largest)
     return dataclasses.replace(decision, changed=True) if moved else decision

@@ -54,7 +54,7 @@ from typing import Any
 import psutil
 import pytest
 
-from .._loader import OPEN_LOADERS
+from .. import OPEN_LOADERS
 from ..config import check_start_method, set_default_start_method
 from ..processes import server as worker_server
 from ._resume import assert_resumes_exactly

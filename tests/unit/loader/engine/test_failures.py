@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 
 from ipc import wire
-from loader._errors import (
+from loader.engine import _failures
+from loader.engine._session import Running
+from loader.errors import (
     AgreementError,
     StartupError,
     WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
 )
-from loader.engine import _failures
-from loader.engine._session import Running
 
 from .fakes import FakeHandle, shard, view
 

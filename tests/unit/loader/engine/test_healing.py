@@ -9,9 +9,9 @@ import pytest
 
 from ipc import wire
 from ipc.wire import Sampling
-from loader._errors import SkipLimitError, WorkerDiedError
 from loader.engine._healing import REPLACEMENT_START, Fail, Healing, Replace, Timeouts
 from loader.engine._session import Aborting, Idle, Running, Stopped, WorkerCounters
+from loader.errors import SkipLimitError, WorkerDiedError
 
 from .fakes import FakeHandle, batch, shard, view
 
