@@ -26,3 +26,68 @@ def test_no_function_under_loader_workers_or_ipc_is_over_60_lines() -> None:
 def test_the_loader_is_a_facade() -> None:
     lines = (ROOT / "loader" / "_loader.py").read_text().count("\n")
     assert lines <= 350, f"loader/_loader.py has {lines} lines: what it grew belongs in the run"
+
+
+def _tree(relative: str) -> ast.Module:
+    return ast.parse((ROOT / relative).read_text(encoding="utf-8"))
+
+
+def test_the_facade_holds_one_root() -> None:
+    """``Loader`` imports only the run and the epoch types from ``loader.run``, nothing of
+    ``torch.distributed``, and its constructor passes each argument by name (no ``locals()``)."""
+    tree = _tree("loader/_loader.py")
+    from_run, names = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "run":
+            from_run.update(alias.name for alias in node.names)
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        if isinstance(node, ast.Attribute):
+            names.add(node.attr)
+    assert from_run == {"Run", "EpochIterator", "EpochSampler"}
+    assert not {n for n in names if "distributed" in n or n in ("gather", "group_size")}
+    assert "locals" not in names
+    init = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+    )
+    given = [a.arg for a in init.args.kwonlyargs]
+    build = next(
+        n
+        for n in ast.walk(init)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "build"
+    )
+    assert [k.arg for k in build.keywords] == given  # every one, by name, in order
+
+
+def test_one_module_decides_the_layout() -> None:
+    """After validation, ``num_workers`` (with the threads) changes in one module: the run's
+    layout plan, the only caller of ``LoaderConfig.with_layout``."""
+    callers = set()
+    for path in sorted((ROOT / "loader").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "with_layout":
+                callers.add(str(path.relative_to(ROOT)))
+    assert callers == {"loader/run/_layout.py"}
+
+
+def test_run_passes_nothing_through() -> None:
+    """No method of ``Run`` only hands its call to one of its fields (``return
+    self.x.same(...)``): what it asks of its parts, it asks for a reason of its own."""
+    tree = _tree("loader/run/_run.py")
+    run = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Run")
+    relays = []
+    for method in (n for n in run.body if isinstance(n, ast.FunctionDef)):
+        body = [
+            s
+            for s in method.body
+            if not isinstance(s, ast.Expr) or not isinstance(s.value, ast.Constant)
+        ]
+        if len(body) != 1:
+            continue
+        value = getattr(body[0], "value", None)
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+            held = value.func.value
+            if isinstance(held, ast.Attribute) and isinstance(held.value, ast.Name):
+                if held.value.id == "self":
+                    relays.append(f"{method.name} -> self.{held.attr}.{value.func.attr}")
+    assert relays == []
