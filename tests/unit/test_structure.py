@@ -91,3 +91,14 @@ def test_run_passes_nothing_through() -> None:
                 if held.value.id == "self":
                     relays.append(f"{method.name} -> self.{held.attr}.{value.func.attr}")
     assert relays == []
+
+
+def test_unit_tests_mirror_the_code() -> None:
+    """``tests/unit/<package>/<sub-package>/test_<module>.py``: every folder of unit tests is a
+    package of the code (the tests of the whole tree, such as this one, stay at the top)."""
+    unit = ROOT / "tests" / "unit"
+    folders = [p.parent for p in unit.rglob("test_*.py") if p.parent != unit]
+    assert folders, "no unit test mirrors a package"
+    for folder in folders:
+        package = ROOT / folder.relative_to(unit)
+        assert (package / "__init__.py").exists(), f"{folder} mirrors no package of the code"

@@ -15,7 +15,7 @@ from ipc import wire
 from loader.engine import _stats
 from loader.observe import _advice, _diagnose
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_every_consumer_takes_its_stage_list_from_the_wire() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from workers.startup import _warm_storage
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 SCRIPT = "/srv/jobs/train.py"
 
 pytest.importorskip("s3fs")

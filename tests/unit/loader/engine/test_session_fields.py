@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 SESSION_MODULE = ROOT / "loader" / "engine" / "_session.py"
 #: Policies that take a snapshot: they never name a session.
 SNAPSHOT_POLICIES = ("_failures.py", "_healing.py", "_stats.py")

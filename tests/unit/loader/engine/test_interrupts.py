@@ -10,7 +10,7 @@ from ipc import wire
 from loader.engine._interrupts import is_interruption, reason
 from loader.engine._session import Idle, WorkerSession
 from loader.run._epochs import Epoch
-from tests.unit.test_session import _Handle
+from tests.unit.loader.engine.test_session import _Handle
 
 
 @pytest.mark.parametrize(
