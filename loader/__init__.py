@@ -5,8 +5,8 @@ trainer side is in layers, each a sub-package that imports only those below it (
 the direction and that no import circle exists)::
 
     cli/         the command line: python -m loader [doctor]      (prints)
-    ---------    the public face: Loader (_loader), sample, tars, testing, errors
-    run/         the run's lifecycle: Run, launcher, epochs, checkpoint, ranks, tuning
+    ---------    the public face: Loader (_loader), sample, tars, testing, hf, errors
+    run/         the run's lifecycle: Run, layout plan, launcher, epochs, checkpoint, ranks
     observe/     trace, diagnose, advice (reads the engine's snapshots)
     engine/      coordinator (waiting, routing, roster, agreement), sessions, order,
                  healing, failures, releases, views, stats
