@@ -75,7 +75,7 @@ class Launcher:
                 "are still held: their GPU memory goes with those workers, so they must not be "
                 "used any more (drop batches before the next epoch starts, or pass copy=True)",
                 RuntimeWarning,
-                stacklevel=6,
+                stacklevel=7,  # retire, _launch, _prepare, _start, next_batch, __next__
             )
         coordinator.close()
         return waited
