@@ -14,10 +14,10 @@ The package, by job (each sub-package's ``__init__`` says what it owns and may i
 * :mod:`workers.sources` -- the data sources and the planning arithmetic (the trainer's too).
 * :mod:`workers.startup` -- a start's spans, and what is kept on disk for the next start.
 * :mod:`workers.server` -- the worker server's process, which forks workers.
-* :mod:`workers.dali` -- the one adapter to DALI's capture API; :mod:`workers.shard` and
-  :mod:`workers.spec` -- what the trainer tells a worker.
+* :mod:`workers.spec` -- what the trainer tells a worker: its shard and its spec.
+* :mod:`workers.dali` -- the one adapter to DALI's capture API.
 
-Bottom first, each imports only those before it: ``shard``, ``spec``, ``dali`` (which names
+Bottom first, each imports only those before it: ``spec``, ``dali`` (which names
 ``sources`` for the type checker only), ``startup``, ``transport``, ``sources``, ``capture``,
 ``process``, ``server``.
 """
@@ -28,7 +28,6 @@ from ipc.wire import Position, Sampling
 
 from .capture import Phase
 from .process import modules_of, prepare_worker_server, run_worker
-from .shard import Shard
 from .sources import (
     MAX_IMAGE_PIXELS,
     BatchedSamples,
@@ -55,7 +54,7 @@ from .sources import (
     steps_per_epoch,
     write_tars,
 )
-from .spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
+from .spec import FeederFactory, Shard, SourceFactory, StepFunction, WorkerSpec
 from .transport import FAILING_SAMPLES, BatchClock
 
 #: DALI-facing helpers shared with in-process measurements; importing them imports DALI.

@@ -11,7 +11,7 @@ the samples that fail alone (:mod:`._isolation`, with what native code prints me
 The command loop imports DALI: :class:`Worker`, :class:`Stop` and :class:`ShutdownRequested` are
 imported on first use, so that importing ``workers`` (the trainer does) imports no DALI.
 
-May import: ``ipc``, :mod:`workers.dali`, :mod:`workers.shard`, :mod:`workers.spec`,
+May import: ``ipc``, :mod:`workers.dali`, :mod:`workers.spec`,
 :mod:`workers.startup`, :mod:`workers.sources`, :mod:`workers.transport`. Not
 :mod:`workers.process` (it runs this).
 """

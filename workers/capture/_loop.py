@@ -42,9 +42,8 @@ from ipc import ChannelClosed, ControlChannel, wire
 from ipc.wire import Position
 
 from .. import dali, startup
-from ..shard import Shard
 from ..sources import REPORT_PROGRESS, SampleControl
-from ..spec import WorkerSpec
+from ..spec import Shard, WorkerSpec
 from ..transport import BatchClock, Publisher, Signature, failure, normalize_outputs
 from ._capture_loops import CaptureLoops
 from ._isolation import FailingSamples, can_isolate

@@ -20,9 +20,8 @@ from typing import Any
 from ipc import wire
 
 from .. import dali
-from ..shard import Shard
 from ..sources import SKIP_DAMAGED, STARTED_TOGETHER, BatchedSamples, FeedState, SampleControl
-from ..spec import WorkerSpec
+from ..spec import Shard, WorkerSpec
 from ._phase import Phase
 
 

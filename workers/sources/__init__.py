@@ -18,7 +18,7 @@ One family over one planning core:
 * ``_control``: the worker's control state a ``sharded_source``/``sharded_files`` root is bound
   with (``on_error``, the samples known to fail, the batches in flight), made by the worker.
 
-May import: ``ipc``, the standard library, numpy, and from ``workers`` only :mod:`workers.shard`,
+May import: ``ipc``, the standard library, numpy, and from ``workers`` only :mod:`workers.spec`,
 :mod:`workers.transport` (an error's context), :mod:`workers.startup` (the storage backends a
 script opens) and, inside functions, :mod:`workers.dali` (what a source needs of its worker).
 Never ``loader``. The public names below are re-exported by ``workers`` (and ``loader``); the

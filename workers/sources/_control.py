@@ -1,6 +1,6 @@
 """The worker's control state for a ``sharded_source``/``sharded_files`` root. Runs in the worker.
 
-A :class:`~sources._sampling.BatchedSamples` is the user's object and holds the user's state (the
+A :class:`~._sampling.BatchedSamples` is the user's object and holds the user's state (the
 shard, ``load``, the sampling, the epoch it is at). What the worker decides about its samples, and
 what it must remember of the batches in flight, lives here; the worker makes these objects and
 hands them to the source with ``BatchedSamples.bind``:

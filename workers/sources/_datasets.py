@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..shard import Shard
+from ..spec import Shard
 from ._image_size import MAX_IMAGE_PIXELS, checked_limit
 from ._sampling import BatchedSamples, Batching, OpenedSource
 from ._storage import AHEAD_BYTES, RETRIES

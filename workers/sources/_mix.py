@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ..shard import Shard
+from ..spec import Shard
 from ._datasets import Dataset, FilesDataset, SamplesDataset, TarsDataset
 from ._epoch_order import EpochOrder
 from ._positions import Order

@@ -36,7 +36,7 @@ import numpy as np
 
 from ipc.wire import LoadRunning, Sampling
 
-from ..shard import Shard
+from ..spec import Shard
 from ..transport import attach
 from ._control import FedBatch, FeedState, SampleControl
 from ._positions import Batch, Orders, shard_batches, shard_steps

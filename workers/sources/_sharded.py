@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..shard import Shard
+from ..spec import Shard
 from ._datasets import FilesDataset, SamplesDataset, TarsDataset
 from ._image_size import MAX_IMAGE_PIXELS
 from ._sampling import Batching

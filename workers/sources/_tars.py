@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ..shard import Shard
+from ..spec import Shard
 from ._control import SKIP_DAMAGED, STARTED_TOGETHER
 from ._epoch_order import EpochOrder, orders_at
 from ._image_size import MAX_IMAGE_PIXELS, ImageTooLargeError, checked_limit, over_limit

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .shard import Shard
+from ._shard import Shard
 
 SourceFactory = Callable[[Shard], Any]
 FeederFactory = Callable[[Shard], Mapping[str, Any]]

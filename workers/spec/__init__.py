@@ -1,0 +1,12 @@
+"""What the trainer tells a worker: its place among all workers (:class:`Shard`, :mod:`._shard`)
+and everything else it needs at spawn time (:class:`WorkerSpec`, :mod:`._spec`, with the types of
+the user's functions). Runs in both processes: the trainer makes them, the worker receives them
+pickled.
+
+May import: ``ipc``. Nothing else of ``workers``: every other part of it imports this.
+"""
+
+from ._shard import Shard
+from ._spec import FeederFactory, SourceFactory, StepFunction, WorkerSpec
+
+__all__ = ["FeederFactory", "Shard", "SourceFactory", "StepFunction", "WorkerSpec"]
