@@ -16,9 +16,10 @@ process (the trainer's pid) holds one track (thread) for the trainer and one per
   shows its ``import DALI`` and ``DALI's source analysis``) and ``sources`` (building them: for
   tar shards, the node's summary and the epoch's plan); on a ``worker server`` track after the
   workers', what the server still did after the loader was made: ``import DALI``, ``DALI's
-  source analysis``, ``storage backends`` (:mod:`workers._warm_storage`), ``main module``, ``the
-  loader's modules``. A start right after ``import loader`` shows the server's import of DALI
-  before every worker's fork; the first batch's trace (``dali`` of step 0) follows ``sources``.
+  source analysis``, ``storage backends`` (:mod:`workers.startup._warm_storage`), ``main
+  module``, ``the loader's modules``. A start right after ``import loader`` shows the server's
+  import of DALI before every worker's fork; the first batch's trace (``dali`` of step 0)
+  follows ``sources``.
 
 One file per rank: under a launcher with more than one rank, each rank writes its own file
 (:func:`rank_path`): ``{rank}`` in the file's name is replaced by the rank, else ``.rank<k>`` goes

@@ -87,9 +87,12 @@ def test_run_passes_nothing_through() -> None:
         value = getattr(body[0], "value", None)
         if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
             held = value.func.value
-            if isinstance(held, ast.Attribute) and isinstance(held.value, ast.Name):
-                if held.value.id == "self":
-                    relays.append(f"{method.name} -> self.{held.attr}.{value.func.attr}")
+            if (
+                isinstance(held, ast.Attribute)
+                and isinstance(held.value, ast.Name)
+                and held.value.id == "self"
+            ):
+                relays.append(f"{method.name} -> self.{held.attr}.{value.func.attr}")
     assert relays == []
 
 
