@@ -57,6 +57,13 @@ class Loader:
     first step and replayed after; it returns a dict, a tuple or one DALI batch. Both must be
     module-level functions: workers are spawned and import them by name. Every setting is in
     ``loader.config`` (a frozen :class:`LoaderConfig`, rank, world size and threads settled).
+
+    The keywords are declared once, as :class:`LoaderConfig`'s fields (default and check side
+    by side); this signature spells them again for IDEs and ``help()``, and a unit test keeps
+    the two equal. docs/reference.md describes each. Rarely needed (defaults that suit almost
+    every job): ``device_id`` (the GPU; by default the local rank's), ``startup_timeout``
+    (seconds a starting worker may stay silent), ``shm_limit`` (a cap on each worker's shared
+    memory) and ``max_skipped`` (the skip budget of ``on_error="skip"``).
     """
 
     def __init__(
@@ -89,36 +96,13 @@ class Loader:
         trace: str | os.PathLike[str] | None = None,
         memory_limit: int | float | None = None,
     ) -> None:
+        # the parameters, as given: LoaderConfig's fields declare each (its default, its check)
+        # and a unit test keeps this signature equal to them
+        given = dict(locals())
+        del given["self"]
         self._run: Run | None = None  # until it exists, close() has nothing to do
         self._closed = True
-        config = LoaderConfig.build(
-            source,
-            step,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            feeders=feeders,
-            device=device,
-            device_id=device_id,
-            num_threads=num_threads,
-            prefetch=prefetch,
-            output=output,
-            copy=copy,
-            capture=capture,
-            seed=seed,
-            timeout=timeout,
-            start_method=start_method,
-            rank=rank,
-            world_size=world_size,
-            startup_timeout=startup_timeout,
-            shm_limit=shm_limit,
-            max_restarts=max_restarts,
-            on_error=on_error,
-            max_skipped=max_skipped,
-            in_order=in_order,
-            cut_padding=cut_padding,
-            trace=trace,
-            memory_limit=memory_limit,
-        )
+        config = LoaderConfig.build(**given)
         run = Run(config)  # its first workers started (closed again if they do not start)
         self._run, self._closed = run, False
         self._sampler = EpochSampler(self)  # (it refers to this loader weakly)

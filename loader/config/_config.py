@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
 import threading
 import uuid
@@ -21,11 +20,18 @@ from workers import Shard, WorkerSpec
 
 from . import _env
 from ._autotune import Layout
+from ._keywords import checked_keywords, keyword
 from ._validate import (
     check_choice,
+    check_count,
+    check_flag,
     check_importable,
+    check_int,
     check_not_importing_main,
     check_positive_int,
+    check_seconds,
+    check_trace_path,
+    optional,
 )
 
 OUTPUTS = ("numpy", "torch", "cupy")
@@ -57,142 +63,103 @@ def set_default_start_method(method: str | None) -> str | None:
     return previous
 
 
-def check_seconds(value: Any, name: str, *, optional: bool) -> float | None:
-    """A positive, finite number of seconds (or None when ``optional``)."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if not (value > 0 and math.isfinite(value)):
-        hint = " or None" if optional else ""
-        raise ValueError(f"{name} must be a positive number of seconds{hint}, got {value}")
-    return float(value)
+def _start_method(value: Any, name: str) -> str:
+    return check_start_method(value)
 
 
-@dataclass(frozen=True)
+_ON_ERROR = ("raise", "skip")
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoaderConfig:
-    """Every argument of :class:`loader.Loader`, checked, plus what follows from them."""
+    """Every argument of :class:`loader.Loader`, checked, plus what follows from them.
 
-    source: Callable[[Shard], Any]
-    step: Callable[..., Any]
-    feeders: Callable[[Shard], Mapping[str, Any]] | None
-    batch_size: int
+    The fields made with :func:`keyword` are the Loader's parameters, in its signature's order:
+    the default of each is the Loader's, its check is beside it (a unit test keeps
+    ``Loader.__init__`` equal to them). Once built, some hold what their argument settled:
+    ``num_workers`` and ``num_threads`` counts (0 while "auto" has not chosen), ``device_id``,
+    ``start_method``, ``rank`` and ``world_size`` as found, ``memory_limit`` in bytes.
+    """
+
+    # source, step and feeders: checked together (_check_functions); keyword() is a
+    # dataclasses.field, whatever the annotation (RUF009 cannot tell)
+    source: Callable[[Shard], Any] = keyword(positional=True)  # noqa: RUF009
+    step: Callable[..., Any] = keyword(positional=True)  # noqa: RUF009
+    batch_size: int = keyword(check=check_positive_int)
     #: with num_workers/num_threads="auto", 0 until the run's layout plan decides them
-    num_workers: int
-    device: str
-    device_id: int | None
-    num_threads: int
-    prefetch: int
-    output: str
-    copy: bool
-    capture: bool
-    seed: int
-    timeout: float | None
-    start_method: str
-    rank: int
-    world_size: int
-    local_world_size: int
-    startup_timeout: float
-    shm_limit: int | None
-    max_restarts: int = 0
-    on_error: str = "raise"
-    max_skipped: int | None = None
-    in_order: bool = True
+    num_workers: int = keyword(2, check=check_count)
+    feeders: Callable[[Shard], Mapping[str, Any]] | None = keyword(None)  # noqa: RUF009
+    device: str = keyword("cpu", check=functools.partial(check_choice, choices=DEVICES))
+    device_id: int | None = keyword(None)  # checked with device and the placement
+    num_threads: int = keyword(None, check=optional(check_count))
+    prefetch: int = keyword(2, check=check_positive_int)
+    output: str = keyword("numpy", check=functools.partial(check_choice, choices=OUTPUTS))
+    copy: bool = keyword(False, check=check_flag)
+    capture: bool = keyword(True, check=check_flag)
+    seed: int = keyword(0, check=check_int)
+    timeout: float | None = keyword(None, check=functools.partial(check_seconds, optional=True))
+    start_method: str = keyword(None, check=_start_method)
+    rank: int = keyword(None)  # rank and world_size: the placement discovered (_env)
+    world_size: int = keyword(None)
+    startup_timeout: float = keyword(300.0, check=functools.partial(check_seconds, optional=False))
+    shm_limit: int | None = keyword(None, check=optional(check_positive_int))
+    max_restarts: int = keyword(0, check=functools.partial(check_positive_int, minimum=0))
+    on_error: str = keyword("raise", check=functools.partial(check_choice, choices=_ON_ERROR))
+    max_skipped: int | None = keyword(
+        None, check=optional(functools.partial(check_positive_int, minimum=0))
+    )
+    in_order: bool = keyword(True, check=check_flag)
     #: the batches that end a rank's epoch come cut to their real rows (no padding)
-    cut_padding: bool = False
+    cut_padding: bool = keyword(False, check=check_flag)
+    trace: str | None = keyword(None, check=check_trace_path)  # where close() writes the trace
+    #: bytes this rank's workers may hold (with "auto"), checked with num_workers and num_threads
+    memory_limit: int | None = keyword(None)
+
+    # what follows from them
+    local_world_size: int = 1
     #: how rank and world size were found (see ``_env.Placement.source``)
     placement_source: str = "arguments"
     num_threads_given: bool = True  # False: num_threads follows the placement
-    trace: str | None = None  # where close() writes the trace (Chrome trace-event JSON)
     #: num_workers="auto" / num_threads="auto": the loader chooses them (see
     #: loader.config._autotune)
     workers_auto: bool = False
     threads_auto: bool = False
-    memory_limit: int | None = None  # bytes this rank's workers may hold (with "auto")
     cpus: int = 1  # the CPUs this rank's workers share (affinity / local ranks and xdist peers)
     first_epoch: int = 0  # workers started later (a new layout) build their sources for it
 
     @classmethod
     def build(
-        cls,
-        source: Callable[[Shard], Any],
-        step: Callable[..., Any],
-        *,
-        batch_size: int,
-        num_workers: int | str,
-        feeders: Callable[[Shard], Mapping[str, Any]] | None,
-        device: str,
-        device_id: int | None,
-        num_threads: int | str | None,
-        prefetch: int,
-        output: str,
-        copy: bool,
-        capture: bool,
-        seed: int,
-        timeout: float | None,
-        start_method: str | None,
-        rank: int | None,
-        world_size: int | None,
-        startup_timeout: float,
-        shm_limit: int | None,
-        max_restarts: int,
-        on_error: str,
-        max_skipped: int | None,
-        in_order: bool,
-        cut_padding: bool,
-        trace: str | os.PathLike[str] | None,
-        memory_limit: int | float | None,
+        cls, source: Callable[[Shard], Any], step: Callable[..., Any], **given: Any
     ) -> LoaderConfig:
         """Validate the Loader's arguments (``TypeError``/``ValueError`` that say what to
-        change; each has its default in the Loader's signature only) and discover rank, GPU and
+        change; a keyword not given takes its field's default) and discover rank, GPU and
         thread budget. What ``"auto"`` tunes stays 0: the run's layout plan
         (:mod:`loader.run._layout`) decides every layout, the first included."""
         check_not_importing_main()
-        checked = _checked(
-            batch_size=batch_size,
+        # each value through its own check, in the signature's order; then the joint checks
+        checked = cls(**checked_keywords(cls, {"source": source, "step": step, **given}))
+        _check_output(checked.device, checked.output)
+        _check_functions(checked.source, checked.step, checked.feeders)
+        placement = _env.discover_placement(checked.rank, checked.world_size)
+        device_id = _check_device(checked.device, checked.output, checked.device_id, placement)
+        workers_auto, threads_auto = _is_auto(checked.num_workers), _is_auto(checked.num_threads)
+        num_workers, num_threads, memory_limit = _layout_fields(
+            checked.num_workers, checked.num_threads, checked.memory_limit, placement.local_world_size
+        )
+        return dataclasses.replace(
+            checked,
             num_workers=num_workers,
-            num_threads=num_threads,
-            prefetch=prefetch,
-            output=output,
-            device=device,
-            seed=seed,
-            timeout=timeout,
-            startup_timeout=startup_timeout,
-            shm_limit=shm_limit,
-            max_restarts=max_restarts,
-            on_error=on_error,
-            max_skipped=max_skipped,
-            trace=trace,
-            copy=copy,
-            capture=capture,
-            in_order=in_order,
-            cut_padding=cut_padding,
-        )
-        _check_functions(source, step, feeders)
-        placement = _env.discover_placement(rank, world_size)
-        device_id = _check_device(checked["device"], checked["output"], device_id, placement)
-        cpus = _env.cpu_budget(placement.local_world_size)
-        workers_auto, threads_auto = _is_auto(num_workers), _is_auto(num_threads)
-        checked["num_workers"], threads, memory_limit = _layout_fields(
-            checked["num_workers"], num_threads, memory_limit, placement.local_world_size
-        )
-        return cls(
-            source=source,
-            step=step,
-            feeders=feeders,
             device_id=device_id,
-            num_threads=threads,
-            start_method=check_start_method(start_method),
+            num_threads=num_threads,
             rank=placement.rank,
             world_size=placement.world_size,
+            memory_limit=memory_limit,
             local_world_size=placement.local_world_size,
             placement_source=placement.source,
-            num_threads_given=num_threads is not None and not threads_auto,
+            num_threads_given=checked.num_threads is not None and not threads_auto,
             workers_auto=workers_auto,
             threads_auto=threads_auto,
-            memory_limit=memory_limit,
-            cpus=cpus,
-            **checked,
+            cpus=_env.cpu_budget(placement.local_world_size),
         )
 
     @property
@@ -298,7 +265,7 @@ def _layout_fields(
     """The validated ``num_workers`` (0 for "auto"), ``num_threads`` (its default for the
     workers and local ranks when not given; 0 for "auto", or with ``num_workers="auto"`` when
     not given) and the memory budget of what "auto" tunes. What is tuned stays 0 here: the
-    run's layout plan (loader.run._layout) decides it."""
+    run's layout plan (loader.run._layout) decides checked."""
     if _is_auto(num_workers) or _is_auto(num_threads):
         workers = 0 if _is_auto(num_workers) else int(num_workers)
         threads = num_threads if isinstance(num_threads, int) else 0
@@ -318,35 +285,6 @@ def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value == "auto"
 
 
-def _check_count(value: Any, name: str) -> int:
-    """A positive int, or a clear error that also names "auto"."""
-    if isinstance(value, str):
-        raise ValueError(f"{name} must be a positive int or 'auto', got {value!r}")
-    try:
-        return check_positive_int(value, name)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be a positive int or 'auto', got {type(value).__name__} ({value!r})"
-        ) from None
-
-
-def check_trace_path(path: Any) -> str | None:
-    """A file path whose folder exists (or None)."""
-    if path is None:
-        return None
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"trace must be a file path (str or Path), got {type(path).__name__}")
-    text = os.fspath(path)
-    if not isinstance(text, str) or not text:
-        raise ValueError("trace must name a file, for example trace='loader-trace.json'")
-    folder = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(folder):
-        raise ValueError(f"trace={text!r}: the folder {folder!r} does not exist; create it first")
-    if os.path.isdir(text):
-        raise ValueError(f"trace={text!r} is a folder; name a file in it")
-    return text
-
-
 def _require_module(name: str, message: str) -> None:
     import importlib
 
@@ -354,49 +292,6 @@ def _require_module(name: str, message: str) -> None:
         importlib.import_module(name)
     except ImportError as error:
         raise ImportError(message) from error
-
-
-def _checked(**arguments: Any) -> dict[str, Any]:
-    """The constructor's plain settings, validated and normalised (``TypeError`` for a value
-    of the wrong type, ``ValueError`` for one out of range: each says what to change)."""
-    a = arguments
-    out: dict[str, Any] = {"batch_size": check_positive_int(a["batch_size"], "batch_size")}
-    out["num_workers"] = a["num_workers"]
-    if not _is_auto(a["num_workers"]):
-        out["num_workers"] = _check_count(a["num_workers"], "num_workers")
-    if a["num_threads"] is not None and not _is_auto(a["num_threads"]):
-        _check_count(a["num_threads"], "num_threads")
-    out["prefetch"] = check_positive_int(a["prefetch"], "prefetch")
-    out["output"] = check_choice(a["output"], "output", OUTPUTS)
-    out["device"] = check_choice(a["device"], "device", DEVICES)
-    if isinstance(a["seed"], bool) or not isinstance(a["seed"], int):
-        raise TypeError(f"seed must be an int, got {type(a['seed']).__name__}")
-    out["seed"] = a["seed"]
-    out["timeout"] = check_seconds(a["timeout"], "timeout", optional=True)
-    startup = check_seconds(a["startup_timeout"], "startup_timeout", optional=False)
-    assert startup is not None
-    out["startup_timeout"] = float(startup)
-    if a["shm_limit"] is not None:
-        check_positive_int(a["shm_limit"], "shm_limit")
-    out["shm_limit"] = a["shm_limit"]
-    out["max_restarts"] = check_positive_int(a["max_restarts"], "max_restarts", minimum=0)
-    out["on_error"] = check_choice(a["on_error"], "on_error", ("raise", "skip"))
-    out["max_skipped"] = a["max_skipped"]
-    if a["max_skipped"] is not None:
-        out["max_skipped"] = check_positive_int(a["max_skipped"], "max_skipped", minimum=0)
-    out["trace"] = check_trace_path(a["trace"])
-    for flag in ("copy", "capture", "in_order", "cut_padding"):
-        if not isinstance(a[flag], bool):
-            raise TypeError(f"{flag} must be True or False, got {a[flag]!r}")
-        out[flag] = a[flag]
-    if out["device"] == "gpu" and out["output"] == "numpy":
-        raise ValueError(
-            "device='gpu' delivers batches in GPU memory: pass output='torch' or "
-            "output='cupy' (or use device='cpu' for numpy arrays)"
-        )
-    if out["device"] == "cpu" and out["output"] == "cupy":
-        raise ValueError("output='cupy' needs device='gpu'")
-    return out
 
 
 def check_start_method(start_method: Any) -> str:
@@ -441,6 +336,17 @@ def require_gpu() -> int:
             "(check CUDA_VISIBLE_DEVICES); use device='cpu'"
         )
     return int(count.value)
+
+
+def _check_output(device: str, output: str) -> None:
+    """The output library must hold batches where ``device`` makes them."""
+    if device == "gpu" and output == "numpy":
+        raise ValueError(
+            "device='gpu' delivers batches in GPU memory: pass output='torch' or "
+            "output='cupy' (or use device='cpu' for numpy arrays)"
+        )
+    if device == "cpu" and output == "cupy":
+        raise ValueError("output='cupy' needs device='gpu'")
 
 
 def _check_functions(source: Any, step: Any, feeders: Any) -> None:

@@ -6,10 +6,12 @@ import functools
 import importlib
 import inspect
 import io
+import math
 import os
 import pickle
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 #: Added to the error of a worker that died before it could report anything (exit code 1).
@@ -189,3 +191,68 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
     return str(value)
+
+
+def check_int(value: Any, name: str) -> int:
+    """An ``int`` (not a ``bool``)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_count(value: Any, name: str) -> int | str:
+    """A positive int or ``"auto"``, or a clear error that also names "auto"."""
+    if isinstance(value, str):
+        if value == "auto":
+            return value
+        raise ValueError(f"{name} must be a positive int or 'auto', got {value!r}")
+    try:
+        return check_positive_int(value, name)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a positive int or 'auto', got {type(value).__name__} ({value!r})"
+        ) from None
+
+
+def check_seconds(value: Any, name: str, *, optional: bool) -> float | None:
+    """A positive, finite number of seconds (or None when ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not (value > 0 and math.isfinite(value)):
+        hint = " or None" if optional else ""
+        raise ValueError(f"{name} must be a positive number of seconds{hint}, got {value}")
+    return float(value)
+
+
+def check_trace_path(path: Any, name: str = "trace") -> str | None:
+    """A file path whose folder exists (or None)."""
+    if path is None:
+        return None
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a file path (str or Path), got {type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{name} must name a file, for example {name}='loader-trace.json'")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{name}={text!r}: the folder {folder!r} does not exist; create it first")
+    if os.path.isdir(text):
+        raise ValueError(f"{name}={text!r} is a folder; name a file in it")
+    return text
+
+
+def optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    """``check``, with None let through."""
+
+    def check_unless_none(value: Any, name: str) -> Any:
+        return None if value is None else check(value, name)
+
+    return check_unless_none
