@@ -144,7 +144,10 @@ class LoaderConfig:
         device_id = _check_device(checked.device, checked.output, checked.device_id, placement)
         workers_auto, threads_auto = _is_auto(checked.num_workers), _is_auto(checked.num_threads)
         num_workers, num_threads, memory_limit = _layout_fields(
-            checked.num_workers, checked.num_threads, checked.memory_limit, placement.local_world_size
+            checked.num_workers,
+            checked.num_threads,
+            checked.memory_limit,
+            placement.local_world_size,
         )
         return dataclasses.replace(
             checked,

@@ -34,7 +34,10 @@ def _tree(relative: str) -> ast.Module:
 
 def test_the_facade_holds_one_root() -> None:
     """``Loader`` imports only the run and the epoch types from ``loader.run``, nothing of
-    ``torch.distributed``, and its constructor passes each argument by name (no ``locals()``)."""
+    ``torch.distributed``, and its constructor hands its parameters whole to
+    ``LoaderConfig.build``, whose fields declare them (tests/unit/loader/config/test_keywords.py
+    keeps the two lists equal): ``locals()`` read once, first, before any other name exists, and
+    no parameter forwarded by name."""
     tree = _tree("loader/_loader.py")
     from_run, names = set(), set()
     for node in ast.walk(tree):
@@ -46,17 +49,23 @@ def test_the_facade_holds_one_root() -> None:
             names.add(node.attr)
     assert from_run == {"Run", "EpochIterator", "EpochSampler"}
     assert not {n for n in names if "distributed" in n or n in ("gather", "group_size")}
-    assert "locals" not in names
     init = next(
         n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__"
     )
-    given = [a.arg for a in init.args.kwonlyargs]
+    reads = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "locals"
+    ]
+    first = init.body[0]
+    assert len(reads) == 1 and reads[0] in list(ast.walk(first)), "locals() only, first, once"
+    assert isinstance(first, ast.Assign) and isinstance(first.value, ast.Call)
     build = next(
         n
         for n in ast.walk(init)
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "build"
     )
-    assert [k.arg for k in build.keywords] == given  # every one, by name, in order
+    assert not build.args and [k.arg for k in build.keywords] == [None]  # build(**given)
 
 
 def test_one_module_decides_the_layout() -> None:
