@@ -34,11 +34,12 @@ from typing import Any
 
 from workers import Shard
 
+from ._epochs import EpochIterator, EpochSampler
 from .config import AutotuneReport, LoaderConfig
 from .engine import LoaderStats, WorkerStats
 from .errors import LoaderClosedError
 from .observe import Diagnosis, diagnose, rank_path, trace_events, write_trace
-from .run import EpochIterator, EpochSampler, Run
+from .run import Run
 
 logger = logging.getLogger("loader")
 

@@ -7,8 +7,9 @@ replaces a dead or stuck one (:mod:`._waiting`), record routing (:mod:`._routing
 signature agreement (:mod:`._agreement`); each worker's
 :class:`~loader.engine._session.WorkerSession` (one state machine), and the policies that return
 decisions and never call back: order (:mod:`._order`), healing (:mod:`._healing`), releases
-(:mod:`._releases`), failures (:mod:`._failures`); the batches users hold (:mod:`._views`) and
-the counters and timeline that stats read (:mod:`._stats`).
+(:mod:`._releases`), failures (:mod:`._failures`); the batches users hold (:mod:`._views`), the
+queue their finalizers fill from any thread (:mod:`._release_queue`), and the counters and
+timeline that stats read (:mod:`._stats`).
 
 May import: ``loader.errors``, :mod:`loader.config`, :mod:`loader.processes`, ``workers``,
 ``ipc``.

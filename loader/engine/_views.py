@@ -19,7 +19,7 @@ import numpy as np
 
 from ipc import wire
 
-from ._releases import ReleaseQueue
+from ._release_queue import ReleaseQueue
 
 
 @dataclass(frozen=True, slots=True)

@@ -205,32 +205,32 @@ class Run:
             self.pending = None
         self.epoch = epoch
 
-    def next_batch(self, run: Epoch) -> Any:
-        """The next batch of ``run`` (``StopIteration`` at its end). An interruption (Ctrl-C's
+    def next_batch(self, epoch: Epoch) -> Any:
+        """The next batch of ``epoch`` (``StopIteration`` at its end). An interruption (Ctrl-C's
         ``KeyboardInterrupt``) goes through unchanged (what it leaves: ``stop_interrupted``)."""
         entered = time.perf_counter_ns()
         coordinator = first = self.require()
         polled = coordinator.wait_ns
-        if run.replaced:
+        if epoch.replaced:
             raise RuntimeError(
-                f"this iterator of epoch {run.epoch} was replaced by a newer iter(loader) or "
+                f"this iterator of epoch {epoch.epoch} was replaced by a newer iter(loader) or "
                 "load_state_dict(); iterate one epoch at a time"
             )
         delivery: Delivery | None = None
         try:
-            if not run.started:
-                coordinator = self._start(run)
+            if not epoch.started:
+                coordinator = self._start(epoch)
                 if coordinator is not first:  # relaunched: the old pool's waits, then the new's
                     polled -= first.wait_ns
-            if not run.finished and (run.expected is None or run.delivered < run.expected):
+            if not epoch.finished and (epoch.expected is None or epoch.delivered < epoch.expected):
                 coordinator.wait_signatures()
                 checks = self.checks
                 if not checks.traced_checked:
                     fields = coordinator.agreement_fields()
                     checks.traced(coordinator, fields)
-                delivery = coordinator.next_batch(run.next_step)
+                delivery = coordinator.next_batch(epoch.next_step)
             if delivery is None:  # over (or nothing left: a state saved at its epoch's end)
-                self._over(run, entered, self.require().wait_ns - polled)
+                self._over(epoch, entered, self.require().wait_ns - polled)
                 raise StopIteration
             info = delivery.info
             if self._kind is None:
@@ -240,26 +240,26 @@ class Run:
             self.timeline.next_call(entered, waited, info.epoch, info.worker_step, info.worker)
             # the user's from here: counted last, so an interruption before leaves it uncounted
             coordinator.handed_out(delivery)
-            run.handed_out()
-            if run.finished and not run.replaced:
-                self.layout.after_epoch(self.timeline, self.require(), run.epoch)
+            epoch.handed_out()
+            if epoch.finished and not epoch.replaced:
+                self.layout.after_epoch(self.timeline, self.require(), epoch.epoch)
         except BaseException as error:
             if is_interruption(error):
-                stop_interrupted(self.coordinator, error, run, delivery)
+                stop_interrupted(self.coordinator, error, epoch, delivery)
             raise
         return batch
 
-    def _over(self, run: Epoch, entered: int, waited: int) -> None:
-        over = run.finish()
+    def _over(self, epoch: Epoch, entered: int, waited: int) -> None:
+        over = epoch.finish()
         if over:
             self.counters.epoch_over(time.monotonic())
-        run.leave_accelerate()
-        self.timeline.next_call(entered, waited, run.epoch, -1, -1)
-        if over and not run.replaced:
-            self.layout.after_epoch(self.timeline, self.require(), run.epoch)
+        epoch.leave_accelerate()
+        self.timeline.next_call(entered, waited, epoch.epoch, -1, -1)
+        if over and not epoch.replaced:
+            self.layout.after_epoch(self.timeline, self.require(), epoch.epoch)
 
-    def _start(self, run: Epoch) -> Coordinator:
-        """The first ``next()`` of ``run``: the settled rank and decided layout, a loaded state
+    def _start(self, epoch: Epoch) -> Coordinator:
+        """The first ``next()`` of ``epoch``: the settled rank and decided layout, a loaded state
         or a set epoch applied, the epoch started in every worker."""
         current = self.current
         started = current is not None and current.started
@@ -268,29 +268,29 @@ class Run:
             self.checks.configuration(coordinator, self.layout.config)
         # the loaded state stays pending until the epoch began (after the workers were told,
         # which resets their counts): an interruption before leaves state_dict() describing it
-        epoch, resume = self.epoch, self.pending
-        if resume is not None and resume.epoch == epoch:  # (set_epoch drops another one)
+        number, resume = self.epoch, self.pending
+        if resume is not None and resume.epoch == number:  # (set_epoch drops another one)
             shards = shard_indices(self.layout.config)
             left = coordinator.seek(resume.position, resume.random_states(shards))
             base, cursor = resume.first_turn(shards, left)
-            coordinator.start_epoch(epoch, base, cursor)
-            run.begin(epoch, sum(left), resume, resume.before)
+            coordinator.start_epoch(number, base, cursor)
+            epoch.begin(number, sum(left), resume, resume.before)
         else:
             ready = coordinator.next_epoch()
-            if ready != epoch:  # set_epoch: another epoch than the workers are ready for
-                coordinator.seek(Position(epoch, ()))
+            if ready != number:  # set_epoch: another epoch than the workers are ready for
+                coordinator.seek(Position(number, ()))
                 logger.info(
                     "epoch %d starts as the trainer set it (set_epoch): the workers rebuilt "
                     "their sources for it (they were ready for epoch %s)",
-                    epoch,
+                    number,
                     ready,
                 )
-            coordinator.start_epoch(epoch)
-            run.begin(epoch, coordinator.steps_per_epoch())
+            coordinator.start_epoch(number)
+            epoch.begin(number, coordinator.steps_per_epoch())
         self.pending = None  # the epoch's own from now on
         self.epoch += 1
         self.counters.iterating(time.monotonic())
-        run.join_accelerate()
+        epoch.join_accelerate()
         return coordinator
 
     def _prepare(self, started: bool) -> Coordinator:
@@ -313,12 +313,12 @@ class Run:
             coordinator = self._launch(layout.config, replacing=coordinator)
         return coordinator
 
-    def _abort(self, run: Epoch) -> None:
-        """Stop ``run`` in every worker and wait until each has rebuilt its sources."""
+    def _abort(self, epoch: Epoch) -> None:
+        """Stop ``epoch`` in every worker and wait until each has rebuilt its sources."""
         coordinator = self.require()
-        run.abort()
-        coordinator.abort_epoch(run.epoch)
-        logger.info("epoch %d was left early; workers rebuilt their sources", run.epoch)
+        epoch.abort()
+        coordinator.abort_epoch(epoch.epoch)
+        logger.info("epoch %d was left early; workers rebuilt their sources", epoch.epoch)
 
     # ------------------------------------------------------------------------------ queries
     def length(self) -> int:

@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ipc import wire
 from loader import Loader, WorkerDiedError
 from loader.sample import list_images, write_sample_dataset
 from tests import pipelines as P
@@ -27,6 +29,25 @@ def real_ids(batch: Any, key: str = "id") -> list[int]:
     ids = [int(v) for v in np.asarray(batch[key]).ravel()]
     keep = len(ids) - batch.info.padded
     return [i for row, i in enumerate(ids[:keep]) if row not in batch.info.replaced]
+
+
+def published(loader: Loader, worker: int) -> int:
+    """Batches of the epoch ``worker`` has published: those the trainer received, and the
+    ``BatchReady`` frames still unread on its control channel (peeked at, not taken)."""
+    session = loader._run.require().sessions[worker]
+    peer = socket.socket(fileno=os.dup(session.handle.channel.fileno()))
+    try:
+        waiting = peer.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        waiting = b""
+    finally:
+        peer.close()
+    frames = at = 0
+    while at + wire.FRAME.size <= len(waiting):
+        length, kind = wire.FRAME.unpack_from(waiting, at)
+        frames += kind == wire.FRAME_BATCH
+        at += wire.FRAME.size + length
+    return session.view().received + frames
 
 
 def test_two_kills_in_one_epoch_heal_in_order_and_a_third_exhausts_the_budget(
@@ -81,7 +102,10 @@ def test_releases_held_back_for_a_killed_worker_never_reach_its_replacement() ->
     ) as loader:
         batches = iter(loader)
         ids = real_ids(next(batches))
-        time.sleep(0.5)  # worker 0 publishes what its other slots hold
+        deadline = time.monotonic() + 60
+        while published(loader, 0) < loader.config.num_slots:  # worker 0 fills its other slots
+            assert time.monotonic() < deadline, f"worker 0 published {published(loader, 0)}"
+            time.sleep(0.01)
         os.kill(loader.worker_pids()[0], signal.SIGKILL)
         ids += [i for batch in batches for i in real_ids(batch)]
         assert loader.stats().restarts == 1

@@ -23,6 +23,7 @@ LAYERS = {
     "loader.engine": 3,
     "loader.observe": 4,
     "loader.run": 4,
+    "loader._epochs": 5,
     "loader._loader": 5,
     "loader.sample": 5,
     "loader.tars": 5,

@@ -33,21 +33,24 @@ def _tree(relative: str) -> ast.Module:
 
 
 def test_the_facade_holds_one_root() -> None:
-    """``Loader`` imports only the run and the epoch types from ``loader.run``, nothing of
-    ``torch.distributed``, and its constructor hands its parameters whole to
-    ``LoaderConfig.build``, whose fields declare them (tests/unit/loader/config/test_keywords.py
-    keeps the two lists equal): ``locals()`` read once, first, before any other name exists, and
-    no parameter forwarded by name."""
+    """``Loader`` imports only the run from ``loader.run`` and the user's epoch objects from
+    the face's ``loader._epochs``, nothing of ``torch.distributed``, and its constructor hands
+    its parameters whole to ``LoaderConfig.build``, whose fields declare them
+    (tests/unit/loader/config/test_keywords.py keeps the two lists equal): ``locals()`` read
+    once, first, before any other name exists, and no parameter forwarded by name."""
     tree = _tree("loader/_loader.py")
-    from_run, names = set(), set()
+    from_run, from_epochs, names = set(), set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "run":
             from_run.update(alias.name for alias in node.names)
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == "_epochs":
+            from_epochs.update(alias.name for alias in node.names)
         if isinstance(node, ast.Name):
             names.add(node.id)
         if isinstance(node, ast.Attribute):
             names.add(node.attr)
-    assert from_run == {"Run", "EpochIterator", "EpochSampler"}
+    assert from_run == {"Run"}
+    assert from_epochs == {"EpochIterator", "EpochSampler"}
     assert not {n for n in names if "distributed" in n or n in ("gather", "group_size")}
     init = next(
         n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__"
