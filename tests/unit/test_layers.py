@@ -24,6 +24,7 @@ LAYERS = {
     "loader.observe": 4,
     "loader.run": 4,
     "loader._loader": 5,
+    "loader._ndd": 5,
     "loader.sample": 5,
     "loader.tars": 5,
     "loader.testing": 5,
