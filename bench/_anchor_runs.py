@@ -1,22 +1,25 @@
 """One measured run of one loader over the bucket of :mod:`bench.anchors` (a process of its own).
 
 ``python -m bench._anchor_runs LOADER MODE ENDPOINT PREFIX STATE`` with ``LOADER`` one of
-``loader`` (this project's, from the project's environment), ``litdata`` or ``mosaic`` (from the
-anchors' environment, which has neither DALI nor this package: so nothing here imports them at the
-top). ``MODE``:
+``loader`` (this project's, from the project's environment; its step names DALI through
+``from loader import ndd``, :mod:`bench._anchor_steps`), ``loader-direct`` (the same, the script
+also importing ``nvidia.dali.experimental.dynamic`` as a step module with the direct import
+does), ``litdata`` or ``mosaic`` (from the anchors' environment, which has neither DALI nor this
+package: so nothing here imports them at the top). ``MODE``:
 
 * ``first``: construct the loader, take the first batch, then read the rest of the epoch; at
   half the epoch, save the loader's state to ``STATE`` (each loader's own ``state_dict``);
 * ``first-only``: the same up to that save (no epoch measured);
 * ``resume``: construct, load ``STATE``, take the first batch (and stop).
 
-Each run is a training script's start: ``torch`` first, then the loader's library, then the
-loader. Each run speaks one JSON object a line on stdout: ``{"at": "first", "seconds": s}``
-when its first batch is in hand, after which it waits for a line on stdin (the parent counts
-the requests served so far, so the count is the same moment for every loader), then
-``{"at": "epoch", ...}``. The same
-work everywhere: batch 32, 2 worker processes, each JPEG decoded and resized to 64x64, the label
-and the sample's id as integers; ids are counted to check the epoch held every sample once.
+Each run is a training script's start: ``torch`` first, then the loader's library, then the loader.
+Each run speaks one JSON object a line on stdout: ``{"at": "imported"}`` once its imports are done,
+``{"at": "first", "seconds": s, "rss_mb": m, "dali": b}`` when its first batch is in hand (its
+resident memory then, and whether it holds DALI's modules), after which it waits for a line on stdin
+(the parent counts the requests served so far, so the count is the same moment for every loader),
+then ``{"at": "epoch", ...}``. The same work everywhere: batch 32, 2 worker processes, each JPEG
+decoded and resized to 64x64, the label and the sample's id as integers; ids are counted to check
+the epoch held every sample once.
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ def set_up() -> None:
         weights = torch.tanh(weights @ weights)
 
 
+def resident_mb() -> float:
+    """This process's resident memory now, in MB (Linux's ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as file:
+        pages = int(file.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
 def counted() -> None:
     """Wait until the parent has counted what was served so far."""
     sys.stdin.readline()
@@ -59,6 +69,7 @@ def main(argv: list[str]) -> None:
     name, mode, endpoint, prefix, state = argv
     runs = {
         "loader": run_loader,
+        "loader-direct": run_direct,
         "loader-unindexed": run_unindexed,
         "litdata": run_litdata,
         "mosaic": run_mosaic,
@@ -82,7 +93,12 @@ def drive(
     ``after_first``: called once the requests before the first batch are counted."""
     iterator = iter(batches)
     first = next(iterator)
-    say(at="first", seconds=time.monotonic() - started)
+    say(
+        at="first",
+        seconds=time.monotonic() - started,
+        rss_mb=resident_mb(),
+        dali=any(name.startswith("nvidia.dali") for name in sys.modules),
+    )
     counted()
     if after_first is not None:
         after_first()
@@ -118,15 +134,10 @@ def loader_source(shard: Any, urls: str, options: dict[str, Any]) -> Any:
     )
 
 
-def loader_step(jpegs: Any, cls: Any, ids: Any) -> dict[str, Any]:
-    import nvidia.dali.experimental.dynamic as ndd
-
-    images = ndd.decoders.image(jpegs, device="cpu")
-    return {
-        "image": ndd.resize(images, size=[SIZE, SIZE]),
-        "label": ndd.cast(cls, dtype=ndd.int64),
-        "id": ndd.cast(ids, dtype=ndd.int64),
-    }
+def run_direct(mode: str, endpoint: str, prefix: str, state: str, cache: str) -> None:
+    """This loader, its script importing DALI as ``import nvidia.dali.experimental.dynamic as
+    ndd`` in a step module does: the trainer pays DALI's import (and its memory)."""
+    run_loader(mode, endpoint, prefix, state, cache, direct=True)
 
 
 def run_unindexed(mode: str, endpoint: str, prefix: str, state: str, cache: str) -> None:
@@ -141,13 +152,24 @@ def run_unindexed(mode: str, endpoint: str, prefix: str, state: str, cache: str)
 
 
 def run_loader(
-    mode: str, endpoint: str, prefix: str, state: str, cache: str, layout_key: str = "tars"
+    mode: str,
+    endpoint: str,
+    prefix: str,
+    state: str,
+    cache: str,
+    layout_key: str = "tars",
+    direct: bool = False,
 ) -> None:
     import functools
 
     os.environ["DALI_LOADER_CACHE_DIR"] = cache  # (a new node's: nothing cached)
+    from bench._anchor_steps import loader_step
     from loader import Loader
 
+    if direct:
+        import nvidia.dali.experimental.dynamic  # noqa: F401
+
+    say(at="imported")
     set_up()
     urls, total = _listing(prefix, layout_key)
     options = _s3fs_options(endpoint)
@@ -261,6 +283,8 @@ def run_litdata(mode: str, endpoint: str, prefix: str, state: str, cache: str) -
     from litdata import StreamingDataLoader, StreamingDataset
     from litdata.streaming import downloader
 
+    say(at="imported")
+
     # (LitData fetches chunks with obstore, which refuses plain HTTP unless told: the bench's S3
     # server is on http://127.0.0.1; a real bucket is HTTPS and needs nothing)
     downloader._OBSTORE_CLIENT_OPTIONS = {
@@ -296,6 +320,8 @@ def run_mosaic(mode: str, endpoint: str, prefix: str, state: str, cache: str) ->
     sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
     from streaming import StreamingDataLoader, StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
+
+    say(at="imported")
 
     os.environ.update(
         S3_ENDPOINT_URL=endpoint,

@@ -22,6 +22,12 @@ construction would (this loader's worker server imports DALI meanwhile); after e
 the starts and resumes are measured again with ``--also-setup S`` seconds of it (2 by default),
 in the same run.
 
+This loader runs twice: its step names DALI through ``from loader import ndd`` (the trainer never
+imports DALI) and, as ``loader-direct``, its script also imports
+``nvidia.dali.experimental.dynamic``, as a step module with the direct import does. The table
+shows each script's imports (process start until imported), its resident memory at the first
+batch and whether it holds DALI. ``--no-anchors``: these two only (no anchors' environment).
+
 The same work in each: batch 32, 2 worker processes, shuffled, each JPEG decoded and resized to
 64x64 (DALI's decoder here, Pillow in the anchors' DataLoader workers). The anchors run in their own
 environment (``--anchors-python``; ``bench/anchors.sh`` makes it from
@@ -50,8 +56,15 @@ from typing import Any
 from bench import _harness as H
 from bench._s3 import CountingProxy, S3Server, Served
 
-LOADERS = ("loader", "litdata", "mosaic")
-NAMES = {"loader": "this loader", "litdata": "LitData 0.2.76", "mosaic": "Mosaic Streaming 0.13"}
+LOADERS = ("loader", "loader-direct", "litdata", "mosaic")
+#: The contenders without the anchors (``--no-anchors``: their environment is not needed).
+OURS = ("loader", "loader-direct")
+NAMES = {
+    "loader": "this loader (from loader import ndd)",
+    "loader-direct": "this loader, DALI imported directly",
+    "litdata": "LitData 0.2.76",
+    "mosaic": "Mosaic Streaming 0.13",
+}
 
 
 def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
@@ -138,6 +151,9 @@ def _is_list(served: Served, bucket: str) -> bool:
 @dataclass
 class Outcome:
     started_s: float | None = None  # from the process's start (its imports included)
+    imported_s: float | None = None  # the process's start until its imports were done
+    rss_mb: float | None = None  # the trainer's resident memory at the first batch
+    dali: bool | None = None  # the trainer held DALI's modules at the first batch
     first_s: float | None = None
     first: Counted = field(default_factory=Counted)
     epoch_s: float | None = None
@@ -194,9 +210,13 @@ def measure(
         try:
             for line in child.stdout:
                 record = json.loads(line)
-                if record["at"] == "first":
+                if record["at"] == "imported":
+                    outcome.imported_s = time.monotonic() - launched
+                elif record["at"] == "first":
                     outcome.started_s = time.monotonic() - launched
                     outcome.first_s = record["seconds"]
+                    outcome.rss_mb = record.get("rss_mb")
+                    outcome.dali = record.get("dali")
                     outcome.first = Counted.of(proxy.records(), bucket)
                     proxy.reset()
                     child.stdin.write("\n")
@@ -232,11 +252,14 @@ def prepare(
     side: int,
     directory: Path,
     unindexed: bool = False,
+    anchored: bool = True,
 ) -> dict[str, Any]:
-    """Write and upload the three formats; index the tar shards through the proxy."""
+    """Write and upload the three formats (``anchored=False``: the tar shards only); index the
+    tar shards through the proxy."""
     tars = write_tars(directory / "tars", shards, per_shard, side)
     sizes = {"tars": sum(p.stat().st_size for p in tars)}
-    for fmt in ("litdata", "mds"):
+    formats = ("litdata", "mds") if anchored else ()
+    for fmt in formats:
         shutil.rmtree(directory / fmt, ignore_errors=True)  # (LitData will not write over one)
         subprocess.run(
             [
@@ -253,7 +276,7 @@ def prepare(
         )
     server.bucket(bucket)
     counts = {}
-    for fmt in ("tars", "litdata", "mds"):
+    for fmt in ("tars", *formats):
         counts[fmt] = upload(server, directory / fmt, bucket, fmt)
         sizes[fmt] = sum(p.stat().st_size for p in (directory / fmt).rglob("*") if p.is_file())
     if unindexed:  # (the same shards again, never indexed)
@@ -308,6 +331,7 @@ def run_size(
             args.side,
             directory,
             unindexed,
+            anchored=args.anchors,
         )
         (directory / "layout.json").write_text(json.dumps(layout))
         print(
@@ -387,7 +411,9 @@ def run_size(
 #: work before it builds its loader, as a training script builds its model.
 START_ROWS = (
     "process start → first batch, s",
+    "the trainer's resident memory at the first batch, MB",
     "construct → first batch, s",
+    "resume: process start → first batch, s",
     "resume: construct and load → first batch, s",
 )
 
@@ -403,12 +429,14 @@ def run_each(
 ) -> dict[str, list[tuple[Outcome, Outcome]]]:
     """Each loader's run in ``mode`` and its resume, ``--repeats`` times, each loader in each
     place in turn; ``extra``: environment of every run (``analysis``: of this loader's too)."""
-    results: dict[str, list[tuple[Outcome, Outcome]]] = {name: [] for name in LOADERS}
-    order = list(LOADERS)
+    contenders = LOADERS if args.anchors else OURS
+    results: dict[str, list[tuple[Outcome, Outcome]]] = {name: [] for name in contenders}
+    order = list(contenders)
     for repeat in range(args.repeats):
         for name in order:
-            python = sys.executable if name == "loader" else args.anchors_python
-            environment = {**extra, **(analysis if name == "loader" else {})}
+            ours = name in OURS
+            python = sys.executable if ours else args.anchors_python
+            environment = {**extra, **(analysis if ours else {})}
             state = directory / f"{name}.state"
             first = measure(python, name, mode, proxy, bucket, state, args.limit, environment)
             resume = (
@@ -468,7 +496,7 @@ def table(
 
     def row(label: str, pick: Any, form: str) -> None:
         cells = []
-        for name in LOADERS:
+        for name in results:
             values = [
                 v for v in (pick(first, resume) for first, resume in results[name]) if v is not None
             ]
@@ -481,6 +509,9 @@ def table(
 
     row("process start → first batch, s", lambda f, r: f.started_s, "{:.1f}")
     row("construct → first batch, s", lambda f, r: f.first_s, "{:.1f}")
+    row("the script's imports (process start → imported), s", lambda f, r: f.imported_s, "{:.1f}")
+    row("the trainer's resident memory at the first batch, MB", lambda f, r: f.rss_mb, "{:.0f}")
+    row("  DALI imported in the trainer", lambda f, r: f.dali, "{:d}")
     row(
         "requests before the first batch",
         lambda f, r: f.first.requests if f.first_s else None,
@@ -514,10 +545,10 @@ def table(
     for label, cells in rows:
         if only and label not in only:
             continue
-        if label.strip() == "every sample once":
+        if label.strip() in ("every sample once", "DALI imported in the trainer"):
             cells = [{"1": "yes", "0": "no"}.get(c, c.replace("0-1", "not always")) for c in cells]
         shown.append([label, *cells])
-    columns = [H.Col("", left=True), *(H.Col(NAMES[n]) for n in LOADERS)]
+    columns = [H.Col("", left=True), *(H.Col(NAMES[n]) for n in results)]
     return H.table(columns, shown, markdown=True)
 
 
@@ -563,6 +594,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "table; 0: not)",
     )
     parser.add_argument(
+        "--no-anchors",
+        dest="anchors",
+        action="store_false",
+        help="this loader only (the lazy form and the direct import): no LitData, no Mosaic, "
+        "and no anchors' environment needed",
+    )
+    parser.add_argument(
         "--anchors-python",
         default=os.environ.get("BENCH_ANCHORS_PYTHON", ".venv-anchors/bin/python"),
         help="the anchors' environment's python (bench/anchors.sh makes .venv-anchors)",
@@ -572,9 +610,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> None:
     built = parser()
     args = built.parse_args(argv)
-    if not Path(args.anchors_python).exists():
+    if args.anchors and not Path(args.anchors_python).exists():
         built.error(
-            f"{args.anchors_python} does not exist: run bash bench/anchors.sh, which makes it"
+            f"{args.anchors_python} does not exist: run bash bench/anchors.sh, which makes it "
+            "(or pass --no-anchors)"
         )
     sizes = [
         tuple(int(v) for v in s.lower().split("x")) for s in (args.size or ["1000x20", "10000x4"])

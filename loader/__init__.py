@@ -5,7 +5,7 @@ trainer side is in layers, each a sub-package that imports only those below it (
 the direction and that no import circle exists)::
 
     cli/         the command line: python -m loader [doctor]      (prints)
-    ---------    the public face: Loader (_loader), sample, tars, testing, hf, errors
+    ---------    the public face: Loader (_loader), ndd (_ndd), sample, tars, testing, hf, errors
     run/         the run's lifecycle: Run, layout plan, launcher, epochs, checkpoint, ranks
     observe/     trace, diagnose, advice (reads the engine's snapshots)
     engine/      coordinator (waiting, routing, roster, agreement), sessions, order,
@@ -36,6 +36,7 @@ from workers import (
 
 from ._loader import OPEN_LOADERS as OPEN_LOADERS  # (for the leak_check fixture)
 from ._loader import Loader, LoaderStats, WorkerStats
+from ._ndd import ndd
 from .config import LoaderConfig, package_version
 from .engine import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple, Timeline
 from .errors import (
@@ -89,6 +90,7 @@ __all__ = [
     "__version__",
     "ensure_sample_dataset",
     "list_images",
+    "ndd",
     "shard_indices",
     "shard_steps",
     "sharded_files",

@@ -16,6 +16,8 @@ import numpy as np
 
 from workers import Shard, list_files
 
+from ._ndd import ndd
+
 DEFAULT_COUNT = 512
 DEFAULT_CLASSES = 8
 
@@ -84,8 +86,6 @@ def list_images(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
 
 def image_source(shard: Shard, root: str, batch_size: int, shuffle: bool = True) -> Any:
     """A File reader over this shard of an ImageFolder."""
-    import nvidia.dali.experimental.dynamic as ndd
-
     files, labels = list_images(root)
     if len(files) < shard.count:
         raise ValueError(
@@ -107,8 +107,6 @@ def image_source(shard: Shard, root: str, batch_size: int, shuffle: bool = True)
 
 def image_step(jpegs: Any, labels: Any) -> dict[str, Any]:
     """Decode, random resized crop to 224, random flip, normalize to float32 CHW."""
-    import nvidia.dali.experimental.dynamic as ndd
-
     images = ndd.decoders.image(jpegs, device="cpu")
     images = ndd.random_resized_crop(images, size=[224, 224])
     flip = ndd.random.coin_flip(probability=0.5, batch_size=images.batch_size)  # per sample

@@ -23,12 +23,12 @@ ran until the garbage collector found it (a Loader dropped otherwise closes at o
 
 The worker server: Loaders made without ``start_method`` fork their workers from one worker server
 per process (:mod:`loader.processes.server`; the default start method, ``"forkserver"``). In a test
-session that uses DALI (a module under the root directory that mentions ``nvidia.dali`` is
-imported), the plugin starts that server at the session's start, before any test runs: under
-pytest-xdist one per xdist worker (nothing is shared between them), with DALI imported and the
-suite's DALI-calling files parsed for DALI's capture, kept for the session. Every worker of every
-test is then forked from a copy of the session as it was before the first test (a test's
-monkeypatches do not reach later tests' workers), and gets the test's environment, working
+session that uses DALI (a module under the root directory that mentions ``nvidia.dali`` or imports
+``ndd`` from ``loader`` is imported), the plugin starts that server at the session's start, before
+any test runs: under pytest-xdist one per xdist worker (nothing is shared between them), with DALI
+imported and the suite's DALI-calling files parsed for DALI's capture, kept for the session. Every
+worker of every test is then forked from a copy of the session as it was before the first test (a
+test's monkeypatches do not reach later tests' workers), and gets the test's environment, working
 directory and import path at the moment it starts, as a spawned worker would.
 ``--no-loader-worker-server`` (or ``loader_worker_server = false`` in the ini file) leaves the
 server to the first loader; ``--loader-worker-server`` (or the ``loader_worker_server`` fixture)
@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import sys
 import time
 import weakref
@@ -79,6 +80,10 @@ _HELPER_MARKERS = ("resource_tracker", "forkserver")
 #: Seconds a new multiprocessing semaphore in ``/dev/shm`` that nobody holds has to disappear
 #: before it is blamed.
 UNHELD_GRACE = 2.0
+#: A file's text that names DALI: directly, or as ``ndd`` from this package (``loader._ndd``).
+_NAMES_DALI = re.compile(
+    r"nvidia\.dali|\bloader\.ndd\b|from\s+loader\s+import\s+(\([^)]*|[^\n]*)\bndd\b"
+)
 _SEMAPHORE = "sem.mp-"
 # What a watched descriptor's /proc/self/fd link starts with, and the kind a leak report names.
 # A memfd's link reads "/memfd:NAME (deleted)" (older kernels drop the leading slash).
@@ -365,8 +370,9 @@ def start_worker_server(files: Sequence[str] = ()) -> str:
 
 
 def dali_calling_files(root: str | os.PathLike[str]) -> list[str]:
-    """The files under ``root`` of the modules imported so far that mention DALI (where a
-    suite's sources and steps are): the server parses them once for every worker."""
+    """The files under ``root`` of the modules imported so far that mention DALI, by name or
+    through ``from loader import ndd`` (where a suite's sources and steps are): the server
+    parses them once for every worker."""
     top = os.path.join(os.path.abspath(root), "")
     files = []
     for module in list(sys.modules.values()):
@@ -375,7 +381,7 @@ def dali_calling_files(root: str | os.PathLike[str]) -> list[str]:
             continue
         try:
             with open(path, encoding="utf-8", errors="replace") as file:
-                if "nvidia.dali" in file.read():
+                if _NAMES_DALI.search(file.read()):
                     files.append(path)
         except OSError:
             continue

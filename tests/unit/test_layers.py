@@ -25,6 +25,7 @@ LAYERS = {
     "loader.run": 4,
     "loader._epochs": 5,
     "loader._loader": 5,
+    "loader._ndd": 5,
     "loader.sample": 5,
     "loader.tars": 5,
     "loader.testing": 5,
