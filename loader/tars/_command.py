@@ -194,6 +194,3 @@ def _index(args: argparse.Namespace) -> int:
         )
     return 1 if state.failed or state.not_beside else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
