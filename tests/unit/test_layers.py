@@ -296,7 +296,7 @@ def test_importing_workers_imports_no_dali() -> None:
 
 
 #: Writes to attributes of objects that are not ours whose names our classes also use.
-FOREIGN_WRITES = {("workers/sources/_files.py", "filename")}  # an OSError's filename
+FOREIGN_WRITES = {("workers/sources/files/_files.py", "filename")}  # an OSError's filename
 
 
 def _attribute_owners() -> dict[str, set[str]]:

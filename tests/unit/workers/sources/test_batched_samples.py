@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from workers import Position, Shard
-from workers.sources._control import FeedState, SampleControl
-from workers.sources._files import read_file
-from workers.sources._sampling import BatchedSamples, _batch_arrays
+from workers.sources.files._files import read_file
+from workers.sources.plan._control import FeedState, SampleControl
+from workers.sources.plan._sampling import BatchedSamples, _batch_arrays
 
 
 def _id(index: int) -> Any:

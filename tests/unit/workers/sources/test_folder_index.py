@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from workers.sources import _folder_index
-from workers.sources._files import FileLoader, ListedFiles, list_files
-from workers.sources._folder_index import CACHE_DIR_ENV, FolderIndex, open_folder
+from workers.sources.files import _folder_index
+from workers.sources.files._files import FileLoader, ListedFiles, list_files
+from workers.sources.files._folder_index import CACHE_DIR_ENV, FolderIndex, open_folder
 
 #: Folder and file names, with what an ImageFolder keeps of them.
 CLASSES = {

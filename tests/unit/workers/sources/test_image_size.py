@@ -1,4 +1,4 @@
-"""Image sizes read from encoded headers (``workers.sources._image_size``), against Pillow's
+"""Image sizes read from encoded headers (``workers.sources.files._image_size``), against Pillow's
 reading of the same files, and the ``max_image_pixels`` limit of ``sharded_files``' loads."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from loader import FilesDataset, ImageTooLargeError, Shard
-from workers.sources._files import FileLoader, ListedFiles
-from workers.sources._image_size import MAX_IMAGE_PIXELS, ImageSize, image_size, over_limit
+from workers.sources.files._files import FileLoader, ListedFiles
+from workers.sources.files._image_size import MAX_IMAGE_PIXELS, ImageSize, image_size, over_limit
 
 WIDTH, HEIGHT = 53, 37
 

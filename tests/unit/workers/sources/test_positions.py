@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from workers import Position, Sampling, plan_epoch, shard_batches, steps_per_epoch
-from workers.sources._epoch_order import EpochOrder
+from workers.sources.plan._epoch_order import EpochOrder
 
 Lists = list[list[tuple[Any, int]]]
 Shape = tuple[int, int]  # (ranks, workers per rank)

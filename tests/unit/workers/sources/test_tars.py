@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from tests import tar_pipelines as T
-from workers.sources import _storage
-from workers.sources._epoch_order import EpochOrder, orders_at
-from workers.sources._tar_index import split_name
-from workers.sources._tars import TarOrder, open_shards, parse_ext
+from workers.sources.plan._epoch_order import EpochOrder, orders_at
+from workers.sources.storage import _storage
+from workers.sources.tars._index import split_name
+from workers.sources.tars._reader import TarOrder, open_shards, parse_ext
 
 
 def test_brace_patterns_expand_like_webdataset() -> None:
@@ -118,7 +118,7 @@ def test_each_worker_reads_its_own_contiguous_piece_of_each_shard(
     of a shard one contiguous run of it, and no two parts share a sample of a shard: each
     shard's bytes are read once per epoch, however many workers and ranks read it."""
     from workers import Sampling, plan_epoch
-    from workers.sources._tars import TarOrders
+    from workers.sources.tars._reader import TarOrders
 
     T.write_id_tars(tmp_path, 97, 9)  # 11 shards, the last one short
     shards = open_shards(str(tmp_path / "train-{000..010}.tar"), None, 0.0)
@@ -252,7 +252,7 @@ def _write_shards(source: Path, target: Path, *command: str) -> subprocess.Compl
 def test_the_command_line_writes_shards_with_indexes_and_refuses_a_missing_folder(
     image_root: Path, tmp_path: Path, command: tuple[str, ...]
 ) -> None:
-    from workers.sources._tar_summary import SUMMARY, decode
+    from workers.sources.tars._summary import SUMMARY, decode
 
     done = _write_shards(image_root, tmp_path, *command)
     assert done.returncode == 0, done.stderr
@@ -275,7 +275,7 @@ def test_remote_shards_are_read_one_range_per_shard_not_one_request_per_sample(
     with ``expect`` reads each shard once, ahead, and every sample comes out right."""
     import fsspec
 
-    from workers.sources._tars import TarLoader, TarOrder
+    from workers.sources.tars._reader import TarLoader, TarOrder
 
     memory = fsspec.filesystem("memory")
     for path in T.write_id_tars(tmp_path, 30, 7):
@@ -344,8 +344,8 @@ def _webdataset_tars(directory: Path, shards: int, per_shard: int) -> list[Path]
 def test_an_index_written_by_the_loader_is_byte_for_byte_what_wds2idx_writes(
     tmp_path: Path, writer: str
 ) -> None:
-    from workers.sources._tar_index import scan
-    from workers.sources._wds_idx import format_idx, parse_idx
+    from workers.sources.tars._index import scan
+    from workers.sources.tars._wds_idx import format_idx, parse_idx
 
     if writer == "tarfile":
         paths = T.write_id_tars(tmp_path, 14, 7)
@@ -415,7 +415,7 @@ def _two_samples_on_one_line(text: str) -> str:
 def test_a_bad_idx_is_refused_naming_its_line_and_the_shard_is_scanned(
     tmp_path: Path, spoil: object, message: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from workers.sources._wds_idx import parse_idx
+    from workers.sources.tars._wds_idx import parse_idx
 
     (path,) = T.write_id_tars(tmp_path, 7, 7)
     text = _wds2idx(path, tmp_path / "train-000.idx").decode()
@@ -467,9 +467,9 @@ class _Counted:
 def test_with_a_summary_a_worker_reads_no_index_until_it_reads_a_shard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workers.sources._folder_index import CACHE_DIR_ENV
-    from workers.sources._storage import storage_for
-    from workers.sources._tar_summary import SUMMARY
+    from workers.sources.files._folder_index import CACHE_DIR_ENV
+    from workers.sources.storage._storage import storage_for
+    from workers.sources.tars._summary import SUMMARY
 
     root, memory, _paths = _memory_shards(tmp_path, 30, 7)
     pattern = f"{root}/train-{{000..004}}.tar"
@@ -485,7 +485,7 @@ def test_with_a_summary_a_worker_reads_no_index_until_it_reads_a_shard(
             assert again.fingerprint() == first.fingerprint()
             assert again.counts.tolist() == [7, 7, 7, 7, 2]
             # the index of one shard comes when that shard is read, not before
-            from workers.sources._tars import TarLoader
+            from workers.sources.tars._reader import TarLoader
 
             loader = TarLoader(again, parse_ext(("cls", "id")), 1, ["cls", "id"])
             cls, got = loader(int(again.starts[3]) + 1)
@@ -498,7 +498,7 @@ def test_with_a_summary_a_worker_reads_no_index_until_it_reads_a_shard(
 
 
 def test_a_stale_summary_is_named_and_the_changed_shards_are_read_again(tmp_path: Path) -> None:
-    from workers.sources._tar_summary import SUMMARY, decode
+    from workers.sources.tars._summary import SUMMARY, decode
 
     paths = T.write_id_tars(tmp_path, 28, 7)
     pattern = str(tmp_path / "train-{000..003}.tar")
@@ -528,8 +528,8 @@ def test_a_stale_summary_is_named_and_the_changed_shards_are_read_again(tmp_path
 
 
 def test_the_index_command_indexes_once_and_finishes_an_interrupted_run(tmp_path: Path) -> None:
-    from workers.sources._folder_index import CACHE_DIR_ENV
-    from workers.sources._tar_summary import SUMMARY, decode
+    from workers.sources.files._folder_index import CACHE_DIR_ENV
+    from workers.sources.tars._summary import SUMMARY, decode
 
     T.write_id_tars(tmp_path, 40, 5)
     pattern = str(tmp_path / "train-{000..007}.tar")
@@ -574,7 +574,7 @@ def test_a_damaged_shard_keeps_its_whole_samples_before_the_damage(
 ) -> None:
     """Cut anywhere, a shard gives the samples whose members all lie before the cut (never a
     sample missing a member), and the error a strict scan raises; garbage gives none."""
-    from workers.sources._tar_index import scan, scan_whole_samples
+    from workers.sources.tars._index import scan, scan_whole_samples
 
     T.write_id_tars(tmp_path, 7, 7)
     data = (tmp_path / "train-000.tar").read_bytes()
@@ -612,7 +612,7 @@ def test_read_ahead_is_bounded_in_shards_and_in_bytes_past_the_first(
 ) -> None:
     """``ahead`` (shards) and ``ahead_bytes`` bound what a worker fetches before it needs it;
     the shard the batch being loaded needs is fetched whatever the bounds."""
-    from workers.sources._tars import _Fetcher
+    from workers.sources.tars._reader import _Fetcher
 
     def fetch(shard: int, rows: Any) -> tuple[int, np.ndarray]:
         return 0, np.zeros(1, np.uint8)
@@ -646,7 +646,7 @@ def test_a_shard_read_whole_is_indexed_from_its_headers_as_tarfile_reads_it(form
     """The fast reading of a whole shard's headers gives what ``tarfile`` gives, or stands
     aside (long names, pax headers) and lets it read; a shard cut short or with a damaged
     header is never taken as whole by it."""
-    from workers.sources._tar_index import _members, _plain_members, scan
+    from workers.sources.tars._index import _members, _plain_members, scan
 
     def by_tarfile(data: bytes) -> tuple[Any, Any]:
         members, _offset, damage = _members("t.tar", io.BytesIO(data), seekable=True, size=None)
@@ -684,7 +684,7 @@ def test_a_shards_directory_and_name_are_worked_out_once_as_the_storage_splits_t
 ) -> None:
     """The start splits each shard's URL once (``places_of``), the same as the storage's own
     ``dirname`` and ``basename``, odd URLs included."""
-    from workers.sources._tar_shards import places_of
+    from workers.sources.tars._shards import places_of
 
     remote = [
         "s3://bucket/train-0.tar",

@@ -1,8 +1,8 @@
 """``sharded_tars``: a sharded source over WebDataset tar shards. Runs in the worker.
 
 The shards are local paths or fsspec URLs (``s3://bucket/train-{000000..000127}.tar``). Each has an
-index (:mod:`sources._tar_index`: keys, member offsets and sizes; DALI's ``.idx`` beside the shard)
-and the directory a summary of them all (:mod:`sources._tar_shards` opens them), so the dataset's
+index (:mod:`sources.tars._index`: keys, member offsets and sizes; DALI's ``.idx`` beside the shard)
+and the directory a summary of them all (:mod:`sources.tars._shards` opens them), so the dataset's
 sample count is known before the first batch and a sample is read by its byte range: every
 guarantee of ``sharded_source`` holds (exactly once per epoch, equal steps per rank, resume and
 reshard, healing, skipping). A worker fetches the index of a shard when it is about to read it.
@@ -43,17 +43,15 @@ from typing import Any
 
 import numpy as np
 
-from ..spec import Shard
-from ._control import SKIP_DAMAGED, STARTED_TOGETHER
-from ._epoch_order import EpochOrder, orders_at
-from ._image_size import MAX_IMAGE_PIXELS, ImageTooLargeError, checked_limit, over_limit
-from ._sampling import OpenedSource
-from ._storage import AHEAD_BYTES, IdentityChanged, StorageFailure, storage_failure
-from ._tar_index import TarIndex
-from ._tar_indexer import Indexer
-from ._tar_shards import TarShards, open_shards
-from ._tar_write import write_tars
+from ...spec import Shard
+from ..files import MAX_IMAGE_PIXELS, ImageTooLargeError, checked_limit, over_limit
+from ..plan import SKIP_DAMAGED, STARTED_TOGETHER, EpochOrder, OpenedSource, orders_at
+from ..storage import AHEAD_BYTES, IdentityChanged, StorageFailure, storage_failure
+from ._index import TarIndex
+from ._indexer import Indexer
+from ._shards import TarShards, open_shards
 from ._wds_idx import idx_url, member_mismatch
+from ._writer import write_tars
 
 __all__ = [
     "AHEAD_BYTES",

@@ -2,13 +2,13 @@
 a scan. Runs in the worker (and in ``python -m loader.tars index``).
 
 :class:`Indexer` looks in the cheapest place first: this node's cached copy
-(:func:`sources._tar_index.load_cached`, valid for one identity of the shard), then the ``.idx``
-beside the shard (checked against it: :func:`workers.sources._wds_idx.fits` and the last member's
+(:func:`sources.tars._index.load_cached`, valid for one identity of the shard), then the ``.idx``
+beside the shard (checked against it: :func:`sources.tars._wds_idx.fits` and the last member's
 header), then a scan under this node's lock for the shard, whose index is written beside the
 shard where the store allows it (once refused, not tried again by this indexer) and kept in the
 cache. An ``.idx`` whose entries no tar can hold (out of order, overlapping) is refused with a
 warning naming it; the tar loader checks the rest of it, member by member, as it reads.
-:mod:`workers.sources._tar_shards` decides which shards need it.
+:mod:`workers.sources.tars._shards` decides which shards need it.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, Literal, cast
 
-from . import _index_file
-from ._folder_index import CACHE_DIR_ENV
-from ._storage import Identity, Storage, local_path
-from ._tar_index import (
+from ..files import CACHE_DIR_ENV
+from ..storage import Identity, Storage, local_path, locked
+from ._index import (
     TarIndex,
     keep_cached,
     load_cached,
@@ -228,7 +227,7 @@ class Indexer:
         except OSError:  # no cache directory: no lock (a shard may be scanned twice)
             yield True
             return
-        with _index_file.locked(path, wait=wait) as held:
+        with locked(path, wait=wait) as held:
             yield held
 
     def _scan(self, url: str, identity: Identity) -> TarIndex:

@@ -22,10 +22,10 @@ import numpy as np
 
 from ipc.limits import usable_cpus
 
-from ._storage import RETRIES, Identity, storage_for
-from ._tar_indexer import Indexer
-from ._tar_shards import check_urls, list_shards, shard_entries
-from ._tar_summary import ShardEntry, read_summary, updated, write_summary
+from ..storage import RETRIES, Identity, storage_for
+from ._indexer import Indexer
+from ._shards import check_urls, list_shards, shard_entries
+from ._summary import ShardEntry, read_summary, updated, write_summary
 
 #: Seconds between two saves of the summary while shards are indexed.
 SAVE_EVERY = 30.0

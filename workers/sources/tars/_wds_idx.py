@@ -11,7 +11,7 @@ one line per sample, in tar order, and on it each member of the sample in tar or
 extension (the member name after the first dot of its file name), where its data starts (a
 multiple of 512: after its header), its size and its name. :func:`format_idx` writes exactly
 what ``wds2idx`` writes for the same tar; :func:`parse_idx` reads it back as a
-:class:`~sources._tar_index.TarIndex`, checking what a scan checks. ``v1.1`` (members without
+:class:`~sources.tars._index.TarIndex`, checking what a scan checks. ``v1.1`` (members without
 names) carries no keys, which the loader needs for names and fingerprints: such a file is not
 used (a message says so; the shard is indexed instead). A member name with white space cannot be
 written in this format: such a shard's index stays in the node's cache only.
@@ -23,7 +23,7 @@ ends just after the last member, as a tar does) and :func:`header_mismatch` the 
 member (512 bytes before its data: its name and size), which a tar rewritten with other samples
 or other member sizes does not keep. Every other member's header is checked by the tar loader as
 it reads the member (:func:`member_mismatch`: the header lies just before the member's data, in
-the bytes it reads anyway). The dataset summary (:mod:`sources._tar_summary`) records each tar's
+the bytes it reads anyway). The dataset summary (:mod:`sources.tars._summary`) records each tar's
 size and ETag or mtime as well.
 """
 
@@ -33,7 +33,7 @@ import tarfile
 
 import numpy as np
 
-from ._tar_index import IndexBuilder, TarIndex, split_name
+from ._index import IndexBuilder, TarIndex, split_name
 
 VERSION = "v1.2"
 _BLOCK = 512

@@ -3,7 +3,7 @@
 DALI refuses a short batch from an ExternalSource root (``Expected batch size B, got n``), and a
 reader's own ``pad_last_batch``/``stick_to_shard`` rules decide which samples an epoch holds. The
 helpers here let the loader decide instead, deterministically from the seed and the epoch
-(:mod:`workers.sources._positions` does the arithmetic):
+(:mod:`workers.sources.plan._positions` does the arithmetic):
 
 * :class:`BatchedSamples` turns a shard's part of each epoch into full batches of ``batch_size``
   and records, per batch yielded, how many rows are padding; the worker attaches that count to
@@ -12,12 +12,12 @@ helpers here let the loader decide instead, deterministically from the seed and 
 * :func:`sharded_source` puts it in an ``ndd.ExternalSource`` ready to return from
   ``source(shard)``, over any ``load(index)``; the worker finds it there by the source's type
   (``_dali.ShardedExternalSource``).
-* :func:`~sources._files.sharded_files` (in :mod:`sources._files`) does the same over image
+* :func:`~workers.sources.sharded_files` (in :mod:`sources._sharded`) does the same over image
   files.
 
 A :class:`BatchedSamples` holds the user's state only. The worker's control state (``on_error``,
 the samples known to fail, the records of batches in flight, whether one iteration runs every
-epoch) is owned by the worker (:mod:`workers.sources._control`) and handed over with
+epoch) is owned by the worker (:mod:`workers.sources.plan._control`) and handed over with
 :meth:`BatchedSamples.bind`; unbound, it loads every sample, raises when a ``load`` raises and runs
 one epoch per iteration.
 """
@@ -36,8 +36,8 @@ import numpy as np
 
 from ipc.wire import LoadRunning, Sampling
 
-from ..spec import Shard
-from ..transport import attach
+from ...spec import Shard
+from ...transport import attach
 from ._control import FedBatch, FeedState, SampleControl
 from ._positions import Batch, Orders, shard_batches, shard_steps
 
@@ -75,9 +75,9 @@ class BatchedSamples:
     ``load(index)`` returns one sample (an array) or a tuple of ``num_outputs`` arrays; with
     ``pass_epoch=True`` it is called as ``load(index, epoch)``, the epoch the sample is loaded
     for. ``fingerprint``: what the samples are (saved in a state, checked when it is loaded);
-    ``parts``: what they are part by part (:mod:`sources._parts`: a refused state names the
+    ``parts``: what they are part by part (:mod:`sources.plan._parts`: a refused state names the
     parts that differ).
-    ``orders``: the source's own epoch orders (see :data:`sources._positions.Orders`), else the
+    ``orders``: the source's own epoch orders (see :data:`sources.plan._positions.Orders`), else the
     seeded permutation of ``[0, total)``. ``batching``: :class:`Batching`, or a batch size and
     the other options of :class:`Batching` by name (``BatchedSamples(shard, 16, load, 4,
     drop_last=True)``).
@@ -414,7 +414,7 @@ class OpenedSource:
     describe: Callable[[int], str] | None = None
     #: ``load`` is called as ``load(index, epoch)``
     pass_epoch: bool = False
-    #: what the dataset is, part by part (:mod:`sources._parts`; empty: not known)
+    #: what the dataset is, part by part (:mod:`sources.plan._parts`; empty: not known)
     parts: str = ""
     #: what it leaves out of every epoch, one line each (see ``wire.Hello.left_out``)
     left_out: tuple[str, ...] = ()

@@ -33,8 +33,8 @@ from typing import IO, Any, TypeVar
 
 import numpy as np
 
-from .. import startup
-from ._control import STARTED_TOGETHER
+from ... import startup
+from ..plan import STARTED_TOGETHER
 
 logger = logging.getLogger("workers")
 

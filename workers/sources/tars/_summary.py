@@ -7,7 +7,7 @@ plan an epoch without opening the shard or its index: the shard's identity when 
 node read it with one request; where it names every remote shard a job asks for, it stands for
 the directory's listing (each shard's identity then checked by the read of its bytes), else
 every entry is checked against the listing; a worker fetches a shard's ``.idx`` only when it is
-about to read that shard (:mod:`sources._tar_shards`)::
+about to read that shard (:mod:`sources.tars._shards`)::
 
     {"format": "dali-capture-loader tar summary", "version": 1,
      "columns": ["name", "size", "version", "samples", "keys"],
@@ -31,8 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._folder_index import cache_dir
-from ._storage import Identity, Storage, is_url
+from ..files import cache_dir
+from ..storage import Identity, Storage, is_url
 
 logger = logging.getLogger("workers")
 

@@ -1,7 +1,7 @@
 """Positions inside an epoch, and the batches a shard still owes from one. Runs in both processes.
 
 Pure arithmetic, no DALI and no I/O. An epoch of ``total`` samples is one seeded order
-(:class:`~workers.sources._epoch_order.EpochOrder`: the sample at each position, computed per
+(:class:`~workers.sources.plan.EpochOrder`: the sample at each position, computed per
 position); a *layout* of ``S`` shards on ``R`` ranks (``S / R`` workers each) splits it into
 ``R`` contiguous parts as equal as they can be, each cut into batches of ``batch_size`` that the
 rank's workers share out whole (:class:`Layout`): every rank yields the same number of batches,
@@ -39,7 +39,7 @@ from ._epoch_order import EpochOrder
 
 class Order(Protocol):
     """An epoch's order: the sample id at each position (a bijection of the positions onto the
-    dataset's ids, computed per position). :class:`~workers.sources._epoch_order.EpochOrder` is the
+    dataset's ids, computed per position). :class:`~workers.sources.plan.EpochOrder` is the
     default; a source whose storage wants another (tar shards read a few at a time, a mixture's
     draws from its sources) gives its own."""
 

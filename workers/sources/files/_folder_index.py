@@ -60,8 +60,8 @@ from typing import Any
 
 import numpy as np
 
-from ._index_file import locked
-from ._parts import encode_parts
+from ..plan import encode_parts
+from ..storage import locked
 
 logger = logging.getLogger("workers")
 
@@ -150,7 +150,7 @@ class FolderIndex:
 
     @property
     def parts(self) -> str:
-        """Each class folder's name, bytes and files, for a state (:mod:`sources._parts`)."""
+        """Each class folder's name, bytes and files, for a state (:mod:`sources.plan._parts`)."""
         counts = np.diff(self._class_starts).tolist()
         rows = zip(self._classes, self._class_bytes, counts, strict=True)
         return encode_parts("class folder", [(name, size, count) for name, size, count in rows])

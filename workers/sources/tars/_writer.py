@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ._files import list_files, read_file
-from ._storage import Storage, storage_for
-from ._tar_index import IndexBuilder
-from ._tar_shards import shard_entries
-from ._tar_summary import read_summary, updated, write_summary
+from ..files import list_files, read_file
+from ..storage import Storage, storage_for
+from ._index import IndexBuilder
+from ._shards import shard_entries
+from ._summary import read_summary, updated, write_summary
 from ._wds_idx import format_idx, idx_url
 
 _BLOCK = 512

@@ -2,7 +2,7 @@
 
 A source over an ImageFolder or an explicit list of files: each sample is a file's encoded bytes
 and its label, for DALI's decoders. An ImageFolder is not listed here: its index
-(:mod:`sources._folder_index`) is listed once per cache directory and mapped by every worker, so a
+(:mod:`._folder_index`) is listed once per cache directory and mapped by every worker, so a
 worker holds its shard's paths only as it reads them, whatever the folder's size.
 """
 
@@ -45,7 +45,7 @@ class FileTable(Protocol):
 
     @property
     def parts(self) -> str:
-        """What the files are, part by part, for a state (:mod:`sources._parts`; empty: none)."""
+        """What the files are, part by part, for a state (:mod:`.plan._parts`; empty: none)."""
 
     def __len__(self) -> int: ...
 
@@ -83,7 +83,7 @@ class ListedFiles:
 class FileLoader:
     """``load(index)`` for :func:`sharded_files`: the file's bytes and its label. An image whose
     header says it decodes to more than ``max_pixels`` pixels raises
-    :class:`~sources._image_size.ImageTooLargeError` instead (None: no limit)."""
+    :class:`~sources.files._image_size.ImageTooLargeError` instead (None: no limit)."""
 
     def __init__(self, files: FileTable, max_pixels: int | None = MAX_IMAGE_PIXELS) -> None:
         self.files = files

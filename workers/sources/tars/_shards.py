@@ -3,14 +3,14 @@ allows. Runs in the worker (and in ``python -m loader.tars index``).
 
 Where a shard's facts come from, cheapest first:
 
-1. the directory's summary (:mod:`sources._tar_summary`): one request for every shard it covers
+1. the directory's summary (:mod:`sources.tars._summary`): one request for every shard it covers
    (once per node: :func:`node_summary`). Where it names every remote shard asked for, it is
    the directory's listing: no listing is made, and each shard's identity is checked when the
    shard is read, by that read (:func:`start_facts`, :meth:`TarShards.changed`); elsewhere
    each entry is checked against the directory's listing (one request per 1,000 objects on S3);
-2. the shard's ``.idx`` beside it (DALI's ``wds2idx`` format, :mod:`sources._wds_idx`), or this
+2. the shard's ``.idx`` beside it (DALI's ``wds2idx`` format, :mod:`sources.tars._wds_idx`), or this
    node's cached copy of its index: one small request, or none;
-3. a scan of the shard (:func:`workers.sources._tar_index.scan`): the whole shard, read once.
+3. a scan of the shard (:func:`workers.sources.tars._index.scan`): the whole shard, read once.
 
 Opening a job's shards (:func:`open_shards`) reads the summary (and the listing, where it is
 needed), and only for the shards the summary does not cover (or covers stale) goes to 2 and 3;
@@ -45,21 +45,21 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _control, _index_file
-from ._folder_index import cache_dir
-from ._parts import encode_parts
-from ._storage import (
+from ..files import cache_dir
+from ..plan import REPORT_PROGRESS, STARTED_TOGETHER, encode_parts
+from ..storage import (
     RETRIES,
     Identity,
     Storage,
     StorageFailure,
     expand_urls,
     local_path,
+    locked,
     storage_for,
 )
-from ._tar_index import TarIndex, scan_bytes
-from ._tar_indexer import Indexer, Source, index_command
-from ._tar_summary import (
+from ._index import TarIndex, scan_bytes
+from ._indexer import Indexer, Source, index_command
+from ._summary import (
     ShardEntry,
     describe_stale,
     read_summary,
@@ -130,7 +130,7 @@ class TarShards:
         return f"tars:{digest.hexdigest()[:16]}"
 
     def parts(self) -> str:
-        """Each shard's name, size and samples, for a state (:mod:`sources._parts`)."""
+        """Each shard's name, size and samples, for a state (:mod:`sources.plan._parts`)."""
         rows = zip(self.urls, self.identities, self.counts.tolist(), strict=True)
         return encode_parts(
             "shard", [(posixpath.basename(url), size, count) for url, (size, _v), count in rows]
@@ -365,7 +365,7 @@ def _as_listing(
 
 def node_listing(storage: Storage, directory: str) -> dict[str, Identity] | None:
     """The listing of ``directory``; of a remote one, shared by the workers started together (a
-    loader's pool: :data:`workers.sources._control.STARTED_TOGETHER`): the first to need it lists
+    loader's pool: :data:`workers.sources.plan.STARTED_TOGETHER`): the first to need it lists
     (under a lock) and keeps it in this node's cache, and the others read it while it is younger
     than :data:`LISTING_FRESH` seconds. A rank of W workers lists each directory once, not W
     times (a listing of 8,192 shards with their ``.idx`` files is 17 requests and 5 MB). Another
@@ -382,7 +382,7 @@ def node_listing(storage: Storage, directory: str) -> dict[str, Identity] | None
 
 
 def node_summary(storage: Storage, directory: str) -> tuple[dict[str, ShardEntry], str] | None:
-    """The summary of a remote ``directory`` (:func:`sources._tar_summary.read_summary`), its
+    """The summary of a remote ``directory`` (:func:`sources.tars._summary.read_summary`), its
     bytes read once by the workers started together, shared like :func:`node_listing`'s."""
 
     def stored() -> bytes | None:
@@ -421,7 +421,7 @@ def _node_shared(
     """``make()`` (a request about ``directory``), made once by the workers started together
     (see :func:`node_listing`) and kept in this node's cache as JSON (``dump``, ``load``);
     ``absent``: a None it gives is shared too (not made again)."""
-    together = _control.STARTED_TOGETHER.get()
+    together = STARTED_TOGETHER.get()
     if storage.local or not together:
         return make()
     key = f"{together}\0{kind}\0{directory}".encode("utf-8", "surrogateescape")
@@ -429,7 +429,7 @@ def _node_shared(
     path = cache_dir().parent / "tar-index" / f"{name}.{kind}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _index_file.locked(path.with_suffix(".lock")):
+        with locked(path.with_suffix(".lock")):
             found = _fresh(path, directory)
             if found is not None:
                 return None if found[0] is None else load(found[0])
@@ -681,7 +681,7 @@ def _write_summaries(
 
 class _WalkProgress:
     """What a walk over shards has done: told to the trainer about every :data:`TELL_EVERY`
-    seconds (``wire.Starting`` through :data:`workers.sources._control.REPORT_PROGRESS`: the worker
+    seconds (``wire.Starting`` through :data:`workers.sources.plan.REPORT_PROGRESS`: the worker
     is alive, and a walk is not its start-up), and by the ``lead`` worker in a log line every
     :data:`PROGRESS_EVERY` seconds (the first after :data:`PROGRESS_FIRST`): a WARNING naming
     the index command the first time (a walk that long is worth avoiding), then INFO."""
@@ -697,7 +697,7 @@ class _WalkProgress:
             if unindexed
             else f"reading the indexes of {count:,} tar shards"
         )
-        self.report = _control.REPORT_PROGRESS.get()
+        self.report = REPORT_PROGRESS.get()
         self.tell()
         if lead and unindexed:
             logger.info(

@@ -4,13 +4,13 @@ A WebDataset tar holds samples as consecutive members named ``<key>.<ext>`` (``n
 ``n01440764/x.cls``): the key is the member's path up to the first dot of its file name, the
 extension everything after it. A :class:`TarIndex` lists, in tar order, each sample's key and, for
 every member, its sample, extension, data offset and size: what DALI's ``wds2idx`` keeps
-(:mod:`workers.sources._wds_idx` reads and writes that format, the one kept beside the shards).
+(:mod:`workers.sources.tars._wds_idx` reads and writes that format, the one kept beside the shards).
 
-An index comes from one of three places (:mod:`workers.sources._tar_shards` decides which):
+An index comes from one of three places (:mod:`workers.sources.tars._shards` decides which):
 
 * :func:`scan`: one sequential pass over the tar (``tarfile`` in stream mode, so an object store
   is read once, front to back), which also checks that the shard is whole and well formed;
-* a ``.idx`` file beside the shard (:func:`workers.sources._wds_idx.parse_idx`);
+* a ``.idx`` file beside the shard (:func:`workers.sources.tars._wds_idx.parse_idx`);
 * this node's cache (``$DALI_LOADER_CACHE_DIR/tar-index/``, :func:`load_cached`): a copy of an
   index in a form workers map, named by a hash of the shard's URL (or real path) and valid for one
   identity of the shard (its size, and ETag or mtime): a changed shard misses it.
@@ -23,7 +23,7 @@ Under ``on_error="skip"`` such a shard gives its whole samples before the damage
 
 An index made from the tar's own headers (a scan) is marked ``scanned``; one read from an ``.idx``
 is not, and the tar loader checks each member's header against it as it reads the member's bytes
-(:func:`workers.sources._wds_idx.member_mismatch`).
+(:func:`workers.sources.tars._wds_idx.member_mismatch`).
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from . import _index_file
-from ._folder_index import cache_dir
-from ._storage import Identity, is_url, local_path
+from ..files import cache_dir
+from ..storage import Identity, is_url, local_path, read_index_file, write_index_file
 
 logger = logging.getLogger("workers")
 
@@ -436,7 +435,7 @@ def load_cached(url: str, identity: Identity) -> TarIndex | None:
     """This node's copy of the index of ``url`` when it was made for this ``identity``."""
     path = cache_path(url)
     try:
-        found = _index_file.read(path, MAGIC)
+        found = read_index_file(path, MAGIC)
     except (ValueError, KeyError, TypeError) as error:
         logger.warning("ignored the cached tar index %s of %s (%s)", path, url, error)
         return None
@@ -497,7 +496,7 @@ def keep_cached(index: TarIndex, identity: Identity) -> bool:
     ]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _index_file.write(path, MAGIC, header, arrays)
+        write_index_file(path, MAGIC, header, arrays)
     except OSError as error:
         logger.debug("cannot keep the index of %s in %s (%s)", index.url, path.parent, error)
         return False
