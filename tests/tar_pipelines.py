@@ -99,7 +99,7 @@ def summary_of(
     """The summary of the shards at ``paths``, their identities as ``identity`` tells (by
     default: as local files); ``samples``: what it says of some shards' sample counts instead
     of the truth (a summary that lies)."""
-    from workers.sources.storage._storage import storage_for
+    from workers.sources.storage import storage_for
     from workers.sources.tars._index import scan
     from workers.sources.tars._summary import ShardEntry, encode
 

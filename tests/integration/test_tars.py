@@ -319,7 +319,7 @@ def test_a_summary_that_lies_about_a_shard_is_named_with_the_command_that_mends_
     import shlex
 
     from loader import tars
-    from workers.sources.storage._storage import StorageFailure
+    from workers.sources.storage import StorageFailure
 
     paths = T.write_id_tars(tmp_path, 8, 4)
     T.index_beside(paths, samples={"train-001.tar": 5})

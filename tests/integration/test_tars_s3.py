@@ -24,7 +24,7 @@ import pytest
 
 from loader import Loader
 from tests import tar_pipelines as T
-from workers.sources.storage._storage import StorageFailure
+from workers.sources.storage import StorageFailure
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
@@ -611,7 +611,7 @@ def test_a_worker_sets_its_store_client_up_ahead_and_without_a_request(counted: 
         """
         import sys, threading, time
         from workers.sources.plan._control import STARTED_TOGETHER
-        from workers.sources.storage._storage import storage_for
+        from workers.sources.storage import storage_for
 
         url, options = sys.argv[1], eval(sys.argv[2])
         elsewhere = storage_for(url, options, retries=7)

@@ -3,8 +3,8 @@ and kept as an index file that workers map), read whole, and the image-size guar
 format applies to encoded images. Runs in the worker.
 
 * ``_files``: :func:`list_files`, the file tables and :class:`FileLoader`, :func:`open_files`;
-* ``_folder_index``: an ImageFolder's index file (and, until it has a module of its own, the
-  node's cache directory);
+* ``_folder_index``: an ImageFolder's index file (kept in the node's cache directory,
+  :mod:`workers.sources.storage`);
 * ``_image_size``: an encoded image's size read from its header, and the pixel limit.
 
 May import: the standard library, numpy, :mod:`workers.sources.plan` and
@@ -12,7 +12,6 @@ May import: the standard library, numpy, :mod:`workers.sources.plan` and
 """
 
 from ._files import FileLoader, ListedFiles, list_files, open_files, read_file
-from ._folder_index import CACHE_DIR_ENV, cache_dir
 from ._image_size import (
     MAX_IMAGE_PIXELS,
     ImageSize,
@@ -23,13 +22,11 @@ from ._image_size import (
 )
 
 __all__ = [
-    "CACHE_DIR_ENV",
     "MAX_IMAGE_PIXELS",
     "FileLoader",
     "ImageSize",
     "ImageTooLargeError",
     "ListedFiles",
-    "cache_dir",
     "checked_limit",
     "image_size",
     "list_files",

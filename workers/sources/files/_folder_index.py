@@ -61,14 +61,12 @@ from typing import Any
 import numpy as np
 
 from ..plan import encode_parts
-from ..storage import locked
+from ..storage import CACHE_DIR_ENV, cache_dir, locked
 
 logger = logging.getLogger("workers")
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 
-#: Names the directory the loader keeps its caches in.
-CACHE_DIR_ENV = "DALI_LOADER_CACHE_DIR"
 MAGIC = b"DLFOLDR1"
 FORMAT = 3  # 2: the header holds the fingerprint; 3: the files' sizes are in it
 #: An index listed within this many nanoseconds of a change it records is not trusted.
@@ -79,15 +77,6 @@ _PREFIX = 16  # magic and header length
 
 #: Directories whose index could not be written (warned about once per process).
 _unwritable: set[str] = set()
-
-
-def cache_dir() -> Path:
-    """Where indexes of folders are kept (see the module docstring)."""
-    base = os.environ.get(CACHE_DIR_ENV)
-    if not base:
-        home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(home, "dali-capture-loader")
-    return Path(base) / "file-index"
 
 
 class FolderIndex:
@@ -200,7 +189,7 @@ def open_folder(root: str) -> FolderIndex:
     another that holds the lock, then mapped) and kept there."""
     check_folder(root)
     real = os.path.realpath(root)
-    directory = cache_dir()
+    directory = cache_dir("file-index")
     key = hashlib.sha256(f"{real}\0{os.stat(real).st_ino}".encode(errors="surrogateescape"))
     path = directory / f"{key.hexdigest()[:32]}.index"
     index = _read(path, root, real)

@@ -19,13 +19,11 @@ One small layer the tar source (and whatever reads more than whole local files) 
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import inspect
 import logging
 import os
 import posixpath
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -35,6 +33,13 @@ import numpy as np
 
 from ... import startup
 from ..plan import STARTED_TOGETHER
+from ._failures import (
+    Identity,
+    IdentityChanged,
+    named,
+    transient,
+    unreachable,
+)
 
 logger = logging.getLogger("workers")
 
@@ -48,51 +53,6 @@ BACKOFF = 0.25
 
 _T = TypeVar("_T")
 
-#: What says an object changed: (size, version), the version its ETag or its mtime.
-Identity = tuple[int, str]
-
-#: Error class names (of botocore, aiohttp, urllib3...) that mean "try again".
-_TRANSIENT_NAMES = (
-    "ConnectionError",
-    "ConnectionReset",
-    "ConnectTimeout",
-    "ReadTimeout",
-    "Timeout",
-    "ServerDisconnected",
-    "ClientPayloadError",
-    "IncompleteRead",
-    "ResponseStreamingError",
-    "SlowDown",
-    "Throttl",
-    "ServiceUnavailable",
-    "InternalError",
-)
-#: Error class names (of botocore, aiohttp) that mean "no connection could be made".
-_UNREACHABLE_NAMES = ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError")
-_TRANSIENT_ERRNOS = {
-    errno.ECONNRESET,
-    errno.ECONNABORTED,
-    errno.ETIMEDOUT,
-    errno.EPIPE,
-    errno.EAGAIN,
-}
-
-
-class StorageFailure(OSError):
-    """A shard could not be read (missing, denied, unreachable after retries, changed while the
-    job runs): not a bad sample, so ``on_error="skip"`` does not skip it; it stops the worker."""
-
-    _loader_fatal = True
-
-
-class IdentityChanged(StorageFailure):
-    """A read found the object other than expected: ``found`` is its (size, version) as the
-    store answered that read."""
-
-    def __init__(self, path: str, expected: Identity, found: Identity) -> None:
-        super().__init__(f"{path} is not the object expected ({expected} -> {found})")
-        self.path, self.expected, self.found = path, expected, found
-
 
 def is_url(path: str) -> bool:
     """Whether ``path`` is a URL (``proto://...``) rather than a local path."""
@@ -101,40 +61,6 @@ def is_url(path: str) -> bool:
 
 def local_path(path: str) -> str:
     return path[len("file://") :] if path.startswith("file://") else path
-
-
-def unreachable(error: BaseException) -> bool:
-    """Whether ``error`` says the store could not be connected to at all (refused, no route,
-    no such host, a connect timeout): the client has retried it already."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, (ConnectionRefusedError, socket.gaierror)):
-            return True
-        if any(name in type(current).__name__ for name in _UNREACHABLE_NAMES):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
-
-
-def transient(error: BaseException) -> bool:
-    """Whether a read that raised ``error`` may succeed if tried again."""
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
-        return False
-    if isinstance(error, (ConnectionError, TimeoutError)):
-        return True
-    if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
-        return True
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:  # the error and its causes
-        seen.add(id(current))
-        name = type(current).__name__
-        if any(part in name for part in _TRANSIENT_NAMES):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
 
 
 class Storage:
@@ -338,7 +264,7 @@ class RemoteStorage(Storage):
                         "storage_options, and that this host reaches it"
                     ) from error
                 if not transient(error) or attempt == self.retries:
-                    raise _named(error, what, url) from error
+                    raise named(error, what, url) from error
                 logger.warning(
                     "%s: %s failed (%s: %s); trying again in %.2f s (%d of %d)",
                     url,
@@ -476,23 +402,6 @@ def _version(entry: dict[str, Any]) -> str:
         if value:
             return f"{key}:{str(value).strip(chr(34))}"
     return ""
-
-
-def _named(error: Exception, what: str, url: str) -> Exception:
-    """``error`` as raised to the user: the same type where it can carry the URL, with it."""
-    if isinstance(error, FileNotFoundError):
-        return FileNotFoundError(errno.ENOENT, f"{url} does not exist ({what})")
-    if isinstance(error, PermissionError):
-        return PermissionError(
-            errno.EACCES, f"access to {url} was denied ({what}: {error}); check the credentials"
-        )
-    return OSError(f"{url}: {what} failed: {type(error).__name__}: {error}")
-
-
-def storage_failure(url: str, error: BaseException) -> StorageFailure:
-    """A :class:`StorageFailure` for ``url`` that says what ``error`` says once, readably."""
-    text = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-    return StorageFailure(text if url in text else f"cannot read {url}: {text}")
 
 
 _cache: dict[tuple[str, str, int], Storage] = {}

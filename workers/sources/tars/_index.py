@@ -41,8 +41,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..files import cache_dir
-from ..storage import Identity, is_url, local_path, read_index_file, write_index_file
+from ..storage import Identity, cache_dir, is_url, local_path, read_index_file, write_index_file
 
 logger = logging.getLogger("workers")
 
@@ -420,7 +419,7 @@ def cache_path(url: str) -> Path:
     """Where this node keeps its copy of the index of ``url``."""
     name = url if is_url(url) else os.path.realpath(local_path(url))
     digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    return cache_dir().parent / "tar-index" / f"{digest}.index"
+    return cache_dir("tar-index") / f"{digest}.index"
 
 
 def lock_path(url: str) -> Path:

@@ -21,8 +21,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, Literal, cast
 
-from ..files import CACHE_DIR_ENV
-from ..storage import Identity, Storage, local_path, locked
+from ..storage import CACHE_DIR_ENV, Identity, Storage, local_path, locked
 from ._index import (
     TarIndex,
     keep_cached,

@@ -45,13 +45,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..files import cache_dir
 from ..plan import REPORT_PROGRESS, STARTED_TOGETHER, encode_parts
 from ..storage import (
     RETRIES,
     Identity,
     Storage,
     StorageFailure,
+    cache_dir,
     expand_urls,
     local_path,
     locked,
@@ -426,7 +426,7 @@ def _node_shared(
         return make()
     key = f"{together}\0{kind}\0{directory}".encode("utf-8", "surrogateescape")
     name = hashlib.sha256(key).hexdigest()[:32]
-    path = cache_dir().parent / "tar-index" / f"{name}.{kind}.json"
+    path = cache_dir("tar-index") / f"{name}.{kind}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with locked(path.with_suffix(".lock")):

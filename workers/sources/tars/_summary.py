@@ -31,8 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..files import cache_dir
-from ..storage import Identity, Storage, is_url
+from ..storage import Identity, Storage, cache_dir, is_url
 
 logger = logging.getLogger("workers")
 
@@ -102,7 +101,7 @@ def cached_summary_path(directory: str) -> Path:
     """This node's copy of a directory's summary (kept where the store cannot be written)."""
     name = directory if is_url(directory) else os.path.realpath(directory or ".")
     digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    return cache_dir().parent / "tar-index" / f"{digest}.summary.json"
+    return cache_dir("tar-index") / f"{digest}.summary.json"
 
 
 def read_summary(

@@ -15,7 +15,8 @@ import pytest
 
 from workers.sources.files import _folder_index
 from workers.sources.files._files import FileLoader, ListedFiles, list_files
-from workers.sources.files._folder_index import CACHE_DIR_ENV, FolderIndex, open_folder
+from workers.sources.files._folder_index import FolderIndex, open_folder
+from workers.sources.storage import CACHE_DIR_ENV
 
 #: Folder and file names, with what an ImageFolder keeps of them.
 CLASSES = {

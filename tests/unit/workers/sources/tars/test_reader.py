@@ -467,8 +467,8 @@ class _Counted:
 def test_with_a_summary_a_worker_reads_no_index_until_it_reads_a_shard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workers.sources.files._folder_index import CACHE_DIR_ENV
-    from workers.sources.storage._storage import storage_for
+    from workers.sources.storage import CACHE_DIR_ENV
+    from workers.sources.storage import storage_for
     from workers.sources.tars._summary import SUMMARY
 
     root, memory, _paths = _memory_shards(tmp_path, 30, 7)
@@ -528,7 +528,7 @@ def test_a_stale_summary_is_named_and_the_changed_shards_are_read_again(tmp_path
 
 
 def test_the_index_command_indexes_once_and_finishes_an_interrupted_run(tmp_path: Path) -> None:
-    from workers.sources.files._folder_index import CACHE_DIR_ENV
+    from workers.sources.storage import CACHE_DIR_ENV
     from workers.sources.tars._summary import SUMMARY, decode
 
     T.write_id_tars(tmp_path, 40, 5)
