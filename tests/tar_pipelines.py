@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import shutil
+import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -12,6 +15,7 @@ from typing import Any, ClassVar
 
 import fsspec
 import nvidia.dali.experimental.dynamic as ndd
+import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from loader import Shard, sharded_tars
@@ -301,3 +305,12 @@ class ThrottledFileSystem(LocalFileSystem):  # type: ignore[misc]
 
 
 fsspec.register_implementation("throttled", ThrottledFileSystem, clobber=True)
+
+
+def wds2idx(tar: Path, out: Path) -> bytes:
+    """DALI's own tool on ``tar`` (installed with DALI as ``wds2idx``)."""
+    tool = shutil.which("wds2idx") or str(Path(sys.executable).with_name("wds2idx"))
+    if not Path(tool).exists():
+        pytest.skip("DALI's wds2idx is not installed")
+    subprocess.run([tool, str(tar), str(out)], check=True, capture_output=True)
+    return out.read_bytes()

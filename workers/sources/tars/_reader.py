@@ -7,23 +7,11 @@ sample count is known before the first batch and a sample is read by its byte ra
 guarantee of ``sharded_source`` holds (exactly once per epoch, equal steps per rank, resume and
 reshard, healing, skipping). A worker fetches the index of a shard when it is about to read it.
 
-Sample ids number the samples shard after shard, in tar order. An epoch's order
-(:class:`TarOrder`) is a permutation of all of them, determined by the seed and the epoch:
-
-* ``shuffle_window=None`` (local shards): one permutation of the whole dataset; each sample is one
-  ``pread`` of its members' bytes.
-* ``shuffle_window=k`` (remote shards: 4 by default): the shards are permuted and their samples
-  concatenated; that sequence is cut where each worker's part of the epoch starts and ends (in
-  the layout the epoch started with), each part is cut into groups of ``k`` shards (a shard
-  that straddles two parts gives each its own piece), and the samples of each group are
-  permuted among themselves. A worker reads a few shards at a time, of each one only its own
-  contiguous piece, with one request for that byte range (the next shards fetched while the
-  current ones are halfway read, at most ``ahead`` in advance and, past the first, at most
-  ``ahead_bytes`` of them), never one request per sample:
-  an epoch reads each shard's bytes once, however many workers and ranks share it. A sample
-  can land anywhere in its group, and the groups come in a random order; a sample never meets,
-  in one batch, samples of shards outside its group. Memory per worker: the pieces of the
-  groups in use plus what is fetched ahead.
+Sample ids number the samples shard after shard, in tar order. An epoch's order is the plan's
+own permutation of all of them (local shards: each sample is one ``pread`` of its members'
+bytes) or, for remote shards, :class:`~._order.TarOrder`'s shuffle within groups of a few
+shards; a worker then reads of each shard one contiguous piece, fetched ahead by
+:class:`~._fetch.Fetcher` with one request per piece, never one per sample.
 
 Outputs: one per requested extension, in order: the member's raw bytes (a uint8 array, for DALI's
 decoders), or for ``cls``-like members (:data:`INTEGER_EXTS`) their text parsed as an integer.
@@ -37,35 +25,23 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ...spec import Shard
 from ..files import MAX_IMAGE_PIXELS, ImageTooLargeError, checked_limit, over_limit
-from ..plan import SKIP_DAMAGED, STARTED_TOGETHER, EpochOrder, OpenedSource, orders_at
+from ..plan import SKIP_DAMAGED, STARTED_TOGETHER, OpenedSource
 from ..storage import AHEAD_BYTES, IdentityChanged, StorageFailure, storage_failure
+from ._fetch import Fetcher
 from ._index import TarIndex
 from ._indexer import Indexer
+from ._order import TarOrders
 from ._shards import TarShards, open_shards
 from ._wds_idx import idx_url, member_mismatch
-from ._writer import write_tars
 
-__all__ = [
-    "AHEAD_BYTES",
-    "INTEGER_EXTS",
-    "REMOTE_WINDOW",
-    "StorageFailure",
-    "TarLoader",
-    "TarOrder",
-    "TarOrders",
-    "open_shards",
-    "open_tar_source",
-    "parse_ext",
-    "write_tars",
-]
+__all__ = ["INTEGER_EXTS", "REMOTE_WINDOW", "TarLoader", "open_tar_source", "parse_ext"]
 
 logger = logging.getLogger("workers")
 
@@ -91,88 +67,6 @@ _HEADER = 512
 _Int64s = np.ndarray[Any, np.dtype[np.int64]]
 
 
-class TarOrder:
-    """The samples at positions of one epoch (see the module docstring): shards permuted and
-    concatenated, that sequence cut into *parts* (``parts``: the sorted positions where each
-    worker's part of the epoch starts and ends, in the layout the epoch started with; None: one
-    part), each part cut into groups of ``window`` shards (or pieces of shards, at a part's
-    edges), and the samples permuted inside each group. A worker whose part is a run of groups
-    then reads of each shard one contiguous range that no other worker reads: an epoch reads
-    each shard's bytes once, whatever the number of workers and ranks."""
-
-    def __init__(
-        self,
-        shards: TarShards,
-        epoch: int,
-        seed: int,
-        window: int,
-        parts: np.ndarray[Any, Any] | None = None,
-    ) -> None:
-        count = len(shards.counts)
-        self.shards, self.window, self.epoch, self.seed = shards, window, epoch, seed
-        self.permuted: _Int64s = EpochOrder(count, epoch, seed, True).at(np.arange(count))
-        #: where each permuted shard's samples start in the sequence, and the total
-        self.runs: _Int64s = np.concatenate(
-            [np.zeros(1, np.int64), np.cumsum(shards.counts[self.permuted])]
-        )
-        total = int(self.runs[-1])
-        given = np.empty(0, np.int64) if parts is None else np.asarray(parts, np.int64)
-        cuts = np.unique(np.clip(np.concatenate([given, [0, total]]), 0, total))
-        # pieces: the sequence cut at every shard's start and every part's edge
-        pieces = np.unique(np.concatenate([self.runs, cuts]))[:-1]
-        part = np.searchsorted(cuts, pieces, side="right") - 1
-        first_piece = np.searchsorted(pieces, cuts[part])  # the first piece of each piece's part
-        heads = (np.arange(len(pieces)) - first_piece) % window == 0
-        #: where each group starts in the sequence, and the total
-        self.group_starts: _Int64s = np.concatenate([pieces[heads], [total]]).astype(np.int64)
-        self._seeds: dict[int, int] = {}
-
-    def at(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        positions = np.asarray(positions, dtype=np.int64)
-        groups = np.searchsorted(self.group_starts, positions, side="right") - 1
-        # every group's samples permuted by its own order, all groups in one vectorised pass
-        found, inverse = np.unique(groups, return_inverse=True)
-        firsts = self.group_starts[found]
-        sizes = self.group_starts[found + 1] - firsts
-        seeds = [self._group_seed(group) for group in found.tolist()]
-        starts = firsts[inverse]
-        sequence = starts + orders_at(sizes, seeds, self.epoch, inverse, positions - starts)
-        # a place in the sequence is a sample of a permuted shard, in tar order
-        slot = np.searchsorted(self.runs, sequence, side="right") - 1
-        ids: np.ndarray[Any, Any] = self.shards.starts[self.permuted[slot]] + (
-            sequence - self.runs[slot]
-        )
-        return ids
-
-    def _group_seed(self, group: int) -> int:
-        """The seed of the order inside ``group`` (kept: an epoch's plan is asked for more than
-        once)."""
-        seed = self._seeds.get(group)
-        if seed is None:
-            key = np.random.SeedSequence([self.seed, self.epoch, group]).generate_state(1)
-            seed = self._seeds[group] = int(key[0])
-        return seed
-
-
-class TarOrders:
-    """``orders(epoch, parts)`` for :class:`BatchedSamples`: the :class:`TarOrder` of each epoch
-    (the last two are kept: the worker asks for the current and the next one)."""
-
-    def __init__(self, shards: TarShards, seed: int, window: int) -> None:
-        self.shards, self.seed, self.window = shards, seed, window
-        self._made: OrderedDict[tuple[int, bytes], TarOrder] = OrderedDict()
-
-    def __call__(self, epoch: int, parts: np.ndarray[Any, Any] | None = None) -> TarOrder:
-        key = (epoch, b"" if parts is None else np.asarray(parts, np.int64).tobytes())
-        order = self._made.get(key)
-        if order is None:
-            order = TarOrder(self.shards, epoch, self.seed, self.window, parts)
-            self._made[key] = order
-            while len(self._made) > 2:
-                self._made.popitem(last=False)
-        return order
-
-
 def _decode_int(
     data: np.ndarray[Any, Any], dtype: Any, table: TarIndex, sample: int, ext: str
 ) -> np.ndarray[Any, Any]:
@@ -183,122 +77,6 @@ def _decode_int(
         raise ValueError(
             f"{table.url}: {table.key(sample)}.{ext} is not an integer: {text[:40]!r}"
         ) from None
-
-
-class _Fetcher:
-    """Reads the byte ranges a worker's epoch needs of remote shards, on background threads,
-    shortly before the samples that need them; a fetch first gets its shard's index.
-
-    A shard is fetched when the batch being loaded needs it, or when it is at most ``lead`` steps
-    away, fewer than ``ahead`` fetched shards wait to be needed and (past the first of them) the
-    bytes of those waiting and of this one stay within ``ahead_bytes`` (``size(shard, rows)``:
-    the bytes its rows are expected to take): a worker's first batch waits only for the shards
-    it reads, and the next group's shards come while the current group is halfway read. A
-    shard's bytes are dropped once its last batch is loaded.
-    """
-
-    def __init__(
-        self,
-        fetch: Callable[[int, _Int64s], tuple[int, np.ndarray[Any, Any]]],
-        ahead: int,
-        ahead_bytes: int | None = None,
-        size: Callable[[int, _Int64s], int] | None = None,
-    ) -> None:
-        self.fetch, self.ahead, self.ahead_bytes = fetch, ahead, ahead_bytes
-        self.size = size or (lambda _shard, rows: 0)
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._buffers: dict[int, tuple[int, Future[tuple[int, np.ndarray[Any, Any]]]]] = {}
-        self._needs: list[tuple[int, int, int, _Int64s]] = []  # shard, first, last step, rows
-        self._next = 0
-        self._step = -1
-        self._lead = 1
-        self._kept: dict[int, Future[tuple[int, np.ndarray[Any, Any]]]] = {}
-
-    def plan(self, needs: list[tuple[int, int, int, _Int64s]]) -> None:
-        """A new epoch: ``needs`` (shard, first step, last step, its rows read) in the order the
-        shards are first needed. A fetch made for the same rows of a shard is kept (an epoch
-        planned again, as it is once the first batch has been traced)."""
-        with self._lock:
-            earlier = {shard: rows for shard, _first, _last, rows in self._needs}
-            kept = {}
-            for shard, _first, _last, rows in needs:
-                held, before = self._buffers.get(shard), earlier.get(shard)
-                if held is not None and before is not None and np.array_equal(before, rows):
-                    kept[shard] = held[1]
-            for shard, (_first, future) in self._buffers.items():
-                if shard not in kept:
-                    future.cancel()
-            self._buffers.clear()
-            self._kept = kept
-            self._needs, self._next, self._step = needs, 0, -1
-            spans = sorted(last - first + 1 for _shard, first, last, _rows in needs)
-            self._lead = max(1, spans[len(spans) // 2] // 2) if spans else 1
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(4, "tar-fetch")
-            self._schedule()
-
-    def passed(self, step: int) -> None:
-        with self._lock:
-            self._step = step
-            for shard, _first, last, _rows in self._needs[: self._next]:
-                if last <= step:
-                    self._buffers.pop(shard, None)
-            if self._pool is not None:
-                self._schedule()
-
-    def _schedule(self) -> None:
-        assert self._pool is not None
-        loading = self._step + 1
-        while self._next < len(self._needs):
-            shard, first, _last, rows = self._needs[self._next]
-            if first > loading and not self._may_fetch_ahead(first, loading, shard, rows):
-                return
-            future = self._kept.pop(shard, None) or self._pool.submit(self.fetch, shard, rows)
-            self._buffers[shard] = (first, future)
-            self._next += 1
-
-    def _may_fetch_ahead(self, first: int, loading: int, shard: int, rows: _Int64s) -> bool:
-        """Whether ``shard`` (first needed at step ``first``) may be fetched before the step
-        ``loading`` needs it (see the class docstring)."""
-        if first > loading + self._lead:
-            return False
-        needs = self._needs[: self._next]
-        waiting = [(s, r) for s, f, _l, r in needs if f > loading and s in self._buffers]
-        if len(waiting) >= self.ahead:
-            return False
-        if self.ahead_bytes is None or not waiting:
-            return True
-        held = sum(self.size(s, r) for s, r in waiting)
-        return held + self.size(shard, rows) <= self.ahead_bytes
-
-    def wait(self, shard: int) -> None:
-        """Wait for the fetch of ``shard`` if one is under way (its errors are left to
-        :meth:`get`)."""
-        with self._lock:
-            held = self._buffers.get(shard)
-        if held is not None:
-            wait([held[1]])
-
-    def get(self, shard: int, start: int, end: int) -> np.ndarray[Any, Any] | None:
-        """Bytes ``[start, end)`` of ``shard`` if they were fetched (waits for a fetch under
-        way); None when they were not."""
-        with self._lock:
-            held = self._buffers.get(shard)
-        if held is None:
-            return None
-        first, data = held[1].result()
-        if start < first or end > first + len(data):
-            return None
-        return data[start - first : end - first]
-
-    def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
-            self._buffers.clear()
-            self._kept.clear()
 
 
 class _Checked:
@@ -338,7 +116,7 @@ class TarLoader:
         self._fetcher = (
             None
             if shards.storage.local
-            else _Fetcher(self._fetch, ahead, ahead_bytes, self._piece_bytes)
+            else Fetcher(self._fetch, ahead, ahead_bytes, self._piece_bytes)
         )
         self._starts: list[int] = shards.starts.tolist()
         self._integers = [INTEGER_EXTS.get(name) for name in self.names]

@@ -3,13 +3,13 @@ allows. Runs in the worker (and in ``python -m loader.tars index``).
 
 Where a shard's facts come from, cheapest first:
 
-1. the directory's summary (:mod:`sources.tars._summary`): one request for every shard it covers
-   (once per node: :func:`node_summary`). Where it names every remote shard asked for, it is
-   the directory's listing: no listing is made, and each shard's identity is checked when the
-   shard is read, by that read (:func:`start_facts`, :meth:`TarShards.changed`); elsewhere
+1. the directory's summary (:mod:`._summary`): one request for every shard it covers (once per
+   node: :func:`~._listing.node_summary`). Where it names every remote shard asked for, it is the
+   directory's listing: no listing is made, and each shard's identity is checked when the shard
+   is read, by that read (:func:`~._listing.start_facts`, :meth:`TarShards.changed`); elsewhere
    each entry is checked against the directory's listing (one request per 1,000 objects on S3);
-2. the shard's ``.idx`` beside it (DALI's ``wds2idx`` format, :mod:`sources.tars._wds_idx`), or this
-   node's cached copy of its index: one small request, or none;
+2. the shard's ``.idx`` beside it (DALI's ``wds2idx`` format, :mod:`._wds_idx`), or this node's
+   cached copy of its index: one small request, or none;
 3. a scan of the shard (:func:`workers.sources.tars._index.scan`): the whole shard, read once.
 
 Opening a job's shards (:func:`open_shards`) reads the summary (and the listing, where it is
@@ -28,63 +28,41 @@ nodes, a worker checks for an ``.idx`` written meanwhile before it scans.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import itertools
-import json
 import logging
-import os
 import posixpath
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from ..plan import REPORT_PROGRESS, STARTED_TOGETHER, encode_parts
+from ..plan import encode_parts
 from ..storage import (
     RETRIES,
     Identity,
     Storage,
     StorageFailure,
-    cache_dir,
-    expand_urls,
-    local_path,
-    locked,
     storage_for,
 )
 from ._index import TarIndex, scan_bytes
-from ._indexer import Indexer, Source, index_command
+from ._indexer import Indexer, index_command
+from ._listing import Listed, check_urls, places_of, start_facts
 from ._summary import (
     ShardEntry,
     describe_stale,
-    read_summary,
     stale_reason,
-    summary_url,
     updated,
     write_summary,
 )
+from ._walk import WalkProgress, walk
 from ._wds_idx import idx_url
 
 logger = logging.getLogger("workers")
 
 _Int64s = np.ndarray[Any, np.dtype[np.int64]]
-_T = TypeVar("_T")
-#: Seconds between two progress lines of the lead worker while shards are indexed.
-PROGRESS_EVERY = 10.0
-#: Seconds of indexing before the lead worker's first progress line (a WARNING).
-PROGRESS_FIRST = 5.0
-#: Seconds between two ``wire.Starting`` records a worker sends the trainer while it indexes
-#: shards (the trainer's startup wait counts it as alive while they come).
-TELL_EVERY = 1.0
-#: Remote shards whose indexes a worker finds (or makes) at once when it opens a dataset.
-WALK_THREADS = 16
-#: Seconds a listing of a remote directory made by another process of this node is used for.
-LISTING_FRESH = 30.0
 
 
 @dataclass
@@ -250,225 +228,6 @@ class TarShards:
         return index.samples == self.counts[shard] and index.keys_hash == self.keys_hashes[shard]
 
 
-def check_urls(urls: str | Iterable[str]) -> list[str]:
-    """Expand ``urls`` and refuse a set that mixes places or lists a shard twice."""
-    expanded = expand_urls(urls)
-    kinds = {"://" in url and not url.startswith("file://") for url in expanded}
-    if len(kinds) > 1:
-        raise ValueError("the shards mix local paths and URLs; keep them in one place")
-    protocols = {url.split("://", 1)[0] for url in expanded if "://" in url}
-    if len(protocols) > 1:
-        raise ValueError(f"the shards use several protocols ({sorted(protocols)}); use one")
-    if len(set(expanded)) != len(expanded):
-        raise ValueError("a shard is listed twice: every shard must appear once")
-    return [local_path(url) for url in expanded]
-
-
-@dataclass
-class Listed:
-    """What one listing per directory (or the directory's summary, in its place) tells of a set
-    of shards."""
-
-    listings: dict[str, dict[str, Identity] | None]
-    identities: list[Identity]
-    listed_idx: list[bool | None]
-    #: per shard, the summary its identity comes from (not yet confirmed by the store: a read
-    #: checks it), or None where a listing (or a HEAD) told it
-    vouched: list[str | None] = field(default_factory=list)
-
-
-Places = list[tuple[str, str]]
-
-
-def places_of(storage: Storage, urls: Sequence[str]) -> Places:
-    """(directory, name) of each of ``urls``, worked out once (at 10,000 shards, four lookups of
-    each cost a worker's start 0.1 s); a URL split at its last ``/`` where that is what
-    :meth:`Storage.dirname` and :meth:`Storage.basename` give."""
-    if storage.local:
-        return [(storage.dirname(url), storage.basename(url)) for url in urls]
-    places = []
-    for url in urls:
-        directory, _, name = url.rpartition("/")
-        if not directory or directory.endswith("/"):  # (no directory, or slashes doubled)
-            directory, name = storage.dirname(url), storage.basename(url)
-        places.append((directory, name))
-    return places
-
-
-def list_shards(storage: Storage, urls: Sequence[str]) -> Listed:
-    """List each directory of ``urls`` once (remote ones once per node: :func:`node_listing`);
-    ``FileNotFoundError`` naming a missing shard."""
-    places = places_of(storage, urls)
-    listings = {d: node_listing(storage, d) for d in dict.fromkeys(d for d, _ in places)}
-    return _listed(storage, urls, places, listings, {})
-
-
-def _listed(
-    storage: Storage,
-    urls: Sequence[str],
-    places: Places,
-    listings: dict[str, dict[str, Identity] | None],
-    summaries: dict[str, str],
-) -> Listed:
-    """The shards' identities from ``listings`` (those of the directories in ``summaries``:
-    the entries of the summary named there, which says nothing of ``.idx`` files)."""
-    identities: list[Identity] = []
-    listed_idx: list[bool | None] = []
-    vouched: list[str | None] = []
-    for url, (directory, name) in zip(urls, places, strict=True):
-        listing = listings[directory]
-        found = None if listing is None else listing.get(name)
-        identities.append(found if found is not None else storage.identity(url))
-        if listing is None or directory in summaries:
-            listed_idx.append(None)
-        else:
-            listed_idx.append(idx_url(name) in listing)
-        vouched.append(summaries.get(directory))
-    return Listed(listings, identities, listed_idx, vouched)
-
-
-def start_facts(
-    storage: Storage, urls: Sequence[str], places: Places
-) -> tuple[Listed, dict[str, tuple[dict[str, ShardEntry], str] | None]]:
-    """The shards' identities and their directories' summaries, for a start. Local shards: a
-    listing of each directory, then its summary. Remote ones: the summary first (one request
-    per node: :func:`node_summary`); a directory whose summary names every one of its shards
-    (with identities a read can check) is not listed: the summary is its listing, and each
-    shard's identity is checked when it is read (:meth:`TarShards.index`,
-    :meth:`Storage.read`). The others are listed (:func:`node_listing`). ``places``: the URLs'
-    (:func:`places_of`)."""
-    directories = dict.fromkeys(directory for directory, _ in places)
-    if storage.local:
-        listed = list_shards(storage, urls)
-        found = {d: read_summary(storage, d, listed.listings[d]) for d in directories}
-        return listed, found
-    summaries = {d: node_summary(storage, d) for d in directories}
-    covered: dict[str, str] = {d: s[1] for d, s in summaries.items() if s is not None}
-    for directory, name in places:
-        summary = summaries[directory]
-        entry = None if summary is None else summary[0].get(name)
-        if entry is None or not storage.can_check(entry.identity):
-            covered.pop(directory, None)
-    listings = {
-        d: _as_listing(summaries[d]) if d in covered else node_listing(storage, d)
-        for d in directories
-    }
-    return _listed(storage, urls, places, listings, covered), summaries
-
-
-def _as_listing(
-    summary: tuple[dict[str, ShardEntry], str] | None,
-) -> dict[str, Identity]:
-    assert summary is not None
-    return {name: entry.identity for name, entry in summary[0].items()}
-
-
-def node_listing(storage: Storage, directory: str) -> dict[str, Identity] | None:
-    """The listing of ``directory``; of a remote one, shared by the workers started together (a
-    loader's pool: :data:`workers.sources.plan.STARTED_TOGETHER`): the first to need it lists
-    (under a lock) and keeps it in this node's cache, and the others read it while it is younger
-    than :data:`LISTING_FRESH` seconds. A rank of W workers lists each directory once, not W
-    times (a listing of 8,192 shards with their ``.idx`` files is 17 requests and 5 MB). Another
-    start (a new pool, another rank, the index command) lists again: a shard changed since
-    the last start is seen."""
-    return _node_shared(
-        storage,
-        directory,
-        "listing",
-        lambda: storage.listing(directory),
-        lambda listing: [[name, size, version] for name, (size, version) in listing.items()],
-        lambda rows: {str(n): (int(size), str(version)) for n, size, version in rows},
-    )
-
-
-def node_summary(storage: Storage, directory: str) -> tuple[dict[str, ShardEntry], str] | None:
-    """The summary of a remote ``directory`` (:func:`sources.tars._summary.read_summary`), its
-    bytes read once by the workers started together, shared like :func:`node_listing`'s."""
-
-    def stored() -> bytes | None:
-        try:
-            return storage.read_all(summary_url(directory))
-        except FileNotFoundError:
-            return None
-
-    def read(url: str) -> bytes:
-        data = _node_shared(
-            storage,
-            directory,
-            "read-summary",
-            stored,
-            lambda data: data.decode("latin-1"),
-            lambda text: str(text).encode("latin-1"),
-            absent=True,
-        )
-        if data is None:
-            raise FileNotFoundError(url)
-        return data
-
-    return read_summary(storage, directory, None, read)
-
-
-def _node_shared(
-    storage: Storage,
-    directory: str,
-    kind: str,
-    make: Callable[[], _T | None],
-    dump: Callable[[_T], Any],
-    load: Callable[[Any], _T],
-    *,
-    absent: bool = False,
-) -> _T | None:
-    """``make()`` (a request about ``directory``), made once by the workers started together
-    (see :func:`node_listing`) and kept in this node's cache as JSON (``dump``, ``load``);
-    ``absent``: a None it gives is shared too (not made again)."""
-    together = STARTED_TOGETHER.get()
-    if storage.local or not together:
-        return make()
-    key = f"{together}\0{kind}\0{directory}".encode("utf-8", "surrogateescape")
-    name = hashlib.sha256(key).hexdigest()[:32]
-    path = cache_dir("tar-index") / f"{name}.{kind}.json"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with locked(path.with_suffix(".lock")):
-            found = _fresh(path, directory)
-            if found is not None:
-                return None if found[0] is None else load(found[0])
-            made = make()
-            if made is not None or absent:
-                _keep(path, directory, None if made is None else dump(made))
-            return made
-    except OSError as error:  # no cache directory: each process makes its own
-        logger.debug("cannot share the %s of %s (%s)", kind, directory, error)
-        return make()
-
-
-def _fresh(path: Path, directory: str) -> tuple[Any] | None:
-    """``(value,)`` kept at ``path`` for ``directory``, while fresh; None otherwise."""
-    try:
-        document = json.loads(path.read_bytes())
-        if document["directory"] != directory:
-            return None
-        if not 0 <= time.time() - float(document["listed_at"]) < LISTING_FRESH:
-            return None
-        return (document["value"],)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _keep(path: Path, directory: str, value: Any) -> None:
-    document = {"directory": directory, "listed_at": time.time(), "value": value}
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(document, separators=(",", ":")))
-    os.replace(temporary, path)
-    # earlier starts' copies serve nobody any more
-    for pattern in ("*.listing.json", "*.read-summary.json"):
-        for old in path.parent.glob(pattern):
-            with contextlib.suppress(OSError):
-                if time.time() - old.stat().st_mtime > 2 * LISTING_FRESH:
-                    old.unlink()
-                    old.with_suffix(".lock").unlink()
-
-
 def open_shards(
     urls: str | Iterable[str],
     storage_options: dict[str, Any] | None,
@@ -516,8 +275,8 @@ def open_shards(
 
     started = time.monotonic()
     unindexed = sum(1 for k in rest if listed.listed_idx[k] is False)
-    progress = _WalkProgress(len(rest), unindexed, indexer, lead, index_command(urls))
-    _walk(expanded, listed, indexer, rest, int(start_fraction * len(rest)), opened, progress)
+    progress = WalkProgress(len(rest), unindexed, indexer, lead, index_command(urls))
+    walk(expanded, listed, indexer, rest, int(start_fraction * len(rest)), opened, progress)
     shards = _after_walk(
         urls, expanded, storage, counts, hashes, listed, summaries, rest, indexer, lead, started
     )
@@ -677,154 +436,3 @@ def _write_summaries(
             logger.info("cannot keep a summary of %s anywhere (%s)", directory, error)
             continue
         logger.info("wrote the summary %s (%d shards)", where, len(merged))
-
-
-class _WalkProgress:
-    """What a walk over shards has done: told to the trainer about every :data:`TELL_EVERY`
-    seconds (``wire.Starting`` through :data:`workers.sources.plan.REPORT_PROGRESS`: the worker
-    is alive, and a walk is not its start-up), and by the ``lead`` worker in a log line every
-    :data:`PROGRESS_EVERY` seconds (the first after :data:`PROGRESS_FIRST`): a WARNING naming
-    the index command the first time (a walk that long is worth avoiding), then INFO."""
-
-    def __init__(
-        self, count: int, unindexed: int, indexer: Indexer, lead: bool, command: str
-    ) -> None:
-        self.count, self.indexer, self.lead, self.command = count, indexer, lead, command
-        self.done = self.lines = 0
-        self.started = self.told = self.shown = time.monotonic()
-        self.doing = (
-            f"indexing {count:,} tar shards ({unindexed:,} without an index: scanned)"
-            if unindexed
-            else f"reading the indexes of {count:,} tar shards"
-        )
-        self.report = REPORT_PROGRESS.get()
-        self.tell()
-        if lead and unindexed:
-            logger.info(
-                "%d of %d tar shards have no index: the workers index them before the first "
-                "batch (each shard read whole, once, by one worker of one rank or another; "
-                "progress every %g s). %s makes the indexes once, for every node and every job",
-                unindexed,
-                count,
-                PROGRESS_EVERY,
-                command,
-            )
-
-    def opened(self) -> None:
-        """One more shard's index is ready."""
-        self.done += 1
-        self.tick()
-
-    def tick(self) -> None:
-        """Tell the trainer where the walk is, if it moved (shards done, bytes scanned) since
-        it was last told: a store that answers nothing leaves the worker silent."""
-        now = time.monotonic()
-        if now - self.told >= TELL_EVERY and self.moved != self._where():
-            self.tell()
-        if self.lead and now - self.shown >= (PROGRESS_EVERY if self.lines else PROGRESS_FIRST):
-            self.shown = now
-            self.log(now - self.started)
-
-    def _where(self) -> tuple[int, int]:
-        return self.done, self.indexer.read_bytes
-
-    def tell(self, waiting: str = "") -> None:
-        """Tell the trainer now (and what the walk waits for, if it waits)."""
-        self.told, self.moved = time.monotonic(), self._where()
-        if self.report is not None:
-            doing = f"{self.doing}, {waiting}" if waiting else self.doing
-            self.report(doing, self.done, self.count, self.told - self.started)
-
-    def log(self, seconds: float) -> None:
-        left = (self.count - self.done) * seconds / max(1, self.done)
-        line = (
-            f"{self.doing}, before the first batch: {self.done:,} of {self.count:,} ready in "
-            f"{seconds:.0f} s (this worker scanned {self.indexer.scanned:,}, "
-            f"{self.indexer.scanned_bytes / 1e6:,.1f} MB), about {left:.0f} s left"
-        )
-        self.lines += 1
-        if self.lines == 1:
-            logger.warning(
-                "%s. The workers of every rank share the work, and what they index is kept for "
-                "the next start; %s indexes a dataset once, for every node and every job",
-                line,
-                self.command,
-            )
-        else:
-            logger.info("%s", line)
-
-
-def _walk(
-    urls: Sequence[str],
-    listed: Listed,
-    indexer: Indexer,
-    shards: list[int],
-    start: int,
-    opened: Callable[[int, TarIndex], None],
-    progress: _WalkProgress,
-) -> None:
-    """Find or make the index of each of ``shards``, calling ``opened(k, index)`` for each; the
-    walk starts at ``shards[start]`` (each worker at its own) and defers shards another process
-    of this node is indexing until the others are done. Remote shards are taken
-    :data:`WALK_THREADS` at a time (reading an ``.idx`` is a round trip; a scan a download)."""
-    count = len(shards)
-    pending = [shards[(start + k) % count] for k in range(count)]
-
-    def get(k: int, wait: bool) -> _Got:
-        return k, indexer.get(urls[k], listed.identities[k], listed=listed.listed_idx[k], wait=wait)
-
-    threads = 1 if indexer.storage.local else min(WALK_THREADS, count)
-    pool = ThreadPoolExecutor(threads, "tar-index") if threads > 1 else None
-    try:
-        while pending:
-            deferred = _try_each(pending, get, pool, opened, progress)
-            indexer.say_unsaid()  # (what the walk's threads found, from this thread)
-            if len(deferred) == len(pending):  # nothing else to do: wait for the first one's lock
-                progress.tell(f"waiting for {urls[deferred[0]]}, which another process indexes")
-                k, found = get(deferred.pop(0), True)
-                assert found is not None
-                opened(k, found[0])
-                progress.opened()
-            pending = deferred
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-
-
-_Got = tuple[int, tuple[TarIndex, Source] | None]
-
-
-def _try_each(
-    pending: list[int],
-    get: Callable[[int, bool], _Got],
-    pool: ThreadPoolExecutor | None,
-    opened: Callable[[int, TarIndex], None],
-    progress: _WalkProgress,
-) -> list[int]:
-    """Find or make the index of each of ``pending`` (on ``pool``'s threads, taken as they
-    complete: progress is told whichever shard is done first), without waiting for a shard
-    another process of this node is indexing; returns those (deferred)."""
-    deferred: list[int] = []
-
-    def take(k: int, found: tuple[TarIndex, Source] | None) -> None:
-        if found is None:
-            deferred.append(k)
-        else:
-            opened(k, found[0])
-            progress.opened()
-
-    if pool is None:
-        for k in pending:
-            take(*get(k, False))
-        return deferred
-    queue = iter(pending)  # (a few in flight: each wait is over those only)
-    running = {pool.submit(get, k, False) for k in itertools.islice(queue, 2 * WALK_THREADS)}
-    while running:
-        ready, running = wait(running, timeout=TELL_EVERY, return_when=FIRST_COMPLETED)
-        for future in ready:
-            take(*future.result())
-            following = next(queue, None)
-            if following is not None:
-                running.add(pool.submit(get, following, False))
-        progress.tick()  # (a large shard's scan moves while none is done)
-    return deferred

@@ -24,7 +24,8 @@ from ipc.limits import usable_cpus
 
 from ..storage import RETRIES, Identity, storage_for
 from ._indexer import Indexer
-from ._shards import check_urls, list_shards, shard_entries
+from ._listing import check_urls, list_shards
+from ._shards import shard_entries
 from ._summary import ShardEntry, read_summary, updated, write_summary
 
 #: Seconds between two saves of the summary while shards are indexed.
