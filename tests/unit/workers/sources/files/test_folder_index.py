@@ -248,16 +248,6 @@ def test_an_unwritable_cache_lists_the_folder_and_warns_once(
     assert len(warnings) == 1 and CACHE_DIR_ENV in warnings[0].getMessage()
 
 
-def test_the_cache_directory_follows_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "mine"))
-    assert _folder_index.cache_dir() == tmp_path / "mine" / "file-index"
-    monkeypatch.delenv(CACHE_DIR_ENV)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert _folder_index.cache_dir() == tmp_path / "xdg" / "dali-capture-loader" / "file-index"
-
-
 def test_a_root_that_is_no_image_folder_raises(root: Path, tmp_path: Path, cache: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         open_folder(str(tmp_path / "missing"))
