@@ -51,3 +51,18 @@ def test_remote_shards_are_read_one_range_per_shard_not_one_request_per_sample(
         )
     finally:
         memory.rm(f"/shards-{os.getpid()}", recursive=True)
+
+
+def test_the_reader_imports_no_offline_tool() -> None:
+    """The writer and the index command stay out of the worker's reading path."""
+    from tests.unit.test_layers import import_graph
+
+    graph = import_graph()
+    seen, todo = set(), ["workers.sources.tars._reader"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(t for t in graph[module] if t.startswith("workers.sources.tars."))
+    assert "workers.sources.tars._shards" in seen
+    assert not seen & {"workers.sources.tars._tool", "workers.sources.tars._writer"}
