@@ -3,7 +3,9 @@ written, partial or foreign files refused, one process at a time under the lock.
 
 from __future__ import annotations
 
-import multiprocessing
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 from workers.sources.storage import locked, read_index_file, write_index_file
 
 MAGIC = b"TESTIDX1"
+ROOT = Path(__file__).resolve().parents[5]
 
 
 def test_arrays_come_back_as_written_views_of_the_mapping(tmp_path: Path) -> None:
@@ -45,22 +48,27 @@ def test_a_missing_file_is_none_and_a_bad_one_is_refused(tmp_path: Path) -> None
             read_index_file(path, MAGIC)
 
 
-def _try_lock(path: str, answer: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    with locked(Path(path), wait=False) as held:
-        answer.put(held)
+def _try_lock(path: Path) -> bool:
+    """Whether another process gets the lock on ``path`` without waiting."""
+    code = (
+        "import sys; from pathlib import Path; from workers.sources.storage import locked\n"
+        "with locked(Path(sys.argv[1]), wait=False) as held: print(held)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip() == "True"
 
 
 def test_the_lock_is_held_by_one_process_at_a_time(tmp_path: Path) -> None:
     path = tmp_path / "x.lock"
-    context = multiprocessing.get_context("spawn")
-    answer = context.Queue()
     with locked(path) as held:
         assert held
-        other = context.Process(target=_try_lock, args=(str(path), answer))
-        other.start()
-        assert answer.get(timeout=60) is False  # (it does not wait)
-        other.join(60)
-    other = context.Process(target=_try_lock, args=(str(path), answer))
-    other.start()
-    assert answer.get(timeout=60) is True  # (released on exit)
-    other.join(60)
+        assert not _try_lock(path)  # (it does not wait)
+    assert _try_lock(path)  # (released on exit)
