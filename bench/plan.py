@@ -8,7 +8,7 @@ numpy allocations, by ``tracemalloc``):
   layout of half as many shards (what a worker of a resumed run on half the ranks computes).
 
 Cases: 1B samples on 65,536 shards (targets: plan <= 0.1 s and <= 50 MB, reshard <= 0.5 s), 100M
-on 8,192 and 10M on 1,024, batches of 256; next to today's ``workers.sources._positions`` as of
+on 8,192 and 10M on 1,024, batches of 256; next to today's ``workers.sources.plan._positions`` as of
 :data:`BASELINE` (read with ``git show``: one permutation of the whole epoch) where it fits:
 10M, and 100M without ``--quick``.
 """

@@ -81,7 +81,7 @@ class Sampling:
     ``fingerprint``: what the source reads, so that a state is not resumed over other data:
     ``files:<hash>`` of ``sharded_files``'s list of files, or the ``fingerprint=`` given to
     ``sharded_source`` (empty: none). ``parts``: what the data is part by part (shards, class
-    folders: ``workers.sources._parts``), kept in a state so that a refused one names what
+    folders: ``workers.sources.plan._parts``), kept in a state so that a refused one names what
     differs (empty: not known)."""
 
     __reduce__ = _reduce

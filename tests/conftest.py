@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loader.sample import write_sample_dataset
-from workers.sources._folder_index import CACHE_DIR_ENV
+from workers.sources.storage import CACHE_DIR_ENV
 
 pytest_plugins = ["pytester"]
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import shutil
+import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -12,6 +15,7 @@ from typing import Any, ClassVar
 
 import fsspec
 import nvidia.dali.experimental.dynamic as ndd
+import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from loader import Shard, sharded_tars
@@ -81,8 +85,8 @@ def write_payload_tars(
 def write_idx(paths: list[Path]) -> None:
     """Write each shard's ``.idx`` beside it (what DALI's ``wds2idx`` writes), touching no
     cache."""
-    from workers.sources._tar_index import scan
-    from workers.sources._wds_idx import format_idx
+    from workers.sources.tars._index import scan
+    from workers.sources.tars._wds_idx import format_idx
 
     for path in paths:
         with open(path, "rb") as stream:
@@ -99,9 +103,9 @@ def summary_of(
     """The summary of the shards at ``paths``, their identities as ``identity`` tells (by
     default: as local files); ``samples``: what it says of some shards' sample counts instead
     of the truth (a summary that lies)."""
-    from workers.sources._storage import storage_for
-    from workers.sources._tar_index import scan
-    from workers.sources._tar_summary import ShardEntry, encode
+    from workers.sources.storage import storage_for
+    from workers.sources.tars._index import scan
+    from workers.sources.tars._summary import ShardEntry, encode
 
     entries = {}
     for path in paths:
@@ -117,7 +121,7 @@ def index_beside(paths: list[Path], samples: dict[str, int] | None = None) -> No
     """Write each local shard's ``.idx`` beside it and the shards' summary (``samples``: see
     :func:`summary_of`), touching no cache: as the index command leaves them, but no worker of
     this node has seen them."""
-    from workers.sources._tar_summary import SUMMARY
+    from workers.sources.tars._summary import SUMMARY
 
     write_idx(paths)
     (paths[0].parent / SUMMARY).write_bytes(summary_of(paths, samples=samples))
@@ -301,3 +305,12 @@ class ThrottledFileSystem(LocalFileSystem):  # type: ignore[misc]
 
 
 fsspec.register_implementation("throttled", ThrottledFileSystem, clobber=True)
+
+
+def wds2idx(tar: Path, out: Path) -> bytes:
+    """DALI's own tool on ``tar`` (installed with DALI as ``wds2idx``)."""
+    tool = shutil.which("wds2idx") or str(Path(sys.executable).with_name("wds2idx"))
+    if not Path(tool).exists():
+        pytest.skip("DALI's wds2idx is not installed")
+    subprocess.run([tool, str(tar), str(out)], check=True, capture_output=True)
+    return out.read_bytes()

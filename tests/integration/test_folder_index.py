@@ -17,7 +17,7 @@ import pytest
 
 from loader import Loader
 from tests import pipelines as P
-from workers.sources._folder_index import CACHE_DIR_ENV
+from workers.sources.storage import CACHE_DIR_ENV
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -26,8 +26,8 @@ import pytest
 
 from loader import ImageTooLargeError, Loader
 from tests import tar_pipelines as T
-from workers.sources._storage import StorageFailure
-from workers.sources._tar_summary import SUMMARY
+from workers.sources.storage import StorageFailure
+from workers.sources.tars._summary import SUMMARY
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -191,7 +191,7 @@ class Place:
         (self.directory / SUMMARY).write_bytes(data)
 
     def identity(self, path: Path) -> tuple[int, str]:
-        from workers.sources._storage import storage_for
+        from workers.sources.storage import storage_for
 
         return storage_for(str(path)).identity(str(path))
 

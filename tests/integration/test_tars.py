@@ -283,7 +283,7 @@ def test_a_link_member_under_skip_leaves_out_only_what_is_from_it_on(tmp_path: P
     missing), and only it."""
     import warnings
 
-    from workers.sources._tar_index import scan_whole_samples
+    from workers.sources.tars._index import scan_whole_samples
 
     paths = T.write_id_tars(tmp_path, 16, 8)
     T.with_link_member(paths[1], 4)  # train-001: ids 8-15; its sample 4 is id 12
@@ -319,7 +319,7 @@ def test_a_summary_that_lies_about_a_shard_is_named_with_the_command_that_mends_
     import shlex
 
     from loader import tars
-    from workers.sources._storage import StorageFailure
+    from workers.sources.storage import StorageFailure
 
     paths = T.write_id_tars(tmp_path, 8, 4)
     T.index_beside(paths, samples={"train-001.tar": 5})

@@ -24,7 +24,7 @@ import pytest
 
 from loader import Loader
 from tests import tar_pipelines as T
-from workers.sources._storage import StorageFailure
+from workers.sources.storage import StorageFailure
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
@@ -322,8 +322,8 @@ def test_a_fresh_cache_reads_a_fraction_of_the_dataset_before_the_first_batch(
 ) -> None:
     """48 shards, 2 workers, a cache that has never seen them: the first batch waits for the
     shards of each worker's first group (4 of 48 each), not for the dataset."""
-    from workers.sources._tar_index import scan
-    from workers.sources._wds_idx import format_idx
+    from workers.sources.tars._index import scan
+    from workers.sources.tars._wds_idx import format_idx
 
     paths = T.write_payload_tars(tmp_path, 48, 40, 8000)
     counted.upload(paths)
@@ -610,8 +610,8 @@ def test_a_worker_sets_its_store_client_up_ahead_and_without_a_request(counted: 
     code = textwrap.dedent(
         """
         import sys, threading, time
-        from workers.sources._control import STARTED_TOGETHER
-        from workers.sources._storage import storage_for
+        from workers.sources.plan._control import STARTED_TOGETHER
+        from workers.sources.storage import storage_for
 
         url, options = sys.argv[1], eval(sys.argv[2])
         elsewhere = storage_for(url, options, retries=7)

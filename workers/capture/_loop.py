@@ -19,7 +19,7 @@ Invariants:
 * The control channel is read and written by the main thread only.
 * The worker owns its control state (``Worker.control``: ``on_error`` and the samples known to
   fail, for the process's life; ``Sources.feed``: the batches in flight, per built source) and
-  hands it to a sharded source (:mod:`workers.sources._control`); only the main thread writes it.
+  hands it to a sharded source (:mod:`workers.sources.plan._control`); only the main thread writes it.
 * DALI's random generators are set only right after the sources are built, before any loop over
   them (``Worker.random``, :mod:`._random`); every batch carries their states after its step.
 * A slot is written only between acquiring it and publishing it; the worker never touches a

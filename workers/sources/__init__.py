@@ -1,22 +1,24 @@
 """The data sources: what a worker reads, sample by sample, and in which order. Runs in the
 worker (and, for the planning arithmetic, in the trainer).
 
-One family over one planning core:
+A face over its wings, each a sub-package with a face of its own, bottom up:
 
-* ``_positions`` (layouts, positions, the batches a shard owes) and ``_epoch_order`` (an epoch's
-  seeded order): pure arithmetic, no DALI, no I/O; the trainer uses them too.
-* ``_sampling``: ``BatchedSamples`` (full batches of a shard, padding flagged, a saved position
-  resumed) over any ``load(index)``.
-* ``_files`` (files and ImageFolders, with ``_folder_index``), ``_tars`` (tar shards, with the
-  tar index, summary, writer and indexer modules ``_tar_*``, ``_wds_idx``).
+* :mod:`~workers.sources.plan`: the planning arithmetic (positions, an epoch's order, the parts a
+  state records, the worker's control state, :class:`BatchedSamples` over any ``load(index)``):
+  no DALI, no I/O; the trainer uses it too, through its face.
+* :mod:`~workers.sources.storage`: the bytes (local ``pread`` or fsspec, identities, retries,
+  :class:`StorageFailure`) and the mapped index files every format keeps.
+* :mod:`~workers.sources.files`: files and ImageFolders (with their folder index), and the
+  image-size guard every format applies.
+* :mod:`~workers.sources.tars`: the WebDataset tar format (reader, order, fetch, shards,
+  listing, walk, index, summary; the writer and the index command apart, offline).
 * ``_datasets``: the dataset definitions ``FilesDataset``, ``TarsDataset``, ``SamplesDataset``
   (what a mixture takes); ``_mix`` (``sharded_mix``); ``_sharded``: ``sharded_source``,
-  ``sharded_files``, ``sharded_tars``, one call each over a dataset definition. Each module imports
-  only those listed before it (no import circle).
-* ``_storage`` (local ``pread`` or fsspec, identities, retries) and ``_index_file`` (mapped index
-  files): the one storage layer they share.
-* ``_control``: the worker's control state a ``sharded_source``/``sharded_files`` root is bound
-  with (``on_error``, the samples known to fail, the batches in flight), made by the worker.
+  ``sharded_files``, ``sharded_tars``, one call each over a dataset definition.
+
+Imports between wings go down that list and through a wing's face, never to another wing's
+private module: ``plan`` imports no other wing, ``storage`` only ``plan``, ``files`` those two,
+``tars`` those three, and the modules at this level any wing. No import circle.
 
 May import: ``ipc``, the standard library, numpy, and from ``workers`` only :mod:`workers.spec`,
 :mod:`workers.transport` (an error's context), :mod:`workers.startup` (the storage backends a
@@ -26,20 +28,19 @@ worker's command loop (:mod:`workers.capture`) takes the control state and
 :class:`BatchedSamples` from here.
 """
 
-from ._control import (
+from ._datasets import FilesDataset, SamplesDataset, TarsDataset
+from ._mix import sharded_mix
+from ._sharded import sharded_files, sharded_source, sharded_tars
+from .files import MAX_IMAGE_PIXELS, ImageTooLargeError, list_files
+from .plan import (
     REPORT_PROGRESS,
     SKIP_DAMAGED,
     STARTED_TOGETHER,
+    BatchedSamples,
     FeedState,
     SampleControl,
-)
-from ._datasets import FilesDataset, SamplesDataset, TarsDataset
-from ._files import list_files
-from ._image_size import MAX_IMAGE_PIXELS, ImageTooLargeError
-from ._mix import sharded_mix
-from ._parts import describe_difference
-from ._positions import (
     continue_from,
+    describe_difference,
     every_shard_steps,
     plan_epoch,
     shard_batches,
@@ -48,12 +49,9 @@ from ._positions import (
     steps_left,
     steps_per_epoch,
 )
-from ._sampling import BatchedSamples
-from ._sharded import sharded_files, sharded_source, sharded_tars
-from ._storage import StorageFailure
-from ._tar_tool import Progress as IndexProgress
-from ._tar_tool import index_dataset
-from ._tars import write_tars
+from .storage import StorageFailure
+from .tars import Progress as IndexProgress
+from .tars import index_dataset, write_tars
 
 __all__ = [
     "MAX_IMAGE_PIXELS",

@@ -4,7 +4,7 @@ wraps. Runs in the worker.
 A dataset is a definition (paths, URLs, a ``load``): :meth:`open` opens it in a worker (its
 size, how to load a sample, its fingerprint, its own epoch orders), and :meth:`source` makes the
 ``ndd.ExternalSource`` root of one shard of it, with every guarantee of
-:func:`~workers.sources._sampling.sharded_source`. ``sharded_files(shard, root, ...)`` is
+:func:`~workers.sources.sharded_source`. ``sharded_files(shard, root, ...)`` is
 ``FilesDataset(root).source(shard, ...)``, ``sharded_tars`` is ``TarsDataset``'s and
 ``sharded_source`` is ``SamplesDataset``'s; :func:`~workers.sources._mix.sharded_mix` opens each
 of the datasets it mixes.
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..spec import Shard
-from ._image_size import MAX_IMAGE_PIXELS, checked_limit
-from ._sampling import BatchedSamples, Batching, OpenedSource
-from ._storage import AHEAD_BYTES, RETRIES
+from .files import MAX_IMAGE_PIXELS, checked_limit
+from .plan import BatchedSamples, Batching, OpenedSource
+from .storage import AHEAD_BYTES, RETRIES
 
 
 class _Kind:
@@ -66,7 +66,7 @@ class FilesDataset(_Kind):
     max_image_pixels: int | None = MAX_IMAGE_PIXELS
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
-        from ._files import FileLoader, open_files
+        from .files import FileLoader, open_files
 
         limit = checked_limit(self.max_image_pixels)
         files = open_files(self.root_or_files, self.labels)
@@ -96,7 +96,7 @@ class TarsDataset(_Kind):
     max_image_pixels: int | None = MAX_IMAGE_PIXELS
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
-        from ._tars import open_tar_source
+        from .tars import open_tar_source
 
         return open_tar_source(
             shard,

@@ -39,9 +39,7 @@ import numpy as np
 
 from ..spec import Shard
 from ._datasets import Dataset, FilesDataset, SamplesDataset, TarsDataset
-from ._epoch_order import EpochOrder
-from ._positions import Order
-from ._sampling import BatchedSamples, Batching, OpenedSource
+from .plan import BatchedSamples, Batching, EpochOrder, OpenedSource, Order
 
 logger = logging.getLogger("workers")
 

@@ -1,7 +1,7 @@
 """The public ``sharded_*`` functions: one call that builds a dataset definition
 (:mod:`._datasets`) and opens its source for one shard. Runs in the worker.
 
-Above the source modules (:mod:`._sampling`, :mod:`._files`, :mod:`._tars`) and the dataset
+Above the source modules (:mod:`.plan`, :mod:`.files`, :mod:`.tars`) and the dataset
 definitions, which never import it: the family has no import circle.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 
 from ..spec import Shard
 from ._datasets import FilesDataset, SamplesDataset, TarsDataset
-from ._image_size import MAX_IMAGE_PIXELS
-from ._sampling import Batching
-from ._storage import AHEAD_BYTES, RETRIES
+from .files import MAX_IMAGE_PIXELS
+from .plan import Batching
+from .storage import AHEAD_BYTES, RETRIES
 
 
 def sharded_files(

@@ -4,7 +4,7 @@ A :class:`BatchClock` follows the main thread through each batch: the step start
 (:meth:`~BatchClock.begin`), DALI's outputs are ready (:meth:`~BatchClock.evaluated`), the
 outputs are in their slot (:meth:`~BatchClock.stages`, which also takes the time spent waiting
 for that slot). What a ``sharded_source``/``sharded_files`` root spent loading comes from its
-running totals (:class:`~workers.sources._sampling.BatchedSamples`), read once per batch; time spent
+running totals (:class:`~workers.sources.plan._sampling.BatchedSamples`), read once per batch; time spent
 waiting for a command between epochs is added by the command loop (:meth:`~BatchClock.idle`).
 Each batch's :class:`~ipc.wire.StageTimes` travels in its ``BatchReady``.
 

@@ -59,7 +59,7 @@ def test_a_format_2_state_loads_at_an_epoch_start_and_is_refused_mid_epoch() -> 
 
 
 def test_a_datasets_parts_name_what_differs_and_stay_small() -> None:
-    from workers.sources._parts import decode_parts, describe_difference, encode_parts
+    from workers.sources.plan._parts import decode_parts, describe_difference, encode_parts
 
     shards = [(f"train-{k:06d}.tar", 81920 + k % 7, 1251) for k in range(8192)]
     saved = encode_parts("shard", shards)

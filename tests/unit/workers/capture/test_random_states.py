@@ -17,8 +17,9 @@ from ipc import place_outputs, wire
 from loader.run._checkpoint import make_state, parse_state
 from workers import dali
 from workers.capture._random import RandomGenerators
-from workers.sources._files import ListedFiles
-from workers.sources._folder_index import CACHE_DIR_ENV, open_folder
+from workers.sources.files._files import ListedFiles
+from workers.sources.files._folder_index import open_folder
+from workers.sources.storage import CACHE_DIR_ENV
 
 SAMPLING = wire.Sampling(30, 4, 0, True, False, "v1")
 STATE_A = "Philox_0000000000000007_0000000000000000:0000000000000005_1"

@@ -1,5 +1,5 @@
 """The sharded-source options (batch size, shuffle, drop_last) are declared once
-(``workers.sources._sampling.Batching``): every public ``sharded_*`` function and dataset
+(``workers.sources.plan._sampling.Batching``): every public ``sharded_*`` function and dataset
 ``source`` names them in its signature, and passes them on as one object to BatchedSamples."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from loader import (
     sharded_source,
     sharded_tars,
 )
-from workers.sources._sampling import BatchedSamples, Batching
+from workers.sources.plan._sampling import BatchedSamples, Batching
 
 #: The public signatures, exactly as they were before the options were declared once (and
 #: ``sharded_tars``' ``ahead_bytes`` and both file sources' ``max_image_pixels``, added since).

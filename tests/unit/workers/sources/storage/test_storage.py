@@ -1,0 +1,67 @@
+"""Storage without workers: URL patterns, retries of transient errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from workers.sources.storage import _failures, _storage
+
+
+def test_brace_patterns_expand_like_webdataset() -> None:
+    assert _storage.expand_urls("s3://b/train-{000..002}.tar") == [
+        "s3://b/train-000.tar",
+        "s3://b/train-001.tar",
+        "s3://b/train-002.tar",
+    ]
+    assert _storage.expand_urls("d/{a,b}-{8..10}.tar") == [
+        "d/a-8.tar",
+        "d/a-9.tar",
+        "d/a-10.tar",
+        "d/b-8.tar",
+        "d/b-9.tar",
+        "d/b-10.tar",
+    ]
+    with pytest.raises(ValueError, match="first <= last"):
+        _storage.expand_urls("t-{5..2}.tar")
+    with pytest.raises(ValueError, match="unbalanced"):
+        _storage.expand_urls("t-{1..2.tar")
+    with pytest.raises(ValueError, match="empty"):
+        _storage.expand_urls([])
+
+
+def test_transient_errors_are_tried_again_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    assert _failures.transient(ConnectionResetError())
+    assert _failures.transient(TimeoutError())
+    assert _failures.transient(OSError(os.strerror(104)).__class__(104, "reset"))
+    assert not _failures.transient(FileNotFoundError())
+    assert not _failures.transient(PermissionError())
+    assert not _failures.transient(ValueError("bad"))
+
+    class SlowDown(Exception):  # (botocore names throttling this way)
+        pass
+
+    assert _failures.transient(SlowDown())
+    storage = _storage.RemoteStorage.__new__(_storage.RemoteStorage)
+    storage.retries = 2
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionResetError(104, "reset by peer")
+        return "data"
+
+    caplog.set_level(logging.WARNING, logger="workers")
+    previous, _storage.BACKOFF = _storage.BACKOFF, 0.001
+    try:
+        assert storage.retried("reading", "s3://b/x.tar", flaky) == "data"
+        calls.clear()
+        storage.retries = 1
+        with pytest.raises(OSError, match=r"^s3://b/x\.tar: reading failed: ConnectionResetError"):
+            storage.retried("reading", "s3://b/x.tar", flaky)
+    finally:
+        _storage.BACKOFF = previous
+    assert sum("trying again" in r.message for r in caplog.records) == 3

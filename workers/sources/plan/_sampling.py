@@ -1,0 +1,420 @@
+"""Exactly-once sharding and full batches for ExternalSource roots. Runs in the worker.
+
+DALI refuses a short batch from an ExternalSource root (``Expected batch size B, got n``), and a
+reader's own ``pad_last_batch``/``stick_to_shard`` rules decide which samples an epoch holds. The
+helpers here let the loader decide instead, deterministically from the seed and the epoch
+(:mod:`workers.sources.plan._positions` does the arithmetic):
+
+* :class:`BatchedSamples` turns a shard's part of each epoch into full batches of ``batch_size``
+  and records, per batch yielded, how many rows are padding; the worker attaches that count to
+  the delivered batch (``info.padded``). Built for a shard that carries a saved position, its
+  first epoch starts where that position stopped (nothing before it is loaded).
+* :func:`sharded_source` puts it in an ``ndd.ExternalSource`` ready to return from
+  ``source(shard)``, over any ``load(index)``; the worker finds it there by the source's type
+  (``_dali.ShardedExternalSource``).
+* :func:`~workers.sources.sharded_files` (in :mod:`sources._sharded`) does the same over image
+  files.
+
+A :class:`BatchedSamples` holds the user's state only. The worker's control state (``on_error``,
+the samples known to fail, the records of batches in flight, whether one iteration runs every
+epoch) is owned by the worker (:mod:`workers.sources.plan._control`) and handed over with
+:meth:`BatchedSamples.bind`; unbound, it loads every sample, raises when a ``load`` raises and runs
+one epoch per iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from ipc.wire import LoadRunning, Sampling
+
+from ...spec import Shard
+from ...transport import attach
+from ._control import FedBatch, FeedState, SampleControl
+from ._positions import Batch, Orders, shard_batches, shard_steps
+
+logger = logging.getLogger("workers")
+
+#: Batches whose arrays a source keeps referenced after yielding them.
+_KEEP_ALIVE = 4
+#: The epochs whose plan of batches is kept (this one and the next).
+_PLANS_KEPT = 2
+
+#: Largest sample (bytes) that is stacked with the rest of its batch into one dense array.
+_STACK_BYTES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Batching:
+    """How a shard's samples become batches: the options of every ``sharded_*`` function and of
+    a dataset's ``source``, declared once here. Their public signatures name each of these
+    fields, with its default; their bodies pass them on as one object (:meth:`pick`), down to
+    :class:`BatchedSamples`. A new option: a field here, and a keyword in those signatures."""
+
+    batch_size: int
+    shuffle: bool = True
+    drop_last: bool = False
+
+    @classmethod
+    def pick(cls, arguments: Mapping[str, Any]) -> Batching:
+        """The options among a function's ``arguments`` (its ``locals()``), by their names."""
+        return cls(**{option.name: arguments[option.name] for option in fields(cls)})
+
+
+class BatchedSamples:
+    """Re-iterable: each ``iter()`` is one epoch of full batches over this shard's samples.
+
+    ``load(index)`` returns one sample (an array) or a tuple of ``num_outputs`` arrays; with
+    ``pass_epoch=True`` it is called as ``load(index, epoch)``, the epoch the sample is loaded
+    for. ``fingerprint``: what the samples are (saved in a state, checked when it is loaded);
+    ``parts``: what they are part by part (:mod:`sources.plan._parts`: a refused state names the
+    parts that differ).
+    ``orders``: the source's own epoch orders (see :data:`sources.plan._positions.Orders`), else the
+    seeded permutation of ``[0, total)``. ``batching``: :class:`Batching`, or a batch size and
+    the other options of :class:`Batching` by name (``BatchedSamples(shard, 16, load, 4,
+    drop_last=True)``).
+
+    A ``load`` that reads ahead (tar shards in an object store) is told what is coming: when it
+    has an ``expect(epoch, ids)`` method, that is called with the sample ids of every batch of an
+    epoch (in order) before the epoch's first load, and ``passed(epoch, step)`` once batch
+    ``step`` is loaded (what only earlier batches needed can go).
+    """
+
+    def __init__(
+        self,
+        shard: Shard,
+        total: int,
+        load: Callable[..., Any],
+        batching: Batching | int,
+        *,
+        num_outputs: int = 1,
+        fingerprint: str = "",
+        pass_epoch: bool = False,
+        orders: Orders | None = None,
+        parts: str = "",
+        left_out: tuple[str, ...] = (),
+        **options: Any,
+    ) -> None:
+        if not isinstance(batching, Batching):
+            batching = Batching(batching, **options)
+        elif options:
+            raise TypeError(f"options {sorted(options)} given besides a Batching")
+        batch_size = batching.batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise ValueError(f"total must be a positive number of samples, got {total!r}")
+        self.shard = shard
+        self.load = load
+        self.pass_epoch = pass_epoch
+        self.num_outputs = num_outputs
+        self.orders = orders
+        self.batching = batching
+        #: what the source leaves out of every epoch (``wire.Hello.left_out``)
+        self.left_out = left_out
+        # the loader's seed: the same on every shard (a shard's own seed is seed + index)
+        seed = shard.seed - shard.index
+        self.sampling = Sampling(
+            total, batch_size, seed, batching.shuffle, batching.drop_last, fingerprint, parts
+        )
+        self.epoch = shard.epoch
+        self.position = shard.position
+        self._plans: OrderedDict[int, list[Batch]] = OrderedDict()  # (see batches_for_epoch)
+        # the worker's, handed over by ``bind``; until then, a control state of its own
+        self._control = SampleControl()
+        self._feed = FeedState()
+        #: the load running now: (sample id, time.monotonic() at its start; written by the
+        #: thread that loads), and the batch (epoch, step) loaded last or now (written by the
+        #: main thread); read when the trainer asks a stuck worker for its stack
+        self.loading: tuple[int, float] | None = None
+        self.loading_batch: tuple[int, int] = (-1, -1)
+        #: for the worker's per-stage timing (ns, running totals): the main thread's waits for a
+        #: batch's samples, and the prefetch thread's wall and CPU time in ``load_batch``
+        self.wait_ns = 0
+        self.load_ns = 0
+        self.load_cpu_ns = 0
+        #: batches of this shard in a whole epoch (a worker may have one more than another)
+        self.steps = shard_steps(
+            total, shard.index, shard.count, batch_size, batching.drop_last, shard.world_size
+        )
+        #: batches of the first epoch these sources run (fewer when resumed mid-epoch)
+        self.first_epoch_steps = len(self.batches_for_epoch(self.epoch))
+
+    def bind(self, control: SampleControl, feed: FeedState) -> None:
+        """Take the worker's control state (before the first epoch): ``control`` decides how
+        failing samples are handled, ``feed`` records the batches handed to DALI."""
+        self._control = control
+        self._feed = feed
+
+    @property
+    def total(self) -> int:
+        return self.sampling.total
+
+    @property
+    def batch_size(self) -> int:
+        return self.sampling.batch_size
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def batches_for_epoch(self, epoch: int) -> list[Batch]:
+        """(indices, padded rows) of every batch of ``epoch`` this shard yields: planned once
+        (it is asked for at the start, when the epoch runs and by the worker's records of it)
+        and kept for the last two epochs, so the same list each time: not to be changed."""
+        plan = self._plans.get(epoch)
+        if plan is None:
+            shard = self.shard
+            plan = shard_batches(
+                self.sampling,
+                epoch,
+                shard.index,
+                shard.count,
+                self.position,
+                self.orders,
+                ranks=shard.world_size,
+            )
+            self._plans[epoch] = plan
+            while len(self._plans) > _PLANS_KEPT:
+                self._plans.popitem(last=False)
+        return plan
+
+    def load_sample(self, index: int, epoch: int) -> Any:
+        """Sample ``index`` as loaded for ``epoch``: ``load(index)``, or ``load(index, epoch)``."""
+        return self.load(index, epoch) if self.pass_epoch else self.load(index)
+
+    def _load(self, index: int, epoch: int) -> Any:
+        """:meth:`load_sample`; an exception leaves with the phase and the sample id in its
+        context (:mod:`workers.transport._error_context`)."""
+        self.loading = (index, time.monotonic())
+        try:
+            return self.load_sample(index, epoch)
+        except Exception as error:
+            attach(error, phase=f"load, sample {index}")
+            raise
+        finally:
+            self.loading = None
+
+    def load_in_progress(self) -> LoadRunning | None:
+        """The sample whose ``load`` runs now (on the prefetch thread), and for how long; None
+        when none runs."""
+        loading = self.loading
+        if loading is None:
+            return None
+        index, started = loading
+        try:
+            name = self.name(index)
+        except Exception:
+            name = str(index)
+        epoch, step = self.loading_batch
+        return LoadRunning(index, time.monotonic() - started, name, epoch, step)
+
+    def name(self, index: int) -> str:
+        """A sample's name: a file's path for sharded_files, else its id."""
+        name = getattr(self.load, "describe", None)
+        return str(index) if name is None else str(name(index))
+
+    def describe(self, index: int) -> str:
+        """How a sample is named in logs and errors: its id, and its file for sharded_files."""
+        name = self.name(index)
+        return f"sample {index}" if name == str(index) else f"sample {index} ({name})"
+
+    def _timed_load_batch(self, chunk: np.ndarray[Any, Any], epoch: int) -> LoadedSamples:
+        """:meth:`load_batch`, its wall and CPU time added to ``load_ns`` and ``load_cpu_ns``
+        (on the prefetch thread, their only writer)."""
+        wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            return self.load_batch(chunk, epoch)
+        finally:
+            self.load_cpu_ns += time.thread_time_ns() - cpu
+            self.load_ns += time.perf_counter_ns() - wall
+
+    def load_batch(self, chunk: np.ndarray[Any, Any], epoch: int) -> LoadedSamples:
+        """Every sample of a batch of ``epoch``; with ``on_error="skip"`` a sample whose
+        ``load`` raises (or that is known bad) is replaced by a repeat of a good sample of the
+        same batch.
+        May run on the prefetch thread: it writes no shared state and reports nothing itself
+        (the caller does both from ``LoadedSamples.errors``)."""
+        ids = [int(index) for index in chunk]
+        if not self._control.skip:
+            return LoadedSamples([self._load(index, epoch) for index in ids])
+        samples: list[Any] = []
+        failed: list[int] = []
+        errors: list[tuple[int, str]] = []
+        raised: set[int] = set()  # ids whose load raised in this batch (one may repeat)
+        for row, index in enumerate(ids):
+            if index in raised or index in self._control.bad:
+                samples.append(None)
+                failed.append(row)
+                continue
+            try:
+                samples.append(self._load(index, epoch))
+            except Exception as error:
+                if getattr(error, "_loader_fatal", False):  # storage, not the sample: stop
+                    raise
+                raised.add(index)
+                errors.append((index, f"load raised {type(error).__name__}: {error}"[:300]))
+                samples.append(None)
+                failed.append(row)
+        if not failed:
+            return LoadedSamples(samples)
+        good = next((sample for sample in samples if sample is not None), None)
+        if good is None:
+            raise RuntimeError(
+                f"every sample of a batch failed ({', '.join(self.describe(i) for i in ids[:4])}"
+                f"{', ...' if len(ids) > 4 else ''}): that is a pipeline bug, not bad data"
+            )
+        for row in failed:
+            samples[row] = good
+        skipped = tuple(dict.fromkeys(ids[row] for row in failed))
+        return LoadedSamples(samples, tuple(failed), skipped, errors)
+
+    def __iter__(self) -> Iterator[Any]:
+        """One epoch of batches; when the worker's feed state is ``continuous``, every epoch
+        after it too, in order (the worker then counts each epoch's steps itself, and DALI's
+        prefetch runs on into the next epoch while the last batches of this one are delivered,
+        as it does for a reader)."""
+        while True:
+            epoch = self.epoch
+            self.epoch += 1
+            batches = self.batches_for_epoch(epoch)
+            yield from self._epoch(epoch, batches)
+            if not self._feed.continuous or (not batches and self.steps == 0):
+                return
+
+    def epoch_steps(self, epoch: int) -> int:
+        """Batches of ``epoch`` (fewer in the epoch of a saved position)."""
+        return self.first_epoch_steps if epoch == self.shard.epoch else self.steps
+
+    def batch_at(self, epoch: int, step: int) -> tuple[list[int], frozenset[int]] | None:
+        """The sample ids of batch ``step`` of ``epoch``, and those of them it was loaded
+        without (replaced as known bad: they cannot have broken it). A step past the epoch's
+        end is in the next one when the batches are continuous. None past the last batch."""
+        batches = self.batches_for_epoch(epoch)
+        if step >= len(batches) and self._feed.continuous:
+            step -= len(batches)
+            epoch += 1
+            batches = self.batches_for_epoch(epoch)
+        if step >= len(batches):
+            return None
+        # ``bad`` grows while batches are in flight (another worker's finds arrive any time):
+        # what a batch was loaded without is in its record, until the batch is delivered
+        fed = self._feed.find(epoch, step)
+        replaced = self._control.bad if fed is None else frozenset(fed.skipped)
+        return [int(index) for index in batches[step][0]], replaced
+
+    def _epoch(self, epoch: int, batches: list[Batch]) -> Iterator[Any]:
+        """The batches of one epoch. Batch k+1's samples are loaded on a prefetch thread while
+        DALI works on batch k (file reads release the GIL), so I/O overlaps decoding."""
+        import nvidia.dali.experimental.dynamic as ndd
+
+        if not batches:
+            return
+        # The batches are views of the loaded arrays (``ndd.as_batch``: no copy; ``ndd.batch``
+        # would copy every batch, and its first copy makes DALI's trace parse its own 1,000-line
+        # ``_batch.py`` with libcst, ~0.45 s per worker). DALI copies a fed batch into its own
+        # buffers; the last few are kept alive here all the same.
+        alive: deque[list[Any]] = deque(maxlen=_KEEP_ALIVE)
+        expect = getattr(self.load, "expect", None)
+        passed = getattr(self.load, "passed", None)
+        if expect is not None:
+            expect(epoch, [chunk for chunk, _pad in batches])
+        with ThreadPoolExecutor(1, thread_name_prefix="sample-prefetch") as prefetch:
+            self.loading_batch = (epoch, 0)
+            load = self._timed_load_batch
+            pending: Future[LoadedSamples] = prefetch.submit(load, batches[0][0], epoch)
+            for step, (_chunk, pad_rows) in enumerate(batches):
+                waited = time.perf_counter_ns()
+                loaded = pending.result()
+                self.wait_ns += time.perf_counter_ns() - waited
+                if passed is not None:
+                    passed(epoch, step)
+                if loaded.errors:  # remembered here (main thread) before the next batch loads
+                    self._control.add_bad(index for index, _reason in loaded.errors)
+                if step + 1 < len(batches):
+                    self.loading_batch = (epoch, step + 1)  # (one load_batch at a time)
+                    pending = prefetch.submit(load, batches[step + 1][0], epoch)
+                for index, reason in loaded.errors:
+                    self._skipped_on_load(epoch, step, index, reason)
+                self._feed.fed(FedBatch(epoch, step, pad_rows, loaded.replaced, loaded.skipped))
+                samples = loaded.samples
+                outputs = [
+                    _batch_arrays(
+                        [
+                            np.ascontiguousarray(sample if self.num_outputs == 1 else sample[k])
+                            for sample in samples
+                        ]
+                    )
+                    for k in range(self.num_outputs)
+                ]
+                alive.append(outputs)
+                if self.num_outputs == 1:
+                    yield ndd.as_batch(outputs[0])
+                else:
+                    yield tuple(ndd.as_batch(arrays) for arrays in outputs)
+
+    def _skipped_on_load(self, epoch: int, step: int, index: int, reason: str) -> None:
+        """A sample whose ``load`` raised was left out of batch ``step`` of ``epoch``: the
+        worker tells the trainer (which logs it once for all workers, and tells the others);
+        without a worker, it is logged here."""
+        report = self._control.report_skipped
+        if report is not None:
+            report(epoch, step, index, self.name(index), reason)
+        else:
+            logger.warning("skipped %s: %s", self.describe(index), reason)
+
+
+def _batch_arrays(
+    arrays: list[np.ndarray[Any, Any]],
+) -> list[np.ndarray[Any, Any]] | np.ndarray[Any, Any]:
+    """Small samples of one shape and dtype (labels, ids) stacked into one array: DALI wraps a
+    list sample by sample (about 1.4 us each, 90 us for a batch of 64 labels) but a dense array
+    at once (17 us). Large or ragged samples stay a list of views (stacking would copy them)."""
+    first = arrays[0]
+    if first.nbytes > _STACK_BYTES:
+        return arrays
+    shape, dtype = first.shape, first.dtype
+    for array in arrays:
+        if array.shape != shape or array.dtype != dtype:
+            return arrays
+    return np.stack(arrays)
+
+
+@dataclass
+class LoadedSamples:
+    """One batch's samples as loaded; ``errors``: (id, reason) of each sample whose ``load``
+    raised, to remember and report on the main thread."""
+
+    samples: list[Any]
+    replaced: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()
+    errors: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass
+class OpenedSource:
+    """A dataset opened in a worker: its size, how to load a sample, what it is."""
+
+    total: int
+    load: Callable[[int], Any]
+    num_outputs: int
+    fingerprint: str
+    #: names of the outputs, when the dataset has them (``("jpg", "cls")``)
+    names: tuple[str, ...] | None = None
+    #: the dataset's own orders (a permutation per epoch, or per turn of its stream); None: a
+    #: seeded permutation of ``[0, total)``
+    orders: Orders | None = None
+    describe: Callable[[int], str] | None = None
+    #: ``load`` is called as ``load(index, epoch)``
+    pass_epoch: bool = False
+    #: what the dataset is, part by part (:mod:`sources.plan._parts`; empty: not known)
+    parts: str = ""
+    #: what it leaves out of every epoch, one line each (see ``wire.Hello.left_out``)
+    left_out: tuple[str, ...] = ()

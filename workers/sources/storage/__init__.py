@@ -1,0 +1,49 @@
+"""The bytes every format reads: local files (``pread``) or fsspec URLs, each object's identity
+(size, version), retries of transient failures, the URL patterns a job names, and the index
+files that readers map. Runs in the worker (and in ``python -m loader.tars``).
+
+* ``_storage``: :class:`Storage` (local or remote), :func:`storage_for`, retries, the URL
+  patterns a job names;
+* ``_failures``: identities, :class:`StorageFailure`, and which errors are transient;
+* ``_cache``: the node's cache directory, where the indexes a worker makes are kept;
+* ``_index_file``: index files (a JSON header and numpy arrays in one mapped file) and the lock
+  that makes one process build one while the others wait.
+
+May import: the standard library, numpy (fsspec inside functions), :mod:`workers.startup` (the
+storage backends a script opens) and :mod:`workers.sources.plan` (the pool's token). Nothing of
+the formats (:mod:`workers.sources.files`, :mod:`workers.sources.tars`): they import this.
+"""
+
+from ._cache import CACHE_DIR_ENV, cache_dir
+from ._failures import Identity, IdentityChanged, StorageFailure, storage_failure
+from ._index_file import locked
+from ._index_file import read as read_index_file
+from ._index_file import write as write_index_file
+from ._storage import (
+    AHEAD_BYTES,
+    RETRIES,
+    Storage,
+    expand_urls,
+    is_url,
+    local_path,
+    storage_for,
+)
+
+__all__ = [
+    "AHEAD_BYTES",
+    "CACHE_DIR_ENV",
+    "RETRIES",
+    "Identity",
+    "IdentityChanged",
+    "Storage",
+    "StorageFailure",
+    "cache_dir",
+    "expand_urls",
+    "is_url",
+    "local_path",
+    "locked",
+    "read_index_file",
+    "storage_failure",
+    "storage_for",
+    "write_index_file",
+]

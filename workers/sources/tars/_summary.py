@@ -1,0 +1,186 @@
+"""The summary of a directory of tar shards: one small object beside them. Runs in the worker and
+in ``python -m loader.tars``.
+
+``loader-summary.json`` beside the shards lists, for each shard it covers, what a worker needs to
+plan an epoch without opening the shard or its index: the shard's identity when it was indexed
+(its size, and its ETag or mtime) and its index's sample count and keys' hash. The workers of a
+node read it with one request; where it names every remote shard a job asks for, it stands for
+the directory's listing (each shard's identity then checked by the read of its bytes), else
+every entry is checked against the listing; a worker fetches a shard's ``.idx`` only when it is
+about to read that shard (:mod:`sources.tars._shards`)::
+
+    {"format": "dali-capture-loader tar summary", "version": 1,
+     "columns": ["name", "size", "version", "samples", "keys"],
+     "shards": [["train-000000.tar", 1843200, "ETag:9b2c...", 1251, "3f9a0c5e7d21b844"], ...],
+     "samples": 1281167}
+
+An entry whose shard's size or version differs from the listing is *stale*: it is not used (the
+shard's index is read or made instead) and the shards that differ are named. Entries of shards a
+job does not ask for are kept untouched, so one summary serves ``train-*`` and ``val-*`` in one
+directory. Where the store cannot be written, the summary is kept in this node's cache instead
+(named by a hash of the directory's URL), checked the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..storage import Identity, Storage, cache_dir, is_url
+
+logger = logging.getLogger("workers")
+
+SUMMARY = "loader-summary.json"
+FORMAT = "dali-capture-loader tar summary"
+VERSION = 1
+_COLUMNS = ["name", "size", "version", "samples", "keys"]
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard in a summary: its identity when indexed, its samples and its keys' hash."""
+
+    size: int
+    version: str
+    samples: int
+    keys: str
+
+    @property
+    def identity(self) -> Identity:
+        return (self.size, self.version)
+
+
+def encode(entries: Mapping[str, ShardEntry]) -> bytes:
+    """The summary's bytes (shards sorted by name)."""
+    rows = [
+        [name, entry.size, entry.version, entry.samples, entry.keys]
+        for name, entry in sorted(entries.items())
+    ]
+    document = {
+        "format": FORMAT,
+        "version": VERSION,
+        "columns": _COLUMNS,
+        "shards": rows,
+        "samples": sum(entry.samples for entry in entries.values()),
+    }
+    return (json.dumps(document, separators=(",", ":")) + "\n").encode()
+
+
+def decode(data: bytes, where: str) -> dict[str, ShardEntry]:
+    """The entries of a summary; ``ValueError`` naming ``where`` when it is not one."""
+    try:
+        document = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{where} is not JSON ({error})") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise ValueError(f"{where} is not a {FORMAT}")
+    if document.get("version") != VERSION or document.get("columns") != _COLUMNS:
+        raise ValueError(
+            f"{where} is a summary of version {document.get('version')!r}; this loader reads "
+            f"version {VERSION}: run python -m loader.tars index again"
+        )
+    entries = {}
+    try:
+        for name, size, version, samples, keys in document["shards"]:
+            entries[str(name)] = ShardEntry(int(size), str(version), int(samples), str(keys))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{where} has a malformed shard entry ({error})") from None
+    return entries
+
+
+def summary_url(directory: str) -> str:
+    return Storage.join(directory, SUMMARY)
+
+
+def cached_summary_path(directory: str) -> Path:
+    """This node's copy of a directory's summary (kept where the store cannot be written)."""
+    name = directory if is_url(directory) else os.path.realpath(directory or ".")
+    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return cache_dir("tar-index") / f"{digest}.summary.json"
+
+
+def read_summary(
+    storage: Storage,
+    directory: str,
+    listing: Mapping[str, Identity] | None,
+    read: Callable[[str], bytes] | None = None,
+) -> tuple[dict[str, ShardEntry], str] | None:
+    """The summary of ``directory`` and where it was read: the store's (when the listing shows
+    one, or there is no listing: no request otherwise), else this node's copy; None when there
+    is none or it cannot be read (logged). ``read``: how the store's is read (its bytes, or
+    ``FileNotFoundError``; by default ``storage.read_all``)."""
+    found: list[tuple[dict[str, ShardEntry], str]] = []
+    url = summary_url(directory)
+    if listing is None or SUMMARY in listing:
+        try:
+            found.append((decode((read or storage.read_all)(url), url), url))
+        except FileNotFoundError:
+            pass
+        except ConnectionError:  # (the store cannot be reached: nothing else will)
+            raise
+        except (OSError, ValueError) as error:
+            logger.warning("ignored the summary %s (%s)", url, error)
+    cached = cached_summary_path(directory)
+    if cached.exists():
+        try:
+            found.append((decode(cached.read_bytes(), str(cached)), str(cached)))
+        except (OSError, ValueError) as error:
+            logger.warning("ignored the summary %s (%s)", cached, error)
+    if not found:
+        return None
+    if len(found) == 1:
+        return found[0]
+    entries = dict(found[1][0])  # the node's copy, then the store's on top
+    entries.update(found[0][0])
+    return entries, found[0][1]
+
+
+def updated(
+    old: Mapping[str, ShardEntry],
+    new: Mapping[str, ShardEntry],
+    listing: Mapping[str, Identity] | None,
+) -> dict[str, ShardEntry]:
+    """``new`` over ``old``, keeping the entries of ``old`` whose shard is still listed as it
+    was (those of other shard sets in the directory)."""
+    kept = {
+        name: entry
+        for name, entry in old.items()
+        if listing is not None and listing.get(name) == entry.identity
+    }
+    kept.update(new)
+    return kept
+
+
+def write_summary(storage: Storage, directory: str, entries: Mapping[str, ShardEntry]) -> str:
+    """Write the summary beside the shards, else (the store refuses it) in this node's cache;
+    returns where it went. Raises ``OSError`` when neither can be written."""
+    data = encode(entries)
+    url = summary_url(directory)
+    try:
+        storage.write(url, data)
+        return url
+    except OSError as error:
+        logger.info("cannot write %s (%s): keeping the summary in this node's cache", url, error)
+    cached = cached_summary_path(directory)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    temporary = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, cached)
+    return str(cached)
+
+
+def describe_stale(stale: list[tuple[str, str]], limit: int = 5) -> str:
+    """``train-000003.tar (size 1000 -> 1200), ...`` for a message."""
+    shown = ", ".join(f"{name} ({why})" for name, why in stale[:limit])
+    return shown + (f" and {len(stale) - limit} more" if len(stale) > limit else "")
+
+
+def stale_reason(entry: ShardEntry, identity: Identity) -> str:
+    if entry.size != identity[0]:
+        return f"size {entry.size} -> {identity[0]}"
+    return f"{entry.version or 'no version'} -> {identity[1] or 'no version'}"

@@ -1,0 +1,256 @@
+"""Indexing a whole dataset of tar shards at once: what ``python -m loader.tars index`` runs.
+
+:func:`index_dataset` lists the shards' directories, skips the shards that are up to date (an
+``.idx`` beside them and a fresh entry in the summary), and gives the others to a pool of
+processes (spawned: each its own filesystem client): each finds the shard's ``.idx`` (checked
+against the shard) or scans the shard and writes its ``.idx`` beside it. The summary is written
+every :data:`SAVE_EVERY` seconds and at the end, so an interrupted run leaves what it did usable,
+and a second run finishes the job (shards whose ``.idx`` exists are read, not scanned).
+Library code: progress goes to a callback (the CLI prints it), not to stdout.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ipc.limits import usable_cpus
+
+from ..storage import RETRIES, Identity, storage_for
+from ._indexer import Indexer
+from ._listing import check_urls, list_shards
+from ._shards import shard_entries
+from ._summary import ShardEntry, read_summary, updated, write_summary
+
+#: Seconds between two saves of the summary while shards are indexed.
+SAVE_EVERY = 30.0
+
+
+@dataclass
+class Indexed:
+    """What one shard's indexing found (in a pool process)."""
+
+    shard: int
+    samples: int = 0
+    keys: str = ""
+    source: str = ""  # "idx", "cache" or "scan"
+    scanned_bytes: int = 0
+    wrote_beside: bool = True
+    error: str = ""
+
+
+@dataclass
+class Progress:
+    """Where an :func:`index_dataset` run stands (given to its ``progress`` callback)."""
+
+    total: int
+    up_to_date: int = 0
+    done: int = 0
+    scanned: int = 0
+    read_idx: int = 0
+    from_cache: int = 0  # (indexes this node had made: written beside their shards)
+    scanned_bytes: int = 0
+    failed: list[str] = field(default_factory=list)
+    not_beside: int = 0
+    started: float = field(default_factory=time.monotonic)
+    summaries: list[str] = field(default_factory=list)
+    samples: int = 0
+
+    @property
+    def finished(self) -> int:
+        return self.up_to_date + self.done
+
+
+def index_one(
+    url: str,
+    options: dict[str, Any] | None,
+    retries: int,
+    shard: int,
+    identity: Identity,
+    listed: bool | None,
+    force: bool,
+) -> Indexed:
+    """Index one shard (run in a pool process): its ``.idx`` when it fits, else a scan."""
+    storage = storage_for(url, options, retries)
+    indexer = Indexer(storage)
+    try:
+        found = indexer.get(
+            url, identity, listed=listed, force=force, publish_cached=True, recheck=False
+        )
+    except (OSError, ValueError, EOFError) as error:
+        return Indexed(shard, error=f"{type(error).__name__}: {error}")
+    assert found is not None
+    index, source = found
+    return Indexed(
+        shard,
+        index.samples,
+        index.keys_hash,
+        source,
+        indexer.scanned_bytes,
+        wrote_beside=indexer.writable,
+    )
+
+
+def index_dataset(
+    urls: str | Iterable[str],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    processes: int | None = None,
+    force: bool = False,
+    retries: int = RETRIES,
+    progress: Callable[[Progress], None] | None = None,
+) -> Progress:
+    """Index every shard of ``urls`` and write the summary (see the module docstring)."""
+    job = _IndexJob(check_urls(urls), storage_options, retries)
+    todo = job.plan(force)
+    if progress is not None:
+        progress(job.state)
+    workers = max(1, min(processes or usable_cpus(), len(todo) or 1))
+    job.run(todo, workers, force, progress)
+    job.state.samples = int(job.counts[job.done].sum())
+    if progress is not None:
+        progress(job.state)
+    return job.state
+
+
+class _IndexJob:
+    """One run of :func:`index_dataset`: what is known of every shard, and the summaries."""
+
+    def __init__(
+        self, expanded: list[str], storage_options: dict[str, Any] | None, retries: int
+    ) -> None:
+        self.expanded, self.retries = expanded, retries
+        self.options = dict(storage_options or {})
+        self.storage = storage_for(expanded[0], storage_options, retries)
+        self.listed = list_shards(self.storage, expanded)
+        count = len(expanded)
+        self.counts = np.zeros(count, dtype=np.int64)
+        self.hashes = [""] * count
+        self.done = np.zeros(count, dtype=bool)
+        self.summaries = {
+            d: read_summary(self.storage, d, listing) for d, listing in self.listed.listings.items()
+        }
+        self.state = Progress(count)
+
+    def plan(self, force: bool) -> list[int]:
+        """The shards to index: those the summary does not cover as they are now (all with
+        ``force``); the others are counted as up to date."""
+        storage, listed, todo = self.storage, self.listed, []
+        for k, url in enumerate(self.expanded):
+            summary = self.summaries[storage.dirname(url)]
+            entry = None if summary is None else summary[0].get(storage.basename(url))
+            fresh = entry is not None and entry.identity == listed.identities[k]
+            if fresh and listed.listed_idx[k] and not force:
+                assert entry is not None
+                self.counts[k], self.hashes[k], self.done[k] = entry.samples, entry.keys, True
+                self.state.up_to_date += 1
+            else:
+                todo.append(k)
+        return todo
+
+    def save(self) -> None:
+        """Write every directory's summary with what is done so far."""
+        indices = np.flatnonzero(self.done).tolist()
+        entries = shard_entries(
+            self.storage,
+            [self.expanded[k] for k in indices],
+            self.counts[self.done],
+            [self.hashes[k] for k in indices],
+            [self.listed.identities[k] for k in indices],
+        )
+        self.state.summaries = []
+        for directory, new in entries.items():
+            summary = self.summaries[directory]
+            old: dict[str, ShardEntry] = {} if summary is None else summary[0]
+            merged = updated(old, new, self.listed.listings[directory])
+            self.state.summaries.append(write_summary(self.storage, directory, merged))
+
+    def submit(self, pool: ProcessPoolExecutor, k: int, force: bool) -> Future[Indexed]:
+        listed = self.listed
+        return pool.submit(
+            index_one,
+            self.expanded[k],
+            self.options,
+            self.retries,
+            k,
+            listed.identities[k],
+            listed.listed_idx[k],
+            force,
+        )
+
+    def run(
+        self,
+        todo: list[int],
+        workers: int,
+        force: bool,
+        progress: Callable[[Progress], None] | None,
+    ) -> None:
+        """Index ``todo`` on ``workers`` processes, saving the summaries every
+        :data:`SAVE_EVERY` seconds and at the end (also when interrupted)."""
+        saved = time.monotonic()
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            pending: set[Future[Indexed]] = set()
+            queue = iter(todo)
+            try:
+                while True:
+                    for k in queue:  # keep the pool a little ahead of its processes
+                        pending.add(self.submit(pool, k, force))
+                        if len(pending) >= 4 * workers:
+                            break
+                    if not pending:
+                        break
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in finished:
+                        _record(
+                            future.result(),
+                            self.expanded,
+                            self.counts,
+                            self.hashes,
+                            self.done,
+                            self.state,
+                        )
+                    if time.monotonic() - saved > SAVE_EVERY and self.done.any():
+                        self.save()
+                        saved = time.monotonic()
+                    if progress is not None:
+                        progress(self.state)
+            except BaseException:
+                for future in pending:
+                    future.cancel()
+                if self.state.done:
+                    self.save()
+                raise
+        if self.state.done:
+            self.save()
+
+
+def _record(
+    result: Indexed,
+    urls: list[str],
+    counts: np.ndarray[Any, Any],
+    hashes: list[str],
+    done: np.ndarray[Any, Any],
+    state: Progress,
+) -> None:
+    state.done += 1
+    if result.error:
+        state.failed.append(f"{urls[result.shard]}: {result.error}")
+        return
+    k = result.shard
+    counts[k], hashes[k], done[k] = result.samples, result.keys, True
+    if result.source == "scan":
+        state.scanned += 1
+        state.scanned_bytes += result.scanned_bytes
+    elif result.source == "cache":
+        state.from_cache += 1
+    else:
+        state.read_idx += 1
+    if not result.wrote_beside:
+        state.not_beside += 1
