@@ -17,12 +17,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from workers import Shard, WorkerSpec
+from workers import Definition, Shard, WorkerSpec
 
 from . import _env
 from ._autotune import Layout
 from ._validate import (
     check_choice,
+    check_definition,
     check_importable,
     check_not_importing_main,
     check_positive_int,
@@ -73,7 +74,8 @@ def check_seconds(value: Any, name: str, *, optional: bool) -> float | None:
 class LoaderConfig:
     """Every argument of :class:`loader.Loader`, checked, plus what follows from them."""
 
-    source: Callable[[Shard], Any]
+    #: a dataset definition (opened in each worker with ``batch_size``) or ``source(shard)``
+    source: Definition | Callable[[Shard], Any]
     step: Callable[..., Any]
     feeders: Callable[[Shard], Mapping[str, Any]] | None
     batch_size: int
@@ -115,7 +117,7 @@ class LoaderConfig:
     @classmethod
     def build(
         cls,
-        source: Callable[[Shard], Any],
+        source: Definition | Callable[[Shard], Any],
         step: Callable[..., Any],
         *,
         batch_size: int,
@@ -444,8 +446,17 @@ def require_gpu() -> int:
 
 
 def _check_functions(source: Any, step: Any, feeders: Any) -> None:
-    """``source``, ``step`` and ``feeders`` must be importable by name in a spawned worker."""
-    check_importable(source, "source")
+    """``source`` (unless a dataset definition, which must pickle), ``step`` and ``feeders``
+    must be importable by name in a spawned worker."""
+    if isinstance(source, Definition):
+        check_definition(source, "source")
+    elif not callable(source):
+        raise TypeError(
+            "source must be a dataset definition (FilesDataset, TarsDataset, SamplesDataset, "
+            f"MixDataset) or a function source(shard), got {type(source).__name__}"
+        )
+    else:
+        check_importable(source, "source")
     check_importable(step, "step")
     if feeders is not None:
         if isinstance(feeders, Mapping):

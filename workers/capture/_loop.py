@@ -5,7 +5,7 @@ live beside it: its phase, epoch and step (:class:`~._phase.Activity`), the capt
 (:mod:`._capture_loops`), the search of a failed batch for its failing samples
 (:mod:`._isolation`), the random generators (:mod:`._random`), and from
 :mod:`workers.transport`: the epoch's signature (:mod:`~workers.transport._signature`), the failure
-record (:mod:`~workers.transport._error_text`, :mod:`~workers.transport._error_context`) and
+record (:mod:`~workers.transport._error_text`, :mod:`~workers.spec._error_context`) and
 publishing (:mod:`~workers.transport._publish`).
 
 A capture loop runs one epoch, or, over a ``sharded_source``/``sharded_files`` root without

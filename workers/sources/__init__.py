@@ -10,20 +10,22 @@ One family over one planning core:
 * ``_files`` (files and ImageFolders, with ``_folder_index``), ``_tars`` (tar shards, with the
   tar index, summary, writer and indexer modules ``_tar_*``, ``_wds_idx``).
 * ``_datasets``: the dataset definitions ``FilesDataset``, ``TarsDataset``, ``SamplesDataset``
-  (what a mixture takes); ``_mix`` (``sharded_mix``); ``_sharded``: ``sharded_source``,
-  ``sharded_files``, ``sharded_tars``, one call each over a dataset definition. Each module imports
-  only those listed before it (no import circle).
+  (what the Loader and a mixture take; their base, ``Definition``, is what the worker opens);
+  ``_mix`` (``MixDataset``, ``sharded_mix``); ``_sharded``: ``sharded_source``,
+  ``sharded_files``, ``sharded_tars``, thin wrappers over a dataset definition for hand-written
+  sources. Each module imports only those listed before it (no import circle).
 * ``_storage`` (local ``pread`` or fsspec, identities, retries) and ``_index_file`` (mapped index
   files): the one storage layer they share.
 * ``_control``: the worker's control state a ``sharded_source``/``sharded_files`` root is bound
   with (``on_error``, the samples known to fail, the batches in flight), made by the worker.
 
-May import: ``ipc``, the standard library, numpy, and from ``workers`` only :mod:`workers.spec`,
-:mod:`workers.transport` (an error's context), :mod:`workers.startup` (the storage backends a
-script opens) and, inside functions, :mod:`workers.dali` (what a source needs of its worker).
-Never ``loader``. The public names below are re-exported by ``workers`` (and ``loader``); the
-worker's command loop (:mod:`workers.capture`) takes the control state and
-:class:`BatchedSamples` from here.
+May import: ``ipc``, the standard library, numpy, and from ``workers`` only :mod:`workers.spec`
+(the shard, an error's context) and :mod:`workers.startup` (the storage backends a script
+opens). Never ``loader``, and never DALI: not :mod:`workers.dali`, not :mod:`workers.transport`,
+not ``nvidia.dali`` (a test forbids them, type-only imports included): the batches are numpy,
+and the worker's capture layer (:mod:`workers.capture`) puts them under DALI. The public names
+below are re-exported by ``workers`` (and ``loader``); the worker's command loop takes the
+control state, :class:`Definition` and :class:`BatchedSamples` from here.
 """
 
 from ._control import (
@@ -33,10 +35,10 @@ from ._control import (
     FeedState,
     SampleControl,
 )
-from ._datasets import FilesDataset, SamplesDataset, TarsDataset
+from ._datasets import Definition, FilesDataset, SamplesDataset, TarsDataset
 from ._files import list_files
 from ._image_size import MAX_IMAGE_PIXELS, ImageTooLargeError
-from ._mix import sharded_mix
+from ._mix import MixDataset, sharded_mix
 from ._parts import describe_difference
 from ._positions import (
     continue_from,
@@ -61,10 +63,12 @@ __all__ = [
     "SKIP_DAMAGED",
     "STARTED_TOGETHER",
     "BatchedSamples",
+    "Definition",
     "FeedState",
     "FilesDataset",
     "ImageTooLargeError",
     "IndexProgress",
+    "MixDataset",
     "SampleControl",
     "SamplesDataset",
     "StorageFailure",
