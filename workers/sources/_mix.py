@@ -316,9 +316,7 @@ class MixDataset(Definition):
         epoch_size = self.epoch_size
         size = sum(source.total for source in opened) if epoch_size is None else epoch_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(
-                f"epoch_size must be a positive number of samples, got {epoch_size!r}"
-            )
+            raise ValueError(f"epoch_size must be a positive number of samples, got {epoch_size!r}")
         counts = mix_counts(self.weights, names, size)
         if min(counts) < 1:
             empty = [name for name, count in zip(names, counts, strict=True) if count < 1]
