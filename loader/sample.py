@@ -82,8 +82,12 @@ def list_images(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
     return list_files(root)
 
 
-def image_source(shard: Shard, root: str, batch_size: int, shuffle: bool = True) -> Any:
-    """A File reader over this shard of an ImageFolder."""
+def image_source(
+    shard: Shard, root: str, batch_size: int | None = None, shuffle: bool = True
+) -> Any:
+    """A File reader over this shard of an ImageFolder. ``batch_size``: the reader's
+    ``max_batch_size``; None (the main job's): the Loader's, which the worker gives a reader
+    built without one."""
     import nvidia.dali.experimental.dynamic as ndd
 
     files, labels = list_images(root)
@@ -92,6 +96,7 @@ def image_source(shard: Shard, root: str, batch_size: int, shuffle: bool = True)
             f"{len(files)} images cannot be split into {shard.count} shards; "
             "use fewer workers or ranks, or more data"
         )
+    sized = {} if batch_size is None else {"max_batch_size": batch_size}
     return ndd.readers.File(
         files=files,
         labels=labels,
@@ -99,9 +104,9 @@ def image_source(shard: Shard, root: str, batch_size: int, shuffle: bool = True)
         num_shards=shard.count,
         random_shuffle=shuffle,
         seed=shard.seed,
-        max_batch_size=batch_size,
         pad_last_batch=True,
         stick_to_shard=True,
+        **sized,
     )
 
 
