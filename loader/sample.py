@@ -96,7 +96,6 @@ def image_source(
             f"{len(files)} images cannot be split into {shard.count} shards; "
             "use fewer workers or ranks, or more data"
         )
-    sized = {} if batch_size is None else {"max_batch_size": batch_size}
     return ndd.readers.File(
         files=files,
         labels=labels,
@@ -106,7 +105,7 @@ def image_source(
         seed=shard.seed,
         pad_last_batch=True,
         stick_to_shard=True,
-        **sized,
+        max_batch_size=batch_size,  # (None: the worker gives it the Loader's)
     )
 
 
