@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -50,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from loader import Loader, Shard, sharded_source
+from loader import Loader, SamplesDataset
 
 FEATURES = 8
 CLASSES = 3
@@ -63,11 +62,6 @@ def make_sample(index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]
     """Sample ``index``: a float vector drawn from the id, and the id itself."""
     features = np.random.default_rng([7, index]).standard_normal(FEATURES).astype(np.float32)
     return features, np.array([index], dtype=np.int64)
-
-
-def feature_source(shard: Shard, total: int, batch_size: int) -> Any:
-    """This shard's part of ``total`` synthetic samples, every one once per epoch."""
-    return sharded_source(shard, total, make_sample, batch_size, num_outputs=2, shuffle=True)
 
 
 def feature_step(features: Any, ids: Any) -> dict[str, Any]:
@@ -131,7 +125,7 @@ def train(args: argparse.Namespace, log: JsonLog) -> None:
     model, optimizer = accelerator.prepare(net, optimizer)
     progress = Progress()
     with Loader(
-        functools.partial(feature_source, total=args.samples, batch_size=args.batch_size),
+        SamplesDataset(args.samples, make_sample, num_outputs=2),  # each sample once an epoch
         feature_step,
         batch_size=args.batch_size,
         num_workers=args.workers,

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from loader import Loader, Shard, list_images, sharded_source
+from loader import Loader, SamplesDataset, list_images
 
 
 def _load(index: int, files: list[str], labels: list[int]) -> tuple[Any, ...]:
@@ -44,10 +44,12 @@ def _load(index: int, files: list[str], labels: list[int]) -> tuple[Any, ...]:
     return jpeg, np.array(labels[index], dtype=np.int64), np.array(index, dtype=np.int64)
 
 
-def source(shard: Shard, root: str, batch_size: int, shuffle: bool = True) -> Any:
+def dataset(root: str, shuffle: bool = True) -> SamplesDataset:
+    """The images of ``root`` as (JPEG bytes, class, id): each once an epoch, in batches of the
+    Loader's ``batch_size``."""
     files, labels = list_images(root)
     load = functools.partial(_load, files=[str(f) for f in files], labels=list(labels))
-    return sharded_source(shard, len(files), load, batch_size, num_outputs=3, shuffle=shuffle)
+    return SamplesDataset(len(files), load, num_outputs=3, shuffle=shuffle)
 
 
 def train_step(jpegs: Any, labels: Any, ids: Any) -> dict[str, Any]:
@@ -171,8 +173,7 @@ def main() -> None:
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
         seed=0,
     )
-    train = functools.partial(source, root=root, batch_size=args.batch_size)
-    evaluate = functools.partial(source, root=root, batch_size=args.batch_size, shuffle=False)
+    train, evaluate = dataset(root), dataset(root, shuffle=False)
     common = {"batch_size": args.batch_size, "num_workers": args.workers, "output": "torch"}
     with (
         Loader(train, train_step, **common) as train_loader,

@@ -24,12 +24,11 @@ callbacks of its own package only).
 from __future__ import annotations
 
 import argparse
-import functools
 from typing import Any
 
 import numpy as np
 
-from loader import Loader, Shard, sharded_source
+from loader import Loader, SamplesDataset
 
 FEATURES = 8
 CLASSES = 3
@@ -38,10 +37,6 @@ CLASSES = 3
 def _sample(index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     rng = np.random.default_rng(index)
     return rng.standard_normal(FEATURES).astype(np.float32), np.array([index % CLASSES])
-
-
-def source(shard: Shard, samples: int, batch_size: int) -> Any:
-    return sharded_source(shard, samples, _sample, batch_size, num_outputs=2)
 
 
 def step(features: Any, labels: Any) -> dict[str, Any]:
@@ -105,7 +100,7 @@ def train(
     """Fit the classifier with the callback; returns the (closed) loader."""
     import lightning as L
 
-    data = functools.partial(source, samples=samples, batch_size=batch_size)
+    data = SamplesDataset(samples, _sample, num_outputs=2)
     with Loader(data, step, batch_size=batch_size, num_workers=workers, output="torch") as loader:
         trainer = L.Trainer(
             max_epochs=epochs,

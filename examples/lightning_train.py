@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -55,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from loader import Loader, Shard, list_images, sharded_files, sharded_source
+from loader import FilesDataset, Loader, SamplesDataset, list_images
 
 FEATURES = 8
 CLASSES = 3
@@ -70,21 +69,16 @@ def make_sample(index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]
     return features, np.array([index], dtype=np.int64)
 
 
-def feature_source(shard: Shard, total: int, batch_size: int) -> Any:
-    """This shard's part of ``total`` synthetic samples, every one once per epoch."""
-    return sharded_source(shard, total, make_sample, batch_size, num_outputs=2, shuffle=True)
-
-
 def feature_step(features: Any, ids: Any) -> dict[str, Any]:
     import nvidia.dali.experimental.dynamic as ndd
 
     return {"x": ndd.cast(features, dtype=ndd.float32), "id": ndd.cast(ids, dtype=ndd.int64)}
 
 
-def image_source(shard: Shard, root: str, batch_size: int) -> Any:
+def image_dataset(root: str) -> FilesDataset:
     """The images of an ImageFolder; a file's label is its index in the sorted list (its id)."""
     files, _classes = list_images(root)
-    return sharded_files(shard, files, batch_size=batch_size, labels=list(range(len(files))))
+    return FilesDataset(files, labels=list(range(len(files))))
 
 
 def image_step(jpegs: Any, ids: Any) -> dict[str, Any]:
@@ -97,16 +91,13 @@ def image_step(jpegs: Any, ids: Any) -> dict[str, Any]:
 
 
 def build_loader(args: argparse.Namespace) -> Loader:
+    dataset: FilesDataset | SamplesDataset  # each sample once per epoch, shuffled
     if args.data is not None:
-        source: Any = functools.partial(
-            image_source, root=str(args.data), batch_size=args.batch_size
-        )
-        step: Any = image_step
+        dataset, step = image_dataset(str(args.data)), image_step
     else:
-        source = functools.partial(feature_source, total=args.samples, batch_size=args.batch_size)
-        step = feature_step
+        dataset, step = SamplesDataset(args.samples, make_sample, num_outputs=2), feature_step
     return Loader(
-        source,
+        dataset,
         step,
         batch_size=args.batch_size,
         num_workers=args.workers,

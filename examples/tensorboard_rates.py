@@ -10,19 +10,18 @@ second, each worker stage's share of the workers' time, the CPUs they kept busy)
 ``writer.add_scalar``. Call it every few dozen steps: ``stats()`` costs about a millisecond, no
 message to the workers. At the end the script prints ``loader.diagnose()``.
 
-The data is the built-in sample dataset (512 JPEGs) through the main job's image pipeline; the
+The data is the built-in sample dataset (512 JPEGs) through the main job's image step; the
 "training step" is a stand-in that sleeps ``--train-ms``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 from typing import Any
 
-from loader import Loader, ensure_sample_dataset
-from loader.sample import image_source, image_step
+from loader import FilesDataset, Loader, ensure_sample_dataset
+from loader.sample import image_step
 
 
 def log_loader_rates(writer: Any, loader: Loader, step: int, window: float = 10.0) -> None:
@@ -46,10 +45,10 @@ def main() -> None:
     from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
     root = ensure_sample_dataset()
-    source = functools.partial(image_source, root=str(root), batch_size=args.batch_size)
     writer = SummaryWriter(args.logdir)
     step = 0
-    with Loader(source, image_step, batch_size=args.batch_size, num_workers=args.workers) as loader:
+    images = FilesDataset(str(root))  # (encoded bytes, label), each image once per epoch
+    with Loader(images, image_step, batch_size=args.batch_size, num_workers=args.workers) as loader:
         for _epoch in range(args.epochs):
             for batch in loader:
                 time.sleep(args.train_ms / 1000)  # the training step

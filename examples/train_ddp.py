@@ -19,7 +19,7 @@ With ``--augment`` the step crops and flips at random (DALI's ``random_resized_c
 loader's state carries each worker's random generator states.
 
 With ``--tars 'DIR/train-{000000..000009}.tar'`` the data are WebDataset shards (local paths or
-``s3://`` URLs), read by ``sharded_tars``: each sample's ``.jpg``, and its ``.id`` member (the
+``s3://`` URLs), read by ``TarsDataset``: each sample's ``.jpg``, and its ``.id`` member (the
 sample's number, which the records below name) or, where it has none (shards written by
 ``python -m loader.tars write``), its ``.cls`` label in its place. ``--shuffle-window K``
 shuffles them ``K`` shards at a time, as remote shards are by default.
@@ -59,11 +59,10 @@ import torch.nn.functional as F
 
 from loader import (
     Loader,
-    Shard,
+    SamplesDataset,
+    TarsDataset,
     ensure_sample_dataset,
     list_images,
-    sharded_source,
-    sharded_tars,
 )
 
 
@@ -71,16 +70,15 @@ def read_sample(files: list[str], index: int) -> tuple[np.ndarray[Any, Any], np.
     return np.fromfile(files[index], dtype=np.uint8), np.array([index], dtype=np.int64)
 
 
-def source(shard: Shard, root: str, batch_size: int) -> Any:
+def image_dataset(root: str) -> SamplesDataset:
+    """An ImageFolder's files as (JPEG bytes, id): each once per epoch, shuffled."""
     files, _labels = list_images(root)
-    load = functools.partial(read_sample, files)
-    return sharded_source(shard, len(files), load, batch_size, num_outputs=2, shuffle=True)
+    return SamplesDataset(len(files), functools.partial(read_sample, files), num_outputs=2)
 
 
-def tar_source(shard: Shard, urls: str, batch_size: int, window: int | None) -> Any:
-    return sharded_tars(
-        shard, urls, batch_size=batch_size, ext=("jpg", "id;cls"), shuffle_window=window
-    )
+def tar_dataset(urls: str, window: int | None) -> TarsDataset:
+    """WebDataset shards as (JPEG bytes, id, or the label where a sample has no id)."""
+    return TarsDataset(urls, ext=("jpg", "id;cls"), shuffle_window=window)
 
 
 def step(jpegs: Any, ids: Any) -> dict[str, Any]:
@@ -219,13 +217,11 @@ def main() -> None:
             write_atomically(args.out / name, lambda file: file.write(text))
 
     if args.tars is not None:
-        make_source = functools.partial(
-            tar_source, urls=args.tars, batch_size=batch_size, window=args.shuffle_window
-        )
+        dataset: SamplesDataset | TarsDataset = tar_dataset(args.tars, args.shuffle_window)
     else:
-        make_source = functools.partial(source, root=root, batch_size=batch_size)
+        dataset = image_dataset(root)
     with Loader(
-        make_source,
+        dataset,
         augment_step if args.augment else step,
         batch_size=batch_size,
         num_workers=args.workers,

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from workers import Shard
+from workers import Definition, Shard
 
 from ._epochs import EpochIterator, EpochSampler
 from .config import AutotuneReport, LoaderConfig
@@ -53,10 +53,13 @@ OPEN_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()
 class Loader:
     """Batches from ``num_workers`` worker processes, each running DALI capture over one shard.
 
-    ``source(shard)`` (runs in the worker, once) returns a DALI reader or ``ndd.ExternalSource``
-    for that shard; ``step(*source_outputs, **feeders)`` is the loop body, traced by DALI on the
-    first step and replayed after; it returns a dict, a tuple or one DALI batch. Both must be
-    module-level functions: workers are spawned and import them by name. Every setting is in
+    ``source`` is a dataset definition (``FilesDataset(root)``, ``TarsDataset(urls)``,
+    ``SamplesDataset(total, load)``, ``MixDataset(sources, weights)``), opened in each worker with
+    ``batch_size``, or a function ``source(shard)`` (runs in the worker, once) that returns a DALI
+    reader, an ``ndd.ExternalSource`` or what a ``sharded_*`` function returns for that shard;
+    ``step(*source_outputs, **feeders)`` is the loop body, traced by DALI on the first step and
+    replayed after; it returns a dict, a tuple or one DALI batch. The functions must be
+    module-level: workers are spawned and import them by name. Every setting is in
     ``loader.config`` (a frozen :class:`LoaderConfig`, rank, world size and threads settled).
 
     The keywords are declared once, as :class:`LoaderConfig`'s fields (default and check side
@@ -69,7 +72,7 @@ class Loader:
 
     def __init__(
         self,
-        source: Callable[[Shard], Any],
+        source: Definition | Callable[[Shard], Any],
         step: Callable[..., Any],
         *,
         batch_size: int,

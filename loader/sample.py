@@ -84,8 +84,12 @@ def list_images(root: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
     return list_files(root)
 
 
-def image_source(shard: Shard, root: str, batch_size: int, shuffle: bool = True) -> Any:
-    """A File reader over this shard of an ImageFolder."""
+def image_source(
+    shard: Shard, root: str, batch_size: int | None = None, shuffle: bool = True
+) -> Any:
+    """A File reader over this shard of an ImageFolder. ``batch_size``: the reader's
+    ``max_batch_size``; None (the main job's): the Loader's, which the worker gives a reader
+    built without one."""
     files, labels = list_images(root)
     if len(files) < shard.count:
         raise ValueError(
@@ -99,9 +103,9 @@ def image_source(shard: Shard, root: str, batch_size: int, shuffle: bool = True)
         num_shards=shard.count,
         random_shuffle=shuffle,
         seed=shard.seed,
-        max_batch_size=batch_size,
         pad_last_batch=True,
         stick_to_shard=True,
+        max_batch_size=batch_size,  # (None: the worker gives it the Loader's)
     )
 
 

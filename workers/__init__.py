@@ -17,9 +17,10 @@ The package, by job (each sub-package's ``__init__`` says what it owns and may i
 * :mod:`workers.spec` -- what the trainer tells a worker: its shard and its spec.
 * :mod:`workers.dali` -- the one adapter to DALI's capture API.
 
-Bottom first, each imports only those before it: ``spec``, ``dali`` (which names
-``sources`` for the type checker only), ``startup``, ``transport``, ``sources``, ``capture``,
-``process``, ``server``.
+Bottom first, each imports only those before it: ``spec``, ``dali``, ``startup``,
+``transport``, ``sources``, ``capture``, ``process``, ``server``; ``sources`` imports neither
+``dali`` nor ``transport`` (the data code knows nothing of DALI: the capture layer puts its
+batches under DALI), and ``dali`` imports nothing of ``sources``.
 """
 
 from typing import Any
@@ -31,9 +32,11 @@ from .process import modules_of, prepare_worker_server, run_worker
 from .sources import (
     MAX_IMAGE_PIXELS,
     BatchedSamples,
+    Definition,
     FilesDataset,
     ImageTooLargeError,
     IndexProgress,
+    MixDataset,
     SamplesDataset,
     StorageFailure,
     TarsDataset,
@@ -75,10 +78,12 @@ __all__ = [
     "MAX_IMAGE_PIXELS",
     "BatchClock",
     "BatchedSamples",
+    "Definition",
     "FeederFactory",
     "FilesDataset",
     "ImageTooLargeError",
     "IndexProgress",
+    "MixDataset",
     "Phase",
     "Position",
     "SamplesDataset",

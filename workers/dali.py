@@ -11,15 +11,12 @@ import ctypes
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import nvidia.dali as dali
 import nvidia.dali.experimental.dynamic as ndd
 import nvidia.dali.types as dali_types
-
-if TYPE_CHECKING:
-    from .sources import BatchedSamples
 
 DALI_VERSION: str = str(dali.__version__)
 
@@ -32,19 +29,40 @@ def is_external_source(source: object) -> bool:
     return isinstance(source, ndd.ExternalSource)
 
 
-class ShardedExternalSource(ndd.ExternalSource):
-    """The ``ndd.ExternalSource`` that ``sharded_source``/``sharded_files`` return: DALI's own,
-    which keeps its source only as a callback, plus the :class:`BatchedSamples` it pulls from,
-    for the worker to find behind the root ``source(shard)`` returned."""
+class SampleBatches(Protocol):
+    """What :func:`batches_root` feeds to DALI: re-iterable, each ``iter()`` one run of full
+    batches, each batch one output (a list of numpy arrays, or one array whose rows are the
+    samples) or a tuple of ``num_outputs`` of them. (The sources' ``BatchedSamples`` is one;
+    this adapter does not import them: the sources know nothing of DALI.)"""
 
-    def __init__(self, samples: BatchedSamples) -> None:
-        super().__init__(samples, num_outputs=samples.num_outputs, cycle="raise")
-        self.samples = samples
+    @property
+    def num_outputs(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
 
 
-def sharded_samples(source: object) -> BatchedSamples | None:
-    """The :class:`BatchedSamples` behind a ``sharded_source``/``sharded_files`` root, else None."""
-    return source.samples if isinstance(source, ShardedExternalSource) else None
+class _AsBatches:
+    """``batches`` as DALI batches: each output wrapped with ``ndd.as_batch``, which views the
+    numpy arrays without copying them (``ndd.batch`` would copy every batch, and its first copy
+    makes DALI's trace parse its own 1,000-line ``_batch.py`` with libcst, ~0.45 s per worker).
+    DALI copies a fed batch into its own buffers; the source keeps the last few arrays alive."""
+
+    def __init__(self, batches: SampleBatches) -> None:
+        self._batches = batches
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._batches.num_outputs == 1:
+            for arrays in self._batches:
+                yield ndd.as_batch(arrays)
+        else:
+            for outputs in self._batches:
+                yield tuple(ndd.as_batch(arrays) for arrays in outputs)
+
+
+def batches_root(batches: SampleBatches) -> Any:
+    """The ``ndd.ExternalSource`` root that pulls ``batches`` (the worker makes it over the
+    batches of a dataset definition or a ``sharded_*`` function)."""
+    return ndd.ExternalSource(_AsBatches(batches), num_outputs=batches.num_outputs, cycle="raise")
 
 
 def describe_source_error(source: object) -> str | None:
@@ -52,8 +70,8 @@ def describe_source_error(source: object) -> str | None:
     if is_reader(source) or is_external_source(source):
         return None
     return (
-        f"source(shard) must return a DALI reader (ndd.readers.*) or an ndd.ExternalSource, "
-        f"got {type(source).__name__}"
+        "source(shard) must return a DALI reader (ndd.readers.*), an ndd.ExternalSource or "
+        f"what a sharded_* function returns, got {type(source).__name__}"
     )
 
 

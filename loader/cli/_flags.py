@@ -104,7 +104,7 @@ def layout(args: argparse.Namespace) -> str:
 
 
 def make_loader(args: argparse.Namespace, root: Path, trace: Path | None = None) -> Loader:
-    source = functools.partial(image_source, root=str(root), batch_size=args.batch_size)
+    source = functools.partial(image_source, root=str(root))  # (batch_size: the Loader's)
     return Loader(
         source,
         image_step,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from workers import Shard, WorkerSpec
+from workers import Definition, Shard, WorkerSpec
 
 from . import _env
 from ._autotune import Layout
@@ -24,6 +24,7 @@ from ._keywords import checked_keywords, keyword
 from ._validate import (
     check_choice,
     check_count,
+    check_definition,
     check_flag,
     check_importable,
     check_int,
@@ -83,7 +84,8 @@ class LoaderConfig:
 
     # source, step and feeders: checked together (_check_functions); keyword() is a
     # dataclasses.field, whatever the annotation (RUF009 cannot tell)
-    source: Callable[[Shard], Any] = keyword(positional=True)  # noqa: RUF009
+    #: a dataset definition (opened in each worker with ``batch_size``) or ``source(shard)``
+    source: Definition | Callable[[Shard], Any] = keyword(positional=True)  # noqa: RUF009
     step: Callable[..., Any] = keyword(positional=True)  # noqa: RUF009
     batch_size: int = keyword(check=check_positive_int)
     #: with num_workers/num_threads="auto", 0 until the run's layout plan decides them
@@ -129,7 +131,10 @@ class LoaderConfig:
 
     @classmethod
     def build(
-        cls, source: Callable[[Shard], Any], step: Callable[..., Any], **given: Any
+        cls,
+        source: Definition | Callable[[Shard], Any],
+        step: Callable[..., Any],
+        **given: Any,
     ) -> LoaderConfig:
         """Validate the Loader's arguments (``TypeError``/``ValueError`` that say what to
         change; a keyword not given takes its field's default) and discover rank, GPU and
@@ -353,8 +358,17 @@ def _check_output(device: str, output: str) -> None:
 
 
 def _check_functions(source: Any, step: Any, feeders: Any) -> None:
-    """``source``, ``step`` and ``feeders`` must be importable by name in a spawned worker."""
-    check_importable(source, "source")
+    """``source`` (unless a dataset definition, which must pickle), ``step`` and ``feeders``
+    must be importable by name in a spawned worker."""
+    if isinstance(source, Definition):
+        check_definition(source, "source")
+    elif not callable(source):
+        raise TypeError(
+            "source must be a dataset definition (FilesDataset, TarsDataset, SamplesDataset, "
+            f"MixDataset) or a function source(shard), got {type(source).__name__}"
+        )
+    else:
+        check_importable(source, "source")
     check_importable(step, "step")
     if feeders is not None:
         if isinstance(feeders, Mapping):

@@ -102,6 +102,25 @@ def _check_pickles(fn: Any, what: str, name: str, *, partial: bool) -> None:
         raise TypeError(_unimportable_main(f"{whose} refer to {names}, which", names))
 
 
+def check_definition(definition: Any, what: str) -> None:
+    """A dataset definition (``FilesDataset(root)``...) travels to each worker pickled, by
+    value: refuse one that does not pickle, or that refers to functions of a main module that
+    workers cannot import (a ``SamplesDataset``'s ``load`` defined in ``python -c``)."""
+    kind = type(definition).__name__
+    references = _MainReferences()
+    try:
+        references.dump(definition)
+    except Exception as error:
+        raise TypeError(
+            f"{what} ({kind}) cannot be sent to a worker: {error}; what it holds must pickle "
+            "(a load function defined with `def` at module level, not a lambda or a nested "
+            "function)"
+        ) from error
+    if references.found and main_file() is None:
+        names = ", ".join(dict.fromkeys(references.found))
+        raise TypeError(_unimportable_main(f"{what} ({kind}) refers to {names}, which", names))
+
+
 def check_not_importing_main() -> None:
     """Refuse a Loader made while a new process imports the trainer's main module.
 

@@ -49,8 +49,9 @@ HINTS = (
     ),
     (
         "Expected batch size",
-        "an ExternalSource root must yield full batches: build it with sharded_source(), which "
-        "pads (flagging padded rows) or drops the last partial batch.",
+        "an ExternalSource root must yield full batches: pass a dataset definition "
+        "(SamplesDataset(total, load)...) as the source, or return sharded_source() from it; "
+        "either pads (flagging padded rows) or drops the last partial batch.",
     ),
     (
         "cannot switch to capture mode",

@@ -168,7 +168,8 @@ class Healing:
         if view.hello.sampling is None:
             return (
                 "no restart: the source cannot start mid-shard (a DALI reader or a plain "
-                "ExternalSource); use sharded_files() or sharded_source() to heal"
+                "ExternalSource); pass a dataset definition (FilesDataset, SamplesDataset...) "
+                "or use sharded_files() or sharded_source() to heal"
             )
         if isinstance(view.target, Stopped):
             return "no restart: the loader is closing"
@@ -280,14 +281,16 @@ def check_healable(config: LoaderConfig, positional: bool) -> None:
     a sharded_source/sharded_files root): ``ValueError`` for a skip, a warning for restarts."""
     if config.on_error == "skip" and not positional:
         raise ValueError(
-            "on_error='skip' needs a source that knows its sample ids: sharded_files() or "
+            "on_error='skip' needs a source that knows its sample ids: a dataset definition "
+            "(FilesDataset, TarsDataset, SamplesDataset, MixDataset), sharded_files() or "
             "sharded_source(); a DALI reader cannot leave a sample out (its pipeline is "
             "disabled by any error)"
         )
     if config.max_restarts and not positional:
         logger.warning(
             "max_restarts=%d, but the source is a DALI reader (or a plain ExternalSource), "
-            "which cannot start mid-shard: a dead worker will raise, not be replaced. Use "
-            "sharded_files() or sharded_source() to heal",
+            "which cannot start mid-shard: a dead worker will raise, not be replaced. Pass a "
+            "dataset definition (FilesDataset, SamplesDataset...) or use sharded_files() or "
+            "sharded_source() to heal",
             config.max_restarts,
         )

@@ -64,7 +64,8 @@ def epoch_length(coordinator: Coordinator, config: LoaderConfig) -> int:
     steps = coordinator.steps_per_epoch()
     if steps is None:
         raise TypeError(
-            "len(loader) is unknown for this source: use sharded_source(), or a reader built "
+            "len(loader) is unknown for this source: pass a dataset definition (FilesDataset, "
+            "SamplesDataset...) or use sharded_source(), or a reader built "
             "with stick_to_shard=True and pad_last_batch=True (every sample once per epoch, "
             "padded rows flagged in batch.info.padded)"
         )

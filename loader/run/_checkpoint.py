@@ -37,7 +37,8 @@ FORMAT = 3
 
 #: Why a DALI reader (or a plain ExternalSource) cannot be resumed.
 NOT_RESUMABLE = (
-    "state_dict()/load_state_dict() need a source whose order the loader can recompute: "
+    "state_dict()/load_state_dict() need a source whose order the loader can recompute: a "
+    "dataset definition (FilesDataset, TarsDataset, SamplesDataset, MixDataset), or "
     "sharded_files() (image files) or sharded_source() (any load(index)). This source is a DALI "
     "reader or a plain ExternalSource, and DALI capture mode cannot checkpoint a reader "
     "(execution-model rule 11)"

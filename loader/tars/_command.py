@@ -193,4 +193,3 @@ def _index(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 1 if state.failed or state.not_beside else 0
-

@@ -39,6 +39,31 @@ def test_importability_checks() -> None:
         check_importable(3, "step")
 
 
+def test_a_dataset_definition_is_a_source_that_must_pickle(tmp_path: Path) -> None:
+    """A definition travels by value (no import by name); what it holds must pickle."""
+    from loader.config._validate import check_definition
+
+    check_definition(loader.FilesDataset(str(tmp_path)), "source")
+    check_definition(loader.SamplesDataset(4, P._load_failing_37), "source")
+    with pytest.raises(TypeError, match=r"source \(SamplesDataset\) cannot be sent to a worker"):
+        check_definition(loader.SamplesDataset(4, lambda index: index), "source")
+    with pytest.raises(TypeError, match=r"dataset definition \(FilesDataset.*source\(shard\)"):
+        loader.Loader(3, P.cast_step, batch_size=4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cannot be sent to a worker"):
+        loader.Loader(loader.SamplesDataset(4, lambda i: i), P.cast_step, batch_size=4)
+
+
+def test_a_mixture_definition_is_checked_where_it_is_made() -> None:
+    sources = {"a": loader.SamplesDataset(4, P._load_failing_37)}
+    with pytest.raises(ValueError, match="weights must name every source once"):
+        loader.MixDataset(sources, {"b": 1.0})
+    with pytest.raises(TypeError, match="a dataset's definition, not a per-shard source"):
+        loader.MixDataset({"a": P.cast_step}, {"a": 1.0})  # type: ignore[dict-item]
+    unshuffled = loader.SamplesDataset(4, P._load_failing_37, shuffle=False)
+    with pytest.raises(ValueError, match="set them on MixDataset"):
+        loader.MixDataset({"a": unshuffled}, {"a": 1.0})
+
+
 def test_placement_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

@@ -60,8 +60,12 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skipped
 
 
-def import_graph(modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
-    """Every module of ours and the modules of ours it imports (at any depth of its code)."""
+def import_graph(
+    modules: dict[str, Path] | None = None, *, type_only: bool = False, foreign: bool = False
+) -> dict[str, set[str]]:
+    """Every module of ours and the modules of ours it imports (at any depth of its code).
+    ``type_only``: ``if TYPE_CHECKING:`` imports count too; ``foreign``: so do modules not ours
+    (``nvidia.dali...``)."""
     if modules is None:
         modules = {
             _module_name(path): path
@@ -71,7 +75,7 @@ def import_graph(modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        skipped = _type_checking_nodes(tree)
+        skipped = set() if type_only else _type_checking_nodes(tree)
         package = name if _is_package(path) else name.rpartition(".")[0]
         targets: set[str] = set()
         for node in ast.walk(tree):
@@ -89,7 +93,7 @@ def import_graph(modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
                 for alias in node.names:
                     submodule = f"{origin}.{alias.name}"
                     targets.add(submodule if submodule in modules else origin)
-        graph[name] = {t for t in targets if t in modules and t != name}
+        graph[name] = {t for t in targets if (foreign or t in modules) and t != name}
     return graph
 
 
@@ -383,3 +387,89 @@ def test_no_module_of_the_sources_is_over_550_lines() -> None:
         if lines > 550:
             long.append(f"{path.relative_to(ROOT)}: {lines}")
     assert long == []
+
+
+#: Imports that no module may make, type-only ones and those inside functions included:
+#: (importer, imported), each a module or a package and everything under it. The data code
+#: knows nothing of DALI (the capture layer puts its batches under DALI), and the DALI adapter
+#: nothing of the data code.
+NEVER = (
+    ("workers.sources", "workers.dali"),
+    ("workers.sources", "workers.transport"),
+    ("workers.sources", "nvidia.dali"),
+    ("workers.dali", "workers.sources"),
+)
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of ``graph`` that :data:`NEVER` forbids."""
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        for importer, imported in NEVER
+        if _under(module, importer) and _under(target, imported)
+    )
+
+
+def test_the_never_rules_hold() -> None:
+    graph = import_graph(type_only=True, foreign=True)
+    assert "nvidia.dali.experimental.dynamic" in graph["workers.dali"]  # DALI's are read
+    assert forbidden_imports(graph) == []
+
+
+def test_a_forbidden_import_is_found() -> None:
+    """The check itself, on the real graph with the imports it forbids planted (as they were)."""
+    graph = import_graph(type_only=True, foreign=True)
+    graph["workers.sources.plan._sampling"] = graph["workers.sources.plan._sampling"] | {
+        "workers.transport",
+        "nvidia.dali.experimental.dynamic",
+        "workers.spec",  # allowed
+    }
+    graph["workers.dali"] = graph["workers.dali"] | {"workers.sources"}
+    graph["workers.sources._mix"] = graph["workers.sources._mix"] | {"workers.dali"}
+    assert forbidden_imports(graph) == [
+        "workers.dali imports workers.sources",
+        "workers.sources._mix imports workers.dali",
+        "workers.sources.plan._sampling imports nvidia.dali.experimental.dynamic",
+        "workers.sources.plan._sampling imports workers.transport",
+    ]
+
+
+def test_type_only_and_function_imports_are_read_for_the_never_rules(tmp_path: Path) -> None:
+    """An ``if TYPE_CHECKING:`` import and one inside a function, as ``dali.py`` and
+    ``_sampling.py`` had them, are in the graph the rules read."""
+    package = tmp_path / "workers"
+    (package / "sources").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sources" / "__init__.py").write_text("")
+    (package / "dali.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sources import B\n"
+    )
+    (package / "sources" / "_s.py").write_text(
+        "def f():\n    import nvidia.dali.experimental.dynamic as ndd\n"
+    )
+    modules = {_module_name_in(tmp_path, path): path for path in package.rglob("*.py")}
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        graph = import_graph(modules, type_only=True, foreign=True)
+        plain = import_graph(modules)
+    finally:
+        ROOT = saved
+    assert forbidden_imports(graph) == [
+        "workers.dali imports workers.sources",
+        "workers.sources._s imports nvidia.dali.experimental.dynamic",
+    ]
+    assert forbidden_imports(plain) == []  # (the circle check leaves type-only imports out)
+
+
+def _module_name_in(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)

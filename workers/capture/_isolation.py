@@ -6,7 +6,7 @@ samples that fail on their own (:func:`can_isolate`). :class:`FailingSamples` do
 decides what follows: with ``on_error="skip"`` the trainer is told which samples they are (it
 starts a new worker at that batch with them replaced); otherwise the error is raised again, its
 message naming them first (DALI names only the operator; see
-:mod:`workers.transport._error_context`).
+:mod:`workers.spec._error_context`).
 
 Method: each sample of the batch is loaded and run through ``step`` alone, eagerly (a batch of
 one, in the worker's EvalContext): it costs one re-run of the batch's samples. What native code

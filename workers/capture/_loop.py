@@ -5,7 +5,7 @@ live beside it: its phase, epoch and step (:class:`~._phase.Activity`), the capt
 (:mod:`._capture_loops`), the search of a failed batch for its failing samples
 (:mod:`._isolation`), the random generators (:mod:`._random`), and from
 :mod:`workers.transport`: the epoch's signature (:mod:`~workers.transport._signature`), the failure
-record (:mod:`~workers.transport._error_text`, :mod:`~workers.transport._error_context`) and
+record (:mod:`~workers.transport._error_text`, :mod:`~workers.spec._error_context`) and
 publishing (:mod:`~workers.transport._publish`).
 
 A capture loop runs one epoch, or, over a ``sharded_source``/``sharded_files`` root without
@@ -19,7 +19,8 @@ Invariants:
 * The control channel is read and written by the main thread only.
 * The worker owns its control state (``Worker.control``: ``on_error`` and the samples known to
   fail, for the process's life; ``Sources.feed``: the batches in flight, per built source) and
-  hands it to a sharded source (:mod:`workers.sources.plan._control`); only the main thread writes it.
+  hands it to a sharded source (:mod:`workers.sources.plan._control`); only the main thread
+  writes it.
 * DALI's random generators are set only right after the sources are built, before any loop over
   them (``Worker.random``, :mod:`._random`); every batch carries their states after its step.
 * A slot is written only between acquiring it and publishing it; the worker never touches a

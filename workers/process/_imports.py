@@ -143,11 +143,15 @@ def warm_source_analysis(files: Sequence[str]) -> list[str]:
 
 
 def modules_of(*functions: Any) -> list[tuple[str, str | None]]:
-    """(module name, source file) of each function (partials unwrapped), in order, once."""
+    """(module name, source file) of each function (partials unwrapped), in order, once. What
+    is not a function (a dataset definition given as the source: the library's code, which DALI
+    never traces) is left out."""
     found: dict[str, str | None] = {}
     for function in functions:
         while isinstance(function, functools.partial):
             function = function.func
+        if not callable(function):
+            continue
         name = getattr(function, "__module__", None)
         if not isinstance(name, str) or name in found:
             continue

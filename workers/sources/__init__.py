@@ -13,23 +13,26 @@ A face over its wings, each a sub-package with a face of its own, bottom up:
 * :mod:`~workers.sources.tars`: the WebDataset tar format (reader, order, fetch, shards,
   listing, walk, index, summary; the writer and the index command apart, offline).
 * ``_datasets``: the dataset definitions ``FilesDataset``, ``TarsDataset``, ``SamplesDataset``
-  (what a mixture takes); ``_mix`` (``sharded_mix``); ``_sharded``: ``sharded_source``,
-  ``sharded_files``, ``sharded_tars``, one call each over a dataset definition.
+  (what the Loader and a mixture take; their base, ``Definition``, is what the worker opens);
+  ``_mix`` (``MixDataset``, ``sharded_mix``); ``_sharded``: ``sharded_source``,
+  ``sharded_files``, ``sharded_tars``, thin wrappers over a dataset definition for hand-written
+  sources.
 
 Imports between wings go down that list and through a wing's face, never to another wing's
 private module: ``plan`` imports no other wing, ``storage`` only ``plan``, ``files`` those two,
 ``tars`` those three, and the modules at this level any wing. No import circle.
 
-May import: ``ipc``, the standard library, numpy, and from ``workers`` only :mod:`workers.spec`,
-:mod:`workers.transport` (an error's context), :mod:`workers.startup` (the storage backends a
-script opens) and, inside functions, :mod:`workers.dali` (what a source needs of its worker).
-Never ``loader``. The public names below are re-exported by ``workers`` (and ``loader``); the
-worker's command loop (:mod:`workers.capture`) takes the control state and
-:class:`BatchedSamples` from here.
+May import: ``ipc``, the standard library, numpy, and from ``workers`` only :mod:`workers.spec`
+(the shard, an error's context) and :mod:`workers.startup` (the storage backends a script
+opens). Never ``loader``, and never DALI: not :mod:`workers.dali`, not :mod:`workers.transport`,
+not ``nvidia.dali`` (a test forbids them, type-only imports included): the batches are numpy,
+and the worker's capture layer (:mod:`workers.capture`) puts them under DALI. The public names
+below are re-exported by ``workers`` (and ``loader``); the worker's command loop takes the
+control state, :class:`Definition` and :class:`BatchedSamples` from here.
 """
 
-from ._datasets import FilesDataset, SamplesDataset, TarsDataset
-from ._mix import sharded_mix
+from ._datasets import Definition, FilesDataset, SamplesDataset, TarsDataset
+from ._mix import MixDataset, sharded_mix
 from ._sharded import sharded_files, sharded_source, sharded_tars
 from .files import MAX_IMAGE_PIXELS, ImageTooLargeError, list_files
 from .plan import (
@@ -59,10 +62,12 @@ __all__ = [
     "SKIP_DAMAGED",
     "STARTED_TOGETHER",
     "BatchedSamples",
+    "Definition",
     "FeedState",
     "FilesDataset",
     "ImageTooLargeError",
     "IndexProgress",
+    "MixDataset",
     "SampleControl",
     "SamplesDataset",
     "StorageFailure",

@@ -1,20 +1,25 @@
-"""The dataset kinds, one type each: what a mixture takes and what each ``sharded_*`` function
-wraps. Runs in the worker.
+"""The dataset definitions, one type each: what the Loader takes as its ``source``, what a
+mixture takes, and what each ``sharded_*`` function wraps. Runs in the worker (and, as frozen
+picklable values, in the trainer, which sends them to the worker).
 
-A dataset is a definition (paths, URLs, a ``load``): :meth:`open` opens it in a worker (its
-size, how to load a sample, its fingerprint, its own epoch orders), and :meth:`source` makes the
-``ndd.ExternalSource`` root of one shard of it, with every guarantee of
-:func:`~workers.sources.sharded_source`. ``sharded_files(shard, root, ...)`` is
-``FilesDataset(root).source(shard, ...)``, ``sharded_tars`` is ``TarsDataset``'s and
-``sharded_source`` is ``SamplesDataset``'s; :func:`~workers.sources._mix.sharded_mix` opens each
-of the datasets it mixes.
+A definition holds what the dataset is (paths, URLs, a ``load``) and how an epoch takes it
+(``shuffle``, ``drop_last``), never a batch size: that is the Loader's. In the worker,
+:meth:`Definition.batched` opens ``shard``'s part of it (:meth:`_Opened.open`: its size, how to
+load a sample, its fingerprint, its own epoch orders) into a :class:`BatchedSamples` of the
+loader's batch size, with every guarantee of :func:`~workers.sources._sharded.sharded_source`;
+the worker binds its control state and puts the batches under DALI itself. ``sharded_files(shard,
+root, batch_size=..., ...)`` is ``FilesDataset(root).source(shard, batch_size=..., ...)``,
+``sharded_tars`` is ``TarsDataset``'s and ``sharded_source`` is ``SamplesDataset``'s;
+:class:`~workers.sources._mix.MixDataset` (and ``sharded_mix``) opens each of the datasets it
+mixes.
 """
 
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from ..spec import Shard
@@ -23,25 +28,55 @@ from .plan import BatchedSamples, Batching, OpenedSource
 from .storage import AHEAD_BYTES, RETRIES
 
 
-class _Kind:
-    """What every dataset kind does with what it opens."""
+class Definition(ABC):
+    """What every dataset definition does: frozen and picklable (the trainer sends it to each
+    worker), opened in the worker for one shard. ``shuffle`` and ``drop_last`` are fields of
+    each definition (:class:`Batching`'s options but the batch size, with their defaults)."""
 
-    def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
-        raise NotImplementedError
+    shuffle: bool
+    drop_last: bool
+
+    def batched(self, shard: Shard, batch_size: int) -> BatchedSamples:
+        """``shard``'s part of this dataset in full batches of ``batch_size`` (the loader's,
+        when the worker opens the definition the Loader was given): exactly once per epoch,
+        padding flagged, a resumable position."""
+        return self._batched(shard, Batching(batch_size, self.shuffle, self.drop_last))
 
     def source(
-        self, shard: Shard, *, batch_size: int, shuffle: bool = True, drop_last: bool = False
-    ) -> Any:
-        """The ``ndd.ExternalSource`` root of ``shard``'s part of this dataset: exactly once
-        per epoch, full batches, padding flagged, a resumable position."""
-        return self._batched(shard, Batching.pick(locals()))
+        self,
+        shard: Shard,
+        *,
+        batch_size: int,
+        shuffle: bool | None = None,
+        drop_last: bool | None = None,
+    ) -> BatchedSamples:
+        """What ``source(shard)`` returns for this dataset in a hand-written source, as the
+        ``sharded_*`` functions do: :meth:`batched`, with ``shuffle``/``drop_last`` given here
+        in place of the definition's (None: the definition's). ``batch_size`` must be the
+        Loader's (checked in the worker); passing the definition itself to the Loader gives it
+        once."""
+        batching = Batching(
+            batch_size,
+            self.shuffle if shuffle is None else shuffle,
+            self.drop_last if drop_last is None else drop_last,
+        )
+        return self._batched(shard, batching)
 
-    def _batched(self, shard: Shard, batching: Batching) -> Any:
-        """:meth:`source`, its options (those of every ``sharded_*`` function) as one."""
-        from ..dali import ShardedExternalSource
+    @abstractmethod
+    def _batched(self, shard: Shard, batching: Batching) -> BatchedSamples:
+        """:meth:`batched`, its options as one."""
 
+
+class _Opened(Definition):
+    """A dataset that opens into one :class:`OpenedSource` (every kind but a mixture)."""
+
+    @abstractmethod
+    def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
+        """The dataset opened in a worker: its size, ``load``, fingerprint and orders."""
+
+    def _batched(self, shard: Shard, batching: Batching) -> BatchedSamples:
         opened = self.open(shard, shard.seed - shard.index, shuffle=batching.shuffle)
-        samples = BatchedSamples(
+        return BatchedSamples(
             shard,
             opened.total,
             opened.load,
@@ -53,17 +88,19 @@ class _Kind:
             pass_epoch=opened.pass_epoch,
             orders=opened.orders,
         )
-        return ShardedExternalSource(samples)
 
 
 @dataclass(frozen=True)
-class FilesDataset(_Kind):
+class FilesDataset(_Opened):
     """An ImageFolder or a list of files (with ``labels``), as :func:`sharded_files` reads it:
-    outputs ``(encoded bytes, label)``."""
+    outputs ``(encoded bytes, label)``. ``Loader(FilesDataset(root), step, batch_size=64)``."""
 
     root_or_files: str | os.PathLike[str] | Sequence[str]
     labels: Sequence[int] | None = None
     max_image_pixels: int | None = MAX_IMAGE_PIXELS
+    _: KW_ONLY
+    shuffle: bool = True
+    drop_last: bool = False
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from .files import FileLoader, open_files
@@ -83,8 +120,9 @@ class FilesDataset(_Kind):
 
 
 @dataclass(frozen=True)
-class TarsDataset(_Kind):
-    """WebDataset tar shards, as :func:`sharded_tars` reads them (the same arguments)."""
+class TarsDataset(_Opened):
+    """WebDataset tar shards, as :func:`sharded_tars` reads them (the same arguments).
+    ``Loader(TarsDataset(urls), step, batch_size=64)``."""
 
     urls: str | Sequence[str]
     ext: str | Sequence[str] = ("jpg", "cls")
@@ -94,6 +132,9 @@ class TarsDataset(_Kind):
     retries: int = RETRIES
     ahead_bytes: int | None = AHEAD_BYTES
     max_image_pixels: int | None = MAX_IMAGE_PIXELS
+    _: KW_ONLY
+    shuffle: bool = True
+    drop_last: bool = False
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from .tars import open_tar_source
@@ -114,7 +155,7 @@ class TarsDataset(_Kind):
 
 
 @dataclass(frozen=True)
-class SamplesDataset(_Kind):
+class SamplesDataset(_Opened):
     """``total`` samples made by ``load(index)`` (``load(index, epoch)`` with ``pass_epoch``),
     as :func:`sharded_source` takes them. ``names``: the outputs' names, checked against the
     other sources' of a mixture when given."""
@@ -125,6 +166,9 @@ class SamplesDataset(_Kind):
     fingerprint: str | None = None
     names: tuple[str, ...] | None = None
     pass_epoch: bool = False
+    _: KW_ONLY
+    shuffle: bool = True
+    drop_last: bool = False
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         if isinstance(self.total, bool) or not isinstance(self.total, int) or self.total < 1:

@@ -1,4 +1,5 @@
-"""``sharded_mix``: datasets mixed in fixed proportions, sharded as one source. Runs in the worker.
+"""``MixDataset`` (and ``sharded_mix``): datasets mixed in fixed proportions, sharded as one
+source. Runs in the worker (the definition is made in the trainer too).
 
 The mix, not each dataset, does the sharding: its sources are *definitions* of whole datasets
 (:class:`FilesDataset`, :class:`TarsDataset`, :class:`SamplesDataset`), opened in every worker.
@@ -32,13 +33,13 @@ import hashlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from ..spec import Shard
-from ._datasets import Dataset, FilesDataset, SamplesDataset, TarsDataset
+from ._datasets import Dataset, Definition, FilesDataset, SamplesDataset, TarsDataset
 from .plan import BatchedSamples, Batching, EpochOrder, OpenedSource, Order
 
 logger = logging.getLogger("workers")
@@ -267,12 +268,77 @@ def _check_sources(sources: Mapping[str, Dataset]) -> list[str]:
                 f"source {name!r} must be a FilesDataset, TarsDataset or SamplesDataset "
                 f"(a dataset's definition, not a per-shard source), got {type(dataset).__name__}"
             )
+        if not dataset.shuffle or dataset.drop_last:
+            raise ValueError(
+                f"source {name!r}: shuffle and drop_last of a mixture are the mixture's: set "
+                "them on MixDataset (or sharded_mix), not on its sources"
+            )
         if isinstance(dataset, SamplesDataset) and dataset.pass_epoch:
             raise ValueError(
                 f"source {name!r}: pass_epoch=True is not for a mixture (a mixed source's "
                 "samples are drawn across epochs); draw from the sample id in load() instead"
             )
     return list(sources)
+
+
+@dataclass(frozen=True)
+class MixDataset(Definition):
+    """Datasets mixed in fixed proportions, sharded as one: ``Loader(MixDataset(sources,
+    weights), step, batch_size=64)``.
+
+    ``sources``: name -> dataset definition (:class:`FilesDataset`, :class:`TarsDataset`,
+    :class:`SamplesDataset`, their ``shuffle``/``drop_last`` left as they are: the mix's own
+    decide); ``weights``: name -> a positive weight (normalised). Each epoch of ``epoch_size``
+    samples (default: all the sources' samples together) takes exactly
+    ``round(weight * epoch_size)`` of each source, without replacement from that source's
+    running permutation (see the module docstring). ``source_output``: a last output, each
+    row's source. The same guarantees as :func:`sharded_source`.
+    """
+
+    sources: Mapping[str, Dataset]
+    weights: Mapping[str, float]
+    _: KW_ONLY
+    epoch_size: int | None = None
+    source_output: bool = False
+    shuffle: bool = True
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        _check_weights(_check_sources(self.sources), self.weights)
+
+    def _batched(self, shard: Shard, batching: Batching) -> BatchedSamples:
+        names = list(self.sources)
+        seed = shard.seed - shard.index
+        opened = [self.sources[name].open(shard, source_seed(seed, name)) for name in names]
+        _check_outputs(names, opened)
+        epoch_size = self.epoch_size
+        size = sum(source.total for source in opened) if epoch_size is None else epoch_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"epoch_size must be a positive number of samples, got {epoch_size!r}")
+        counts = mix_counts(self.weights, names, size)
+        if min(counts) < 1:
+            empty = [name for name, count in zip(names, counts, strict=True) if count < 1]
+            raise ValueError(
+                f"an epoch of {size} samples takes none from {empty}: raise epoch_size or "
+                "their weights"
+            )
+        mix = Mixture(names, opened, MixPlan(counts), seed, batching.shuffle)
+        digest = hashlib.sha256()
+        for name, source, count in zip(names, opened, counts, strict=True):
+            digest.update(f"{name}\0{source.total}\0{source.fingerprint}\0{count}\n".encode())
+        if shard.index == 0:
+            _log_turns(mix, shard.epoch)
+        return BatchedSamples(
+            shard,
+            mix.plan.total,
+            MixLoader(mix, self.source_output),
+            # (the order is the mix's: ``shuffle`` is applied there)
+            replace(batching, shuffle=True),
+            num_outputs=opened[0].num_outputs + int(self.source_output),
+            fingerprint=f"mix:{digest.hexdigest()[:16]}",
+            orders=functools.partial(MixOrder, mix),
+            left_out=tuple(line for source in opened for line in source.left_out),
+        )
 
 
 def sharded_mix(
@@ -286,49 +352,13 @@ def sharded_mix(
     drop_last: bool = False,
     source_output: bool = False,
 ) -> Any:
-    """An ``ndd.ExternalSource`` root over datasets mixed in fixed proportions.
-
-    ``sources``: name -> dataset definition (:class:`FilesDataset`, :class:`TarsDataset`,
-    :class:`SamplesDataset`); ``weights``: name -> a positive weight (normalised). Each epoch of
-    ``epoch_size`` samples (default: all the sources' samples together) takes exactly
-    ``round(weight * epoch_size)`` of each source, without replacement from that source's running
-    permutation (see the module docstring). The same guarantees as :func:`sharded_source`.
-    """
+    """Batches of datasets mixed in fixed proportions, for ``source(shard)`` to return: a thin
+    wrapper of :class:`MixDataset` (the same arguments; see there) for a hand-written source.
+    ``batch_size``: the Loader's; ``Loader(MixDataset(sources, weights), step,
+    batch_size=...)`` gives it once."""
     batching = Batching.pick(locals())
-    from ..dali import ShardedExternalSource
-
-    names = _check_sources(sources)
-    _check_weights(names, weights)
-    seed = shard.seed - shard.index
-    opened = [sources[name].open(shard, source_seed(seed, name)) for name in names]
-    _check_outputs(names, opened)
-    size = sum(source.total for source in opened) if epoch_size is None else epoch_size
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"epoch_size must be a positive number of samples, got {epoch_size!r}")
-    counts = mix_counts(weights, names, size)
-    if min(counts) < 1:
-        empty = [name for name, count in zip(names, counts, strict=True) if count < 1]
-        raise ValueError(
-            f"an epoch of {size} samples takes none from {empty}: raise epoch_size or their weights"
-        )
-    mix = Mixture(names, opened, MixPlan(counts), seed, shuffle)
-    digest = hashlib.sha256()
-    for name, source, count in zip(names, opened, counts, strict=True):
-        digest.update(f"{name}\0{source.total}\0{source.fingerprint}\0{count}\n".encode())
-    if shard.index == 0:
-        _log_turns(mix, shard.epoch)
-    samples = BatchedSamples(
-        shard,
-        mix.plan.total,
-        MixLoader(mix, source_output),
-        # (the order is the mix's: ``shuffle`` is applied there)
-        replace(batching, shuffle=True),
-        num_outputs=opened[0].num_outputs + int(source_output),
-        fingerprint=f"mix:{digest.hexdigest()[:16]}",
-        orders=functools.partial(MixOrder, mix),
-        left_out=tuple(line for source in opened for line in source.left_out),
-    )
-    return ShardedExternalSource(samples)
+    mix = MixDataset(sources, weights, epoch_size=epoch_size, source_output=source_output)
+    return mix._batched(shard, batching)
 
 
 def _log_turns(mix: Mixture, epoch: int) -> None:

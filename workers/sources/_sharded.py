@@ -1,5 +1,7 @@
-"""The public ``sharded_*`` functions: one call that builds a dataset definition
-(:mod:`._datasets`) and opens its source for one shard. Runs in the worker.
+"""The public ``sharded_*`` functions, thin wrappers for hand-written sources: one call that
+builds a dataset definition (:mod:`._datasets`) and opens it for one shard, with a batch size
+that must be the Loader's. ``source(shard)`` returns what they return (DALI-free batches); the
+worker puts those under DALI as it does a definition given to the Loader. Runs in the worker.
 
 Above the source modules (:mod:`.plan`, :mod:`.files`, :mod:`.tars`) and the dataset
 definitions, which never import it: the family has no import circle.
@@ -28,7 +30,9 @@ def sharded_files(
     labels: Sequence[int] | None = None,
     max_image_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> Any:
-    """An ``ndd.ExternalSource`` root yielding ``(encoded bytes, label)`` batches of files.
+    """Batches of ``(encoded bytes, label)`` of files, for ``source(shard)`` to return: a thin
+    wrapper of :class:`FilesDataset` for a hand-written source (``batch_size``: the Loader's;
+    ``Loader(FilesDataset(root_or_files), step, batch_size=...)`` gives it once).
 
     ``root_or_files``: an ImageFolder directory (sorted class folders give the labels) or an
     explicit list of files (``labels`` then gives one int per file; 0 when omitted). The same
@@ -62,7 +66,9 @@ def sharded_source(
     fingerprint: str | None = None,
     pass_epoch: bool = False,
 ) -> Any:
-    """An ``ndd.ExternalSource`` root over this shard's part of ``total`` samples.
+    """Batches of this shard's part of ``total`` samples, for ``source(shard)`` to return: a
+    thin wrapper of :class:`SamplesDataset` for a hand-written source (``batch_size``: the
+    Loader's; ``Loader(SamplesDataset(total, load), step, batch_size=...)`` gives it once).
 
     Every epoch covers the dataset exactly once across all shards (``drop_last=True`` drops the
     remainder instead of padding), batches are always full, and padded rows are reported in the
@@ -95,7 +101,9 @@ def sharded_tars(
     ahead_bytes: int | None = AHEAD_BYTES,
     max_image_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> Any:
-    """An ``ndd.ExternalSource`` root over WebDataset tar shards: one output per ``ext``.
+    """Batches of WebDataset tar shards, one output per ``ext``, for ``source(shard)`` to
+    return: a thin wrapper of :class:`TarsDataset` for a hand-written source (``batch_size``:
+    the Loader's; ``Loader(TarsDataset(urls), step, batch_size=...)`` gives it once).
 
     ``urls``: a list of paths or fsspec URLs, or one string with brace patterns
     (``"s3://bucket/train-{000000..000127}.tar"``); ``storage_options`` go to the filesystem

@@ -17,7 +17,9 @@ StepFunction = Callable[..., Any]
 class WorkerSpec:
     """Everything one worker needs; functions travel by reference (module and qualified name)."""
 
-    source: SourceFactory
+    #: a dataset definition (``workers.sources.Definition``, pickled by value; opened in the
+    #: worker with ``batch_size``) or a :data:`SourceFactory`
+    source: SourceFactory | Any
     step: StepFunction
     feeders: FeederFactory | None
     shard: Shard

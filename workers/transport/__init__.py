@@ -2,8 +2,8 @@
 described (:mod:`._publish`), an epoch's signature (:mod:`._signature`), each batch's stage times
 (:mod:`._timing`), and a failure's record: DALI's long error text condensed, the failing samples
 named first (:mod:`._error_text`), with what the worker knows of the error beyond the error
-itself (:mod:`._error_context`). Runs in the worker, on its main thread (:func:`attach` also on a
-source's prefetch thread).
+itself (:mod:`workers.spec._error_context`, re-exported here). Runs in the worker, on its main
+thread.
 
 Publishing and the signature import DALI (:mod:`workers.dali`): :class:`Publisher`,
 :class:`Signature` and :func:`normalize_outputs` are imported on first use, so that importing
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._error_context import attach, context_of
+from ..spec import attach, context_of
 from ._error_text import FAILING_SAMPLES, every_sample_fails, failure, message, short_reason
 from ._timing import BatchClock
 

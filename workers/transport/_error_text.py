@@ -13,7 +13,7 @@ travels in the worker's traceback (the trainer's ``remote_traceback`` and ``__ca
 When the worker has found the samples that fail alone (:mod:`workers.capture._isolation`), the
 message starts with :data:`FAILING_SAMPLES` and names them, and the trainer adds the hint that
 ``on_error="skip"`` leaves them out. :func:`failure` makes the record the trainer gets, from the
-error and what the worker knows of it (:mod:`workers.transport._error_context`).
+error and what the worker knows of it (:mod:`workers.spec._error_context`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from ipc import wire
 
-from ._error_context import context_of
+from ..spec import context_of
 
 #: How a message naming the samples that fail alone starts (``failing sample 14 (/a/b.jpg):
 #: ...``); the trainer adds the ``on_error="skip"`` hint to such a message.

@@ -9,11 +9,10 @@ helpers here let the loader decide instead, deterministically from the seed and 
   and records, per batch yielded, how many rows are padding; the worker attaches that count to
   the delivered batch (``info.padded``). Built for a shard that carries a saved position, its
   first epoch starts where that position stopped (nothing before it is loaded).
-* :func:`sharded_source` puts it in an ``ndd.ExternalSource`` ready to return from
-  ``source(shard)``, over any ``load(index)``; the worker finds it there by the source's type
-  (``_dali.ShardedExternalSource``).
-* :func:`~workers.sources.sharded_files` (in :mod:`sources._sharded`) does the same over image
-  files.
+* A dataset definition (:mod:`sources._datasets`) opens into one, for the loader's batch size;
+  :func:`sharded_source` and its kin return one from ``source(shard)``. Either way the worker
+  puts it under DALI (an ``ndd.ExternalSource`` root it makes itself): the batches here are
+  numpy arrays, and nothing here imports DALI.
 
 A :class:`BatchedSamples` holds the user's state only. The worker's control state (``on_error``,
 the samples known to fail, the records of batches in flight, whether one iteration runs every
@@ -36,8 +35,7 @@ import numpy as np
 
 from ipc.wire import LoadRunning, Sampling
 
-from ...spec import Shard
-from ...transport import attach
+from ...spec import Shard, attach
 from ._control import FedBatch, FeedState, SampleControl
 from ._positions import Batch, Orders, shard_batches, shard_steps
 
@@ -192,7 +190,7 @@ class BatchedSamples:
 
     def _load(self, index: int, epoch: int) -> Any:
         """:meth:`load_sample`; an exception leaves with the phase and the sample id in its
-        context (:mod:`workers.transport._error_context`)."""
+        context (:mod:`workers.spec._error_context`)."""
         self.loading = (index, time.monotonic())
         try:
             return self.load_sample(index, epoch)
@@ -312,15 +310,15 @@ class BatchedSamples:
 
     def _epoch(self, epoch: int, batches: list[Batch]) -> Iterator[Any]:
         """The batches of one epoch. Batch k+1's samples are loaded on a prefetch thread while
-        DALI works on batch k (file reads release the GIL), so I/O overlaps decoding."""
-        import nvidia.dali.experimental.dynamic as ndd
+        DALI works on batch k (file reads release the GIL), so I/O overlaps decoding.
 
+        Each batch is numpy: per output, a list of the samples' arrays or one array of small
+        samples stacked (:func:`_batch_arrays`); a tuple of those with several outputs. The
+        worker's DALI adapter (``workers.dali.batches_root``) wraps them without copying. DALI
+        copies a fed batch into its own buffers; the last few are kept alive here all the same.
+        """
         if not batches:
             return
-        # The batches are views of the loaded arrays (``ndd.as_batch``: no copy; ``ndd.batch``
-        # would copy every batch, and its first copy makes DALI's trace parse its own 1,000-line
-        # ``_batch.py`` with libcst, ~0.45 s per worker). DALI copies a fed batch into its own
-        # buffers; the last few are kept alive here all the same.
         alive: deque[list[Any]] = deque(maxlen=_KEEP_ALIVE)
         expect = getattr(self.load, "expect", None)
         passed = getattr(self.load, "passed", None)
@@ -355,10 +353,7 @@ class BatchedSamples:
                     for k in range(self.num_outputs)
                 ]
                 alive.append(outputs)
-                if self.num_outputs == 1:
-                    yield ndd.as_batch(outputs[0])
-                else:
-                    yield tuple(ndd.as_batch(arrays) for arrays in outputs)
+                yield outputs[0] if self.num_outputs == 1 else tuple(outputs)
 
     def _skipped_on_load(self, epoch: int, step: int, index: int, reason: str) -> None:
         """A sample whose ``load`` raised was left out of batch ``step`` of ``epoch``: the

@@ -1,6 +1,7 @@
 """The sharded-source options (batch size, shuffle, drop_last) are declared once
 (``workers.sources.plan._sampling.Batching``): every public ``sharded_*`` function and dataset
-``source`` names them in its signature, and passes them on as one object to BatchedSamples."""
+``source`` names them in its signature, every dataset definition holds them but the batch size
+(the Loader's), and each passes them on as one object to BatchedSamples."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from loader import (
     FilesDataset,
+    MixDataset,
     SamplesDataset,
     Shard,
     TarsDataset,
@@ -52,11 +54,12 @@ PUBLIC: dict[Callable[..., Any], str] = {
         "shuffle: 'bool' = True, drop_last: 'bool' = False, source_output: 'bool' = False) "
         "-> 'Any'"
     ),
-    SamplesDataset.source: (
-        "(self, shard: 'Shard', *, batch_size: 'int', shuffle: 'bool' = True, "
-        "drop_last: 'bool' = False) -> 'Any'"
-    ),
 }
+#: A definition's ``source``: its options default to the definition's own (None).
+DEFINITION_SOURCE = (
+    "(self, shard: 'Shard', *, batch_size: 'int', shuffle: 'bool | None' = None, "
+    "drop_last: 'bool | None' = None) -> 'BatchedSamples'"
+)
 
 
 def _load(index: int) -> Any:
@@ -67,6 +70,8 @@ def test_the_public_signatures_are_as_they_were() -> None:
     for function, signature in PUBLIC.items():
         assert str(inspect.signature(function)) == signature, function.__name__
     assert FilesDataset.source is TarsDataset.source is SamplesDataset.source
+    assert SamplesDataset.source is MixDataset.source
+    assert str(inspect.signature(SamplesDataset.source)) == DEFINITION_SOURCE
 
 
 def test_every_public_signature_names_each_option_with_its_default() -> None:
@@ -81,19 +86,39 @@ def test_every_public_signature_names_each_option_with_its_default() -> None:
             assert default == expected, (function.__name__, option.name)
 
 
+@pytest.mark.parametrize("kind", [FilesDataset, TarsDataset, SamplesDataset, MixDataset])
+def test_every_definition_holds_each_option_but_the_batch_size_with_its_default(
+    kind: type,
+) -> None:
+    """The Loader gives the batch size; the rest of Batching is the definition's, by keyword."""
+    held = {f.name: f for f in dataclasses.fields(kind)}
+    assert "batch_size" not in held
+    for option in dataclasses.fields(Batching):
+        if option.name == "batch_size":
+            continue
+        assert held[option.name].default == option.default, (kind.__name__, option.name)
+        assert held[option.name].kw_only, (kind.__name__, option.name)
+
+
 def test_the_options_reach_the_batched_samples_as_one() -> None:
     shard = Shard.make(rank=0, world_size=1, worker=0, num_workers=2, seed=3)
-    root = sharded_source(shard, 10, _load, 3, shuffle=False, drop_last=True)
-    samples = root.samples
+    samples = sharded_source(shard, 10, _load, 3, shuffle=False, drop_last=True)
     assert samples.batching == Batching(3, shuffle=False, drop_last=True)
     sampling = samples.sampling
     assert (sampling.batch_size, sampling.shuffle, sampling.drop_last) == (3, False, True)
     via_dataset = SamplesDataset(10, _load).source(shard, batch_size=3, drop_last=True)
-    assert via_dataset.samples.batching == Batching(3, drop_last=True)
+    assert via_dataset.batching == Batching(3, drop_last=True)
+    defined = SamplesDataset(10, _load, shuffle=False, drop_last=True)
+    assert defined.batched(shard, 3).batching == Batching(3, shuffle=False, drop_last=True)
+    assert defined.source(shard, batch_size=3, shuffle=True).batching == Batching(
+        3, shuffle=True, drop_last=True
+    )
     mixed = sharded_mix(
         shard, {"a": SamplesDataset(10, _load)}, weights={"a": 1.0}, batch_size=2, shuffle=False
     )
-    assert mixed.samples.batching == Batching(2, shuffle=True)  # (the mix applies shuffle)
+    assert mixed.batching == Batching(2, shuffle=True)  # (the mix applies shuffle)
+    defined_mix = MixDataset({"a": SamplesDataset(10, _load)}, {"a": 1.0}, shuffle=False)
+    assert defined_mix.batched(shard, 2).sampling == mixed.sampling
 
 
 def test_batched_samples_takes_the_options_as_one_or_by_name() -> None:

@@ -12,7 +12,8 @@ import pytest
 
 from loader.sample import list_images, write_sample_dataset
 from workers.capture._stderr import repeats_captured, split_native
-from workers.transport._error_context import UNKNOWN, ErrorContext, attach, context_of
+from workers.spec import ErrorContext, attach, context_of
+from workers.spec._error_context import UNKNOWN
 from workers.transport._error_text import dali_summary, failure, message, short_reason
 
 #: DALI 2.4's text for a corrupt JPEG in a captured pipeline (as the worker gets it)

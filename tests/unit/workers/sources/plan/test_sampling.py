@@ -127,18 +127,28 @@ def test_a_load_that_raises_is_remembered_reported_once_and_not_loaded_again() -
     assert reports == [(0, step, 5, "5", "load raised OSError: corrupt")]
 
 
-def test_a_sharded_source_is_found_by_its_type() -> None:
+def test_a_sharded_source_is_numpy_batches_that_the_dali_adapter_feeds_without_copying() -> None:
+    """``sharded_source`` gives DALI-free batches (numpy: a stacked array or a list of views);
+    the worker's adapter (``workers.dali.batches_root``) makes the ``ndd.ExternalSource`` that
+    feeds them to DALI, viewing the arrays, not copying them."""
     import nvidia.dali.experimental.dynamic as ndd
 
-    from workers import sharded_source
-    from workers.dali import sharded_samples
+    from workers import dali, sharded_source
 
     shard = Shard.make(rank=0, world_size=1, worker=0, num_workers=1, seed=5)
-    source = sharded_source(shard, 30, _id, 4)
-    assert isinstance(source, ndd.ExternalSource)
-    found = sharded_samples(source)
-    assert isinstance(found, BatchedSamples) and (found.total, found.batch_size) == (30, 4)
-    assert sharded_samples(ndd.ExternalSource(_samples(), cycle="raise")) is None
+    samples = sharded_source(shard, 30, _id, 4)
+    assert isinstance(samples, BatchedSamples) and (samples.total, samples.batch_size) == (30, 4)
+    first = next(iter(samples))
+    assert isinstance(first, np.ndarray) and first.shape == (4, 1)  # small samples: stacked
+    root = dali.batches_root(samples)
+    assert isinstance(root, ndd.ExternalSource)
+    epoch = samples.epoch  # (the next ``iter()`` runs this one)
+    batches = dali.epoch_iterator(root, 4, dali.make_context(1, None), False)
+    got = [_ids(dali.storage_of(batch).as_array()) for batch in batches]
+    assert got == _expected(samples, epoch)
+    large = [np.full(5000, k, np.uint8) for k in range(4)]
+    viewed = ndd.as_batch(large)
+    assert np.shares_memory(np.asarray(viewed.evaluate()._storage[0]), large[0])
 
 
 def test_a_layout_without_a_full_batch_for_every_worker_is_refused_with_drop_last() -> None:

@@ -1,5 +1,8 @@
 """What the worker knows of an error beyond the error itself. Runs in the worker.
 
+Here, at the bottom of ``workers``, so that the sources (which write it) and the transport (which
+reads it) share it without importing each other.
+
 An error can say less than the worker knows about it: a ``load`` that raised ran on the prefetch
 thread for one sample (the worker's own phase then reads ``dali``: DALI pulled the source), and
 a batch that failed may have been searched for the samples that fail alone (the message should
