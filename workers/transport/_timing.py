@@ -5,8 +5,8 @@ A :class:`BatchClock` follows the main thread through each batch: the step start
 outputs are in their slot (:meth:`~BatchClock.stages`, which also takes the time spent waiting
 for that slot). What a ``sharded_source``/``sharded_files`` root spent loading comes from its
 running totals (:class:`~workers.sources.plan._sampling.BatchedSamples`), read once per batch;
-time spent waiting for a command between epochs is added by the command loop (:meth:`~BatchClock.idle`).
-Each batch's :class:`~ipc.wire.StageTimes` travels in its ``BatchReady``.
+time spent waiting for a command between epochs is added by the command loop
+(:meth:`~BatchClock.idle`). Each batch's :class:`~ipc.wire.StageTimes` travels in its ``BatchReady``.
 
 Cost: a few clock reads per batch (about 1 us in all), see docs/diagnosis.md.
 """

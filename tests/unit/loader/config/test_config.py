@@ -116,7 +116,12 @@ BAD = [
     ),
     ({"feeders": {"a": 1}}, TypeError, "feeders must be a module-level function feeders(shard)"),
     ({"feeders": 3}, TypeError, "feeders must be a function, got int"),
-    ({"source": 3}, TypeError, "source must be a function, got int"),
+    (
+        {"source": 3},
+        TypeError,
+        "source must be a dataset definition (FilesDataset, TarsDataset, SamplesDataset, "
+        "MixDataset) or a function source(shard), got int",
+    ),
     ({"step": lambda ids: ids}, TypeError, "step is a lambda; workers are spawned"),
 ]
 
