@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from workers import Shard, WorkerSpec
+from workers import Shard, WorkerSpec, check_storage_libraries
 
 from . import _env
 from ._autotune import Layout
@@ -26,6 +26,7 @@ from ._validate import (
     check_importable,
     check_not_importing_main,
     check_positive_int,
+    named_urls,
 )
 
 OUTPUTS = ("numpy", "torch", "cupy")
@@ -447,6 +448,8 @@ def _check_functions(source: Any, step: Any, feeders: Any) -> None:
     """``source``, ``step`` and ``feeders`` must be importable by name in a spawned worker."""
     check_importable(source, "source")
     check_importable(step, "step")
+    # (a storage library missing or too old: said once here, not by every worker)
+    check_storage_libraries(named_urls(source))
     if feeders is not None:
         if isinstance(feeders, Mapping):
             raise TypeError(

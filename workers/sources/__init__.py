@@ -50,7 +50,7 @@ from ._positions import (
 )
 from ._sampling import BatchedSamples
 from ._sharded import sharded_files, sharded_source, sharded_tars
-from ._storage import StorageFailure
+from ._storage import StorageFailure, StorageLibraryError, check_storage_libraries
 from ._tar_tool import Progress as IndexProgress
 from ._tar_tool import index_dataset
 from ._tars import write_tars
@@ -68,7 +68,9 @@ __all__ = [
     "SampleControl",
     "SamplesDataset",
     "StorageFailure",
+    "StorageLibraryError",
     "TarsDataset",
+    "check_storage_libraries",
     "continue_from",
     "describe_difference",
     "every_shard_steps",
