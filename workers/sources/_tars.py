@@ -48,9 +48,9 @@ from ._control import SKIP_DAMAGED, STARTED_TOGETHER
 from ._epoch_order import EpochOrder, orders_at
 from ._image_size import MAX_IMAGE_PIXELS, ImageTooLargeError, checked_limit, over_limit
 from ._sampling import OpenedSource
-from ._storage import AHEAD_BYTES, IdentityChanged, StorageFailure, storage_failure
-from ._tar_index import TarIndex
-from ._tar_indexer import Indexer
+from ._storage import AHEAD_BYTES, Identity, IdentityChanged, StorageFailure, storage_failure
+from ._tar_index import TarIndex, scan_bytes
+from ._tar_indexer import WHOLE_SCAN_BYTES, Indexer, index_command
 from ._tar_shards import TarShards, open_shards
 from ._tar_write import write_tars
 from ._wds_idx import idx_url, member_mismatch
@@ -344,6 +344,13 @@ class TarLoader:
         )
         self._starts: list[int] = shards.starts.tolist()
         self._integers = [INTEGER_EXTS.get(name) for name in self.names]
+        #: on_error="skip": a shard found truncated when it is read gives its whole samples
+        self._skip = SKIP_DAMAGED.get()
+        #: shards a read found changed since the summary vouched for them, taken as they are
+        #: now (:meth:`_changed_on_read`): the identity reads expect, the bytes that hold what
+        #: the epoch reads of them, and (truncated) how many of its planned samples are whole
+        self._changed: dict[int, tuple[Identity, int, int | None]] = {}
+        self._changing = threading.Lock()
 
     def _held(self, shard: int) -> tuple[TarIndex, _Int64s, _Int64s] | None:
         """The table of ``shard`` if it is held (marked as the latest used)."""
@@ -413,13 +420,19 @@ class TarLoader:
             )
         start = min(row_offsets)
         end = max(offset + size for offset, size in zip(row_offsets, row_sizes, strict=True))
+        self._left_out(shard, table, sample)
         if table.scanned:
             data = self._read(shard, url, start, end)
         else:
+            if self.shards.vouched and self.shards.vouched[shard] is not None:
+                # (not yet confirmed by a read: a change found first, past the damage not read)
+                self._read(shard, url, start, min(end, start + 1))
+                self._left_out(shard, table, sample)
             checked = self._read_checked(shard, table, sample, start, end)
             if checked is None:  # (its .idx lied: the shard was indexed from its own bytes)
                 return self(index)
             data = checked
+        self._left_out(shard, table, sample)
         outputs = []
         for column, (offset, size) in enumerate(zip(row_offsets, row_sizes, strict=True)):
             member = data[offset - start : offset - start + size]
@@ -430,6 +443,16 @@ class TarLoader:
             else:
                 outputs.append(_decode_int(member, dtype, table, sample, self.names[column]))
         return tuple(outputs)
+
+    def _left_out(self, shard: int, table: TarIndex, sample: int) -> None:
+        """A ``ValueError`` (skipped, under ``on_error="skip"``) for a planned sample of a shard
+        found truncated when it was read, past its whole samples (:meth:`_changed_on_read`)."""
+        changed = self._changed.get(shard)
+        if changed is not None and changed[2] is not None and sample >= changed[2]:
+            raise ValueError(
+                f"{self.shards.urls[shard]}: sample {table.key(sample)!r} is left out: the shard "
+                f"was truncated since it was indexed (its first {changed[2]} samples are whole)"
+            )
 
     def _check_pixels(
         self, member: np.ndarray[Any, Any], table: TarIndex, sample: int, offset: int
@@ -540,6 +563,13 @@ class TarLoader:
         shards = self.shards
         identity = shards.identities[shard]
         vouched = shards.vouched[shard] if shards.vouched else None
+        changed = self._changed.get(shard)
+        if changed is not None:  # (as it is now: read what of it holds the epoch's samples)
+            identity, usable = changed[0], changed[1]
+            data = shards.storage.read(shards.urls[shard], start, max(start, min(end, usable)))
+            if len(data) < end - start:  # (rows past the damage raise before they use these)
+                data = np.concatenate([data, np.zeros(end - start - len(data), np.uint8)])
+            return data
         check = not shards.storage.local and (
             vouched is not None or shards.storage.read_tells(identity)
         )
@@ -548,7 +578,8 @@ class TarLoader:
                 shards.urls[shard], start, end, expect=identity if check else None
             )
         except IdentityChanged as error:
-            raise shards.changed(shard, error.found) from error
+            self._changed_on_read(shard, error.found, vouched)
+            return self._checked_read(shard, start, end)
         except FileNotFoundError as error:
             if vouched is None:
                 raise
@@ -559,6 +590,60 @@ class TarLoader:
         if vouched is not None:
             shards.vouched[shard] = None  # (the store confirmed it)
         return data
+
+    def _changed_on_read(self, shard: int, found: Identity, vouched: str | None) -> None:
+        """A read found ``shard`` other than the summary ``vouched`` (no listing was made) says:
+        its bytes now (one GET) decide, as a listing at the start would have (docs/datasets.md,
+        errors). Shorter, its whole samples the first ones planned: damaged data, a
+        ``ValueError`` naming the shard, where it ends and the stale summary; under
+        ``on_error="skip"`` its whole samples are read and the rest left out (each skipped
+        where the epoch planned it), with a warning. Longer, the planned samples where they
+        were: what the summary covers is read, with a warning. Anything else (rewritten) is a
+        ``StorageFailure`` naming the command that indexes it again."""
+        shards = self.shards
+        with self._changing:
+            if shard in self._changed:
+                return
+            url, planned = shards.urls[shard], shards.identities[shard][0]
+            if vouched is None or found[0] > WHOLE_SCAN_BYTES:
+                raise shards.changed(shard, found)
+            table = self._table(shard)[0]
+            try:
+                data = shards.storage.read(url, 0, found[0], expect=found)
+            except IdentityChanged as error:  # (changed again meanwhile)
+                raise shards.changed(shard, error.found) from error
+            now, _damage = scan_bytes(url, data.tobytes())
+            whole = min(now.samples, table.samples)
+            if not _same_first(now, table, whole) or (
+                found[0] >= planned and whole < table.samples
+            ):
+                raise shards.changed(shard, found)
+            mend = "rewrite the shard (or take it out of the job's shards), then run "
+            mend += index_command(url)
+            if found[0] < planned:
+                message = (
+                    f"{url} is not a whole tar file: it ends at byte {found[0]}, where the summary "
+                    f"{vouched} that this job planned its epochs with says {planned} (truncated "
+                    f"since it was indexed: the summary is stale for it); {mend}"
+                )
+                if not self._skip:
+                    raise ValueError(message)
+                kept = table.member_sample < whole
+                read_to = int((table.member_offset[kept] + table.member_size[kept]).max(initial=0))
+                self._indexer.warn(
+                    f"on_error='skip': {message}. Its first {whole} samples are read (up to byte "
+                    f"{read_to} of {found[0]}); the other {table.samples - whole} planned samples "
+                    "of it are left out of every epoch (each skipped where it was planned)"
+                )
+                self._changed[shard] = (found, found[0], whole)
+                return
+            self._indexer.warn(
+                f"{url} grew since it was indexed ({planned} -> {found[0]} bytes): the summary "
+                f"{vouched} that this job planned its epochs with is stale for it. The "
+                f"{table.samples} samples it covers are read, none added since; run "
+                f"{index_command(url)} (then restart the job) to read them all"
+            )
+            self._changed[shard] = (found, found[0], None)
 
     def _fetch(self, shard: int, rows: _Int64s) -> tuple[int, np.ndarray[Any, Any]]:
         """(start, bytes) of the range of ``shard`` that holds ``rows`` (on a fetch thread). A
@@ -611,6 +696,23 @@ class TarLoader:
         fetcher = getattr(self, "_fetcher", None)
         if fetcher is not None:
             fetcher.close()
+
+
+def _same_first(now: TarIndex, planned: TarIndex, samples: int) -> bool:
+    """Whether the first ``samples`` samples of ``now`` are those of ``planned``: the same keys,
+    members and bytes' places."""
+    if samples > now.samples or samples > planned.samples:
+        return False
+    ends = int(now.key_offsets[samples]), int(planned.key_offsets[samples])
+    if ends[0] != ends[1] or bytes(now.keys[: ends[0]]) != bytes(planned.keys[: ends[1]]):
+        return False
+    mine, theirs = now.member_sample < samples, planned.member_sample < samples
+    return (
+        np.array_equal(now.member_offset[mine], planned.member_offset[theirs])
+        and np.array_equal(now.member_size[mine], planned.member_size[theirs])
+        and [now.exts[e] for e in now.member_ext[mine].tolist()]
+        == [planned.exts[e] for e in planned.member_ext[theirs].tolist()]
+    )
 
 
 #: The shards this process opened last, and the arguments it opened them with.
