@@ -410,7 +410,6 @@ def test_a_shard_changed_after_indexing_gets_the_same_answer_on_every_store(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="loader")
     indexed = store.endswith("-indexed")
-    fault = Fault(damage, lambda directory: None, summary={} if indexed else None)
     with places(store.partition("-")[0], tmp_path) as place_for:
         for on_error in ("skip", "raise"):
             place = place_for(on_error)
@@ -449,7 +448,7 @@ def test_a_shard_changed_after_indexing_gets_the_same_answer_on_every_store(
             assert len(outcome.ids) == len(read), (cell, sorted(outcome.ids))
             if said:
                 assert [m for m in outcome.said if re.search(said, m)], (cell, outcome.said)
-            if damage == "truncated" and not store == "s3-indexed":
+            if damage == "truncated" and store != "s3-indexed":
                 assert len(outcome.left_out) == 1 and "first 2 samples" in outcome.left_out[0], (
                     cell,
                     outcome.left_out,
