@@ -592,58 +592,19 @@ class TarLoader:
         return data
 
     def _changed_on_read(self, shard: int, found: Identity, vouched: str | None) -> None:
-        """A read found ``shard`` other than the summary ``vouched`` (no listing was made) says:
-        its bytes now (one GET) decide, as a listing at the start would have (docs/datasets.md,
-        errors). Shorter, its whole samples the first ones planned: damaged data, a
-        ``ValueError`` naming the shard, where it ends and the stale summary; under
-        ``on_error="skip"`` its whole samples are read and the rest left out (each skipped
-        where the epoch planned it), with a warning. Longer, the planned samples where they
-        were: what the summary covers is read, with a warning. Anything else (rewritten) is a
-        ``StorageFailure`` naming the command that indexes it again."""
-        shards = self.shards
+        """A read found ``shard`` other than the summary ``vouched`` says: taken as it is now,
+        or an error (:func:`_changed_answer`)."""
         with self._changing:
-            if shard in self._changed:
-                return
-            url, planned = shards.urls[shard], shards.identities[shard][0]
-            if vouched is None or found[0] > WHOLE_SCAN_BYTES:
-                raise shards.changed(shard, found)
-            table = self._table(shard)[0]
-            try:
-                data = shards.storage.read(url, 0, found[0], expect=found)
-            except IdentityChanged as error:  # (changed again meanwhile)
-                raise shards.changed(shard, error.found) from error
-            now, _damage = scan_bytes(url, data.tobytes())
-            whole = min(now.samples, table.samples)
-            if not _same_first(now, table, whole) or (
-                found[0] >= planned and whole < table.samples
-            ):
-                raise shards.changed(shard, found)
-            mend = "rewrite the shard (or take it out of the job's shards), then run "
-            mend += index_command(url)
-            if found[0] < planned:
-                message = (
-                    f"{url} is not a whole tar file: it ends at byte {found[0]}, where the summary "
-                    f"{vouched} that this job planned its epochs with says {planned} (truncated "
-                    f"since it was indexed: the summary is stale for it); {mend}"
+            if shard not in self._changed:
+                self._changed[shard] = _changed_answer(
+                    self.shards,
+                    shard,
+                    found,
+                    vouched,
+                    lambda: self._table(shard)[0],
+                    self._skip,
+                    self._indexer,
                 )
-                if not self._skip:
-                    raise ValueError(message)
-                kept = table.member_sample < whole
-                read_to = int((table.member_offset[kept] + table.member_size[kept]).max(initial=0))
-                self._indexer.warn(
-                    f"on_error='skip': {message}. Its first {whole} samples are read (up to byte "
-                    f"{read_to} of {found[0]}); the other {table.samples - whole} planned samples "
-                    "of it are left out of every epoch (each skipped where it was planned)"
-                )
-                self._changed[shard] = (found, found[0], whole)
-                return
-            self._indexer.warn(
-                f"{url} grew since it was indexed ({planned} -> {found[0]} bytes): the summary "
-                f"{vouched} that this job planned its epochs with is stale for it. The "
-                f"{table.samples} samples it covers are read, none added since; run "
-                f"{index_command(url)} (then restart the job) to read them all"
-            )
-            self._changed[shard] = (found, found[0], None)
 
     def _fetch(self, shard: int, rows: _Int64s) -> tuple[int, np.ndarray[Any, Any]]:
         """(start, bytes) of the range of ``shard`` that holds ``rows`` (on a fetch thread). A
@@ -696,6 +657,63 @@ class TarLoader:
         fetcher = getattr(self, "_fetcher", None)
         if fetcher is not None:
             fetcher.close()
+
+
+def _changed_answer(
+    shards: TarShards,
+    shard: int,
+    found: Identity,
+    vouched: str | None,
+    planned_index: Callable[[], TarIndex],
+    skip: bool,
+    indexer: Indexer,
+) -> tuple[Identity, int, int | None]:
+    """A read found ``shard`` other than the summary ``vouched`` (no listing was made) says:
+    its bytes now (one GET) decide, as a listing at the start would have (docs/datasets.md,
+    errors). Shorter, its whole samples the first ones planned: damaged data, a
+    ``ValueError`` naming the shard, where it ends and the stale summary; under
+    ``on_error="skip"`` its whole samples are read and the rest left out (each skipped
+    where the epoch planned it), with a warning. Longer, the planned samples where they
+    were: what the summary covers is read, with a warning. Anything else (rewritten) is a
+    ``StorageFailure`` naming the command that indexes it again."""
+    url, planned = shards.urls[shard], shards.identities[shard][0]
+    if vouched is None or found[0] > WHOLE_SCAN_BYTES:
+        raise shards.changed(shard, found)
+    table = planned_index()
+    try:
+        data = shards.storage.read(url, 0, found[0], expect=found)
+    except IdentityChanged as error:  # (changed again meanwhile)
+        raise shards.changed(shard, error.found) from error
+    now, _damage = scan_bytes(url, data.tobytes())
+    whole = min(now.samples, table.samples)
+    grew = found[0] > planned and whole == table.samples
+    if not _same_first(now, table, whole) or (found[0] >= planned and not grew):
+        raise shards.changed(shard, found)  # (rewritten: other bytes, other samples)
+    mend = "rewrite the shard (or take it out of the job's shards), then run "
+    mend += index_command(url)
+    if found[0] < planned:
+        message = (
+            f"{url} is not a whole tar file: it ends at byte {found[0]}, where the summary "
+            f"{vouched} that this job planned its epochs with says {planned} (truncated "
+            f"since it was indexed: the summary is stale for it); {mend}"
+        )
+        if not skip:
+            raise ValueError(message)
+        kept = table.member_sample < whole
+        read_to = int((table.member_offset[kept] + table.member_size[kept]).max(initial=0))
+        indexer.warn(
+            f"on_error='skip': {message}. Its first {whole} samples are read (up to byte "
+            f"{read_to} of {found[0]}); the other {table.samples - whole} planned samples "
+            "of it are left out of every epoch (each skipped where it was planned)"
+        )
+        return found, found[0], whole
+    indexer.warn(
+        f"{url} grew since it was indexed ({planned} -> {found[0]} bytes): the summary "
+        f"{vouched} that this job planned its epochs with is stale for it. The "
+        f"{table.samples} samples it covers are read, none added since; run "
+        f"{index_command(url)} (then restart the job) to read them all"
+    )
+    return found, found[0], None
 
 
 def _same_first(now: TarIndex, planned: TarIndex, samples: int) -> bool:
