@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from workers import Definition, Shard, WorkerSpec
+from workers import Definition, Shard, WorkerSpec, check_storage_libraries
 
 from . import _env
 from ._autotune import Layout
@@ -33,6 +33,7 @@ from ._validate import (
     check_seconds,
     check_trace_path,
     optional,
+    named_urls,
 )
 
 OUTPUTS = ("numpy", "torch", "cupy")
@@ -370,6 +371,8 @@ def _check_functions(source: Any, step: Any, feeders: Any) -> None:
     else:
         check_importable(source, "source")
     check_importable(step, "step")
+    # (a storage library missing or too old: said once here, not by every worker)
+    check_storage_libraries(named_urls(source))
     if feeders is not None:
         if isinstance(feeders, Mapping):
             raise TypeError(

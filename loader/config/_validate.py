@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -9,6 +11,7 @@ import io
 import math
 import os
 import pickle
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -275,3 +278,61 @@ def optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
         return None if value is None else check(value, name)
 
     return check_unless_none
+#: How far :func:`named_urls` looks: calls into functions, items of a list.
+_URL_DEPTH = 3
+_URL_ITEMS = 64
+#: A URL: ``<protocol>://<path>``, no white space.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+\Z")
+_OWN_PACKAGES = frozenset({"loader", "workers", "ipc"})
+
+
+def named_urls(source: Any) -> list[str]:
+    """The URLs (``s3://...``; not local paths) that ``source`` names where the trainer can see
+    them without running it: a definition's fields, a ``functools.partial``'s arguments, the
+    string constants of a function's code and the module globals it reads (those of the
+    functions it calls, a few levels down). What only a worker computes is not seen (the worker
+    then checks what it opens)."""
+    found: dict[str, None] = {}
+    seen: set[int] = set()
+
+    def look(value: Any, depth: int) -> None:
+        if isinstance(value, str):
+            if _URL.match(value) and not value.startswith("file://"):
+                found.setdefault(value)
+            return
+        if depth > _URL_DEPTH or id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, functools.partial):
+            for item in (value.func, *value.args, *value.keywords.values()):
+                look(item, depth + 1)
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for item in list(value)[:_URL_ITEMS]:
+                look(item, depth + 1)
+        elif isinstance(value, dict):
+            for item in list(value.values())[:_URL_ITEMS]:
+                look(item, depth + 1)
+        elif isinstance(value, types.FunctionType):
+            if str(getattr(value, "__module__", "")).partition(".")[0] in _OWN_PACKAGES:
+                return  # (the loader's own functions name no dataset)
+            code(value.__code__, value.__globals__, depth)
+            for cell in value.__closure__ or ():
+                with contextlib.suppress(ValueError):  # (an empty cell)
+                    look(cell.cell_contents, depth + 1)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                look(getattr(value, field.name, None), depth + 1)
+
+    def code(body: types.CodeType, namespace: dict[str, Any], depth: int) -> None:
+        for constant in body.co_consts:
+            if isinstance(constant, types.CodeType):
+                code(constant, namespace, depth)
+            else:
+                look(constant, depth + 1)
+        for name in body.co_names:
+            value = namespace.get(name)
+            if isinstance(value, (str, list, tuple, types.FunctionType, functools.partial)):
+                look(value, depth + 1)
+
+    look(source, 0)
+    return list(found)

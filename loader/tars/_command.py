@@ -23,7 +23,13 @@ import time
 from collections.abc import Sequence
 
 from ipc.limits import usable_cpus
-from workers import IndexProgress, index_dataset, write_tars
+from workers import (
+    IndexProgress,
+    StorageLibraryError,
+    check_storage_libraries,
+    index_dataset,
+    write_tars,
+)
 
 _COMMANDS = ("write", "index")
 
@@ -159,6 +165,11 @@ def _index(args: argparse.Namespace) -> int:
             return 2
     if args.workers is not None and args.workers < 1:
         print("error: --workers must be >= 1", file=sys.stderr)
+        return 2
+    try:  # (said once, before any process starts)
+        check_storage_libraries(args.urls)
+    except StorageLibraryError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     urls = args.urls[0] if len(args.urls) == 1 else args.urls
     processes = args.workers or usable_cpus()

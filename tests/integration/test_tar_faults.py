@@ -347,3 +347,109 @@ def test_hostile_data_gives_every_good_sample_once_or_one_error_naming_the_file(
                     cell,
                     outcome.left_out,
                 )
+
+
+# A shard changed after `python -m loader.tars index` (or with no index at all), per store: the
+# table "damage -> answer" of docs/datasets.md#errors, each cell a test. train-001.tar holds ids
+# 4-7, 2048 bytes a sample.
+STORES = ["local", "local-indexed", "s3-indexed", "s3"]
+
+
+def _truncate(path: Path) -> None:  # inside sample 6: ids 4 and 5 whole
+    path.write_bytes(path.read_bytes()[:5000])
+
+
+def _grow(path: Path) -> None:  # one more sample: id 12
+    with tarfile.open(path, "a") as tar:
+        for ext, text in (("id", "12"), ("cls", "0")):
+            info = tarfile.TarInfo(f"group0/s00012.{ext}")
+            info.size = len(text)
+            tar.addfile(info, io.BytesIO(text.encode()))
+
+
+def _rewrite(path: Path) -> None:  # other samples: ids 20-23
+    other = T.write_id_tars(path.parent.parent / f"other-{path.parent.name}", 24, 4)[5]
+    path.write_bytes(other.read_bytes())
+
+
+DAMAGES = {"truncated": _truncate, "grew": _grow, "rewritten": _rewrite}
+_NOT_WHOLE = rf"{AT}/train-001\.tar is not a whole tar file"
+
+
+def _answer(damage: str, store: str, on_error: str) -> tuple[Any, frozenset[int], str]:
+    """(the error type and pattern, or None; the ids read; a pattern of a warning) of a cell."""
+    indexed, every = store.endswith("-indexed"), frozenset(range(TOTAL))
+    if damage == "truncated":
+        if on_error == "raise":
+            if store == "s3-indexed":
+                pattern = rf"{_NOT_WHOLE}: it ends at byte 5000, where the summary {AT}/{SUMMARY}"
+                return (
+                    (ValueError, pattern + r" .*says 10240 .*python -m loader\.tars index"),
+                    every,
+                    "",
+                )
+            return (ValueError, _NOT_WHOLE), every, ""
+        said = r"on_error='skip': .*train-001\.tar.* first 2 samples are read"
+        return None, every - {6, 7}, said
+    if damage == "grew":
+        if indexed:
+            return None, every, r"train-001\.tar"
+        return None, every | {12}, ""
+    if store == "s3-indexed":  # rewritten: the epochs were planned with other samples
+        pattern = (
+            rf"{AT}/train-001\.tar changed since it was indexed .*python -m loader\.tars index"
+        )
+        return (StorageFailure, pattern), every, ""
+    return None, (every - {4, 5, 6, 7}) | {20, 21, 22, 23}, r"train-001\.tar" if indexed else ""
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_shard_changed_after_indexing_gets_the_same_answer_on_every_store(
+    damage: str, store: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="loader")
+    indexed = store.endswith("-indexed")
+    with places(store.partition("-")[0], tmp_path) as place_for:
+        for on_error in ("skip", "raise"):
+            place = place_for(on_error)
+            paths = id_shards(place.directory)
+            if not indexed:
+                for path in paths:
+                    path.with_suffix(".idx").unlink()
+            place.put()
+            if indexed:
+                place.put_summary(T.summary_of(paths, place.identity))
+                time.sleep(0.01)  # (a local rewrite's mtime differs)
+            DAMAGES[damage](place.directory / "train-001.tar")
+            if place.options is not None:  # (the bucket: the shard replaced)
+                shard = place.directory / "train-001.tar"
+                client = place.server.client()  # type: ignore[attr-defined]
+                try:
+                    client.upload_file(str(shard), place.name, shard.name)  # type: ignore[attr-defined]
+                finally:
+                    client.close()
+            outcome = run_cell(
+                Fault(damage, lambda d: None, summary=None, write=lambda d: []),
+                place,
+                on_error,
+                caplog,
+            )
+            cell = f"{damage} x on_error={on_error} x {store}"
+            at = re.escape(place.at)
+            stops, read, said = _answer(damage, store, on_error)
+            if stops is not None:
+                kind, pattern = stops
+                assert isinstance(outcome.error, kind), (cell, outcome.error)
+                assert re.search(pattern.replace(AT, at), str(outcome.error)), (cell, outcome.error)
+                continue
+            assert outcome.error is None, (cell, outcome.error)
+            assert sorted(set(outcome.ids)) == sorted(read), (cell, sorted(outcome.ids))
+            assert len(outcome.ids) == len(read), (cell, sorted(outcome.ids))
+            if said:
+                assert [m for m in outcome.said if re.search(said, m)], (cell, outcome.said)
+            if damage == "truncated" and store != "s3-indexed":
+                assert len(outcome.left_out) == 1 and "first 2 samples" in outcome.left_out[0], (
+                    cell,
+                    outcome.left_out,
+                )

@@ -52,7 +52,7 @@ from .plan import (
     steps_left,
     steps_per_epoch,
 )
-from .storage import StorageFailure
+from .storage import StorageFailure, StorageLibraryError, check_storage_libraries
 from .tars import Progress as IndexProgress
 from .tars import index_dataset, write_tars
 
@@ -71,7 +71,9 @@ __all__ = [
     "SampleControl",
     "SamplesDataset",
     "StorageFailure",
+    "StorageLibraryError",
     "TarsDataset",
+    "check_storage_libraries",
     "continue_from",
     "describe_difference",
     "every_shard_steps",

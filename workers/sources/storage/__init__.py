@@ -19,6 +19,7 @@ from ._failures import Identity, IdentityChanged, StorageFailure, storage_failur
 from ._index_file import locked
 from ._index_file import read as read_index_file
 from ._index_file import write as write_index_file
+from ._libraries import StorageLibraryError, check_storage_libraries
 from ._storage import (
     AHEAD_BYTES,
     RETRIES,
@@ -37,7 +38,9 @@ __all__ = [
     "IdentityChanged",
     "Storage",
     "StorageFailure",
+    "StorageLibraryError",
     "cache_dir",
+    "check_storage_libraries",
     "expand_urls",
     "is_url",
     "local_path",

@@ -40,6 +40,7 @@ from ._failures import (
     transient,
     unreachable,
 )
+from ._libraries import StorageLibraryError, storage_library_problem
 
 logger = logging.getLogger("workers")
 
@@ -222,6 +223,9 @@ class RemoteStorage(Storage):
     local = False
 
     def __init__(self, protocol: str, options: dict[str, Any], retries: int = RETRIES) -> None:
+        problem = storage_library_problem(protocol)
+        if problem is not None:
+            raise StorageLibraryError(problem)
         try:
             import fsspec
         except ImportError as error:  # pragma: no cover - fsspec is installed with the extra

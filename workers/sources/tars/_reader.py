@@ -33,7 +33,8 @@ import numpy as np
 from ...spec import Shard
 from ..files import MAX_IMAGE_PIXELS, ImageTooLargeError, checked_limit, over_limit
 from ..plan import SKIP_DAMAGED, STARTED_TOGETHER, OpenedSource
-from ..storage import AHEAD_BYTES, IdentityChanged, StorageFailure, storage_failure
+from ..storage import AHEAD_BYTES, Identity, IdentityChanged, StorageFailure, storage_failure
+from ._changed import changed_answer
 from ._fetch import Fetcher
 from ._index import TarIndex
 from ._indexer import Indexer
@@ -120,6 +121,13 @@ class TarLoader:
         )
         self._starts: list[int] = shards.starts.tolist()
         self._integers = [INTEGER_EXTS.get(name) for name in self.names]
+        #: on_error="skip": a shard found truncated when it is read gives its whole samples
+        self._skip = SKIP_DAMAGED.get()
+        #: shards a read found changed since the summary vouched for them, taken as they are
+        #: now (:meth:`_changed_on_read`): the identity reads expect, the bytes that hold what
+        #: the epoch reads of them, and (truncated) how many of its planned samples are whole
+        self._changed: dict[int, tuple[Identity, int, int | None]] = {}
+        self._changing = threading.Lock()
 
     def _held(self, shard: int) -> tuple[TarIndex, _Int64s, _Int64s] | None:
         """The table of ``shard`` if it is held (marked as the latest used)."""
@@ -189,13 +197,19 @@ class TarLoader:
             )
         start = min(row_offsets)
         end = max(offset + size for offset, size in zip(row_offsets, row_sizes, strict=True))
+        self._left_out(shard, table, sample)
         if table.scanned:
             data = self._read(shard, url, start, end)
         else:
+            if self.shards.vouched and self.shards.vouched[shard] is not None:
+                # (not yet confirmed by a read: a change found first, past the damage not read)
+                self._read(shard, url, start, min(end, start + 1))
+                self._left_out(shard, table, sample)
             checked = self._read_checked(shard, table, sample, start, end)
             if checked is None:  # (its .idx lied: the shard was indexed from its own bytes)
                 return self(index)
             data = checked
+        self._left_out(shard, table, sample)
         outputs = []
         for column, (offset, size) in enumerate(zip(row_offsets, row_sizes, strict=True)):
             member = data[offset - start : offset - start + size]
@@ -206,6 +220,16 @@ class TarLoader:
             else:
                 outputs.append(_decode_int(member, dtype, table, sample, self.names[column]))
         return tuple(outputs)
+
+    def _left_out(self, shard: int, table: TarIndex, sample: int) -> None:
+        """A ``ValueError`` (skipped, under ``on_error="skip"``) for a planned sample of a shard
+        found truncated when it was read, past its whole samples (:meth:`_changed_on_read`)."""
+        changed = self._changed.get(shard)
+        if changed is not None and changed[2] is not None and sample >= changed[2]:
+            raise ValueError(
+                f"{self.shards.urls[shard]}: sample {table.key(sample)!r} is left out: the shard "
+                f"was truncated since it was indexed (its first {changed[2]} samples are whole)"
+            )
 
     def _check_pixels(
         self, member: np.ndarray[Any, Any], table: TarIndex, sample: int, offset: int
@@ -316,6 +340,13 @@ class TarLoader:
         shards = self.shards
         identity = shards.identities[shard]
         vouched = shards.vouched[shard] if shards.vouched else None
+        changed = self._changed.get(shard)
+        if changed is not None:  # (as it is now: read what of it holds the epoch's samples)
+            identity, usable = changed[0], changed[1]
+            data = shards.storage.read(shards.urls[shard], start, max(start, min(end, usable)))
+            if len(data) < end - start:  # (rows past the damage raise before they use these)
+                data = np.concatenate([data, np.zeros(end - start - len(data), np.uint8)])
+            return data
         check = not shards.storage.local and (
             vouched is not None or shards.storage.read_tells(identity)
         )
@@ -324,7 +355,8 @@ class TarLoader:
                 shards.urls[shard], start, end, expect=identity if check else None
             )
         except IdentityChanged as error:
-            raise shards.changed(shard, error.found) from error
+            self._changed_on_read(shard, error.found, vouched)
+            return self._checked_read(shard, start, end)
         except FileNotFoundError as error:
             if vouched is None:
                 raise
@@ -335,6 +367,21 @@ class TarLoader:
         if vouched is not None:
             shards.vouched[shard] = None  # (the store confirmed it)
         return data
+
+    def _changed_on_read(self, shard: int, found: Identity, vouched: str | None) -> None:
+        """A read found ``shard`` other than the summary ``vouched`` says: taken as it is now,
+        or an error (:func:`~._changed.changed_answer`)."""
+        with self._changing:
+            if shard not in self._changed:
+                self._changed[shard] = changed_answer(
+                    self.shards,
+                    shard,
+                    found,
+                    vouched,
+                    lambda: self._table(shard)[0],
+                    self._skip,
+                    self._indexer,
+                )
 
     def _fetch(self, shard: int, rows: _Int64s) -> tuple[int, np.ndarray[Any, Any]]:
         """(start, bytes) of the range of ``shard`` that holds ``rows`` (on a fetch thread). A
