@@ -32,8 +32,8 @@ from ._validate import (
     check_positive_int,
     check_seconds,
     check_trace_path,
-    optional,
     named_urls,
+    optional,
 )
 
 OUTPUTS = ("numpy", "torch", "cupy")

@@ -278,6 +278,8 @@ def optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
         return None if value is None else check(value, name)
 
     return check_unless_none
+
+
 #: How far :func:`named_urls` looks: calls into functions, items of a list.
 _URL_DEPTH = 3
 _URL_ITEMS = 64
