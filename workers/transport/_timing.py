@@ -6,7 +6,8 @@ outputs are in their slot (:meth:`~BatchClock.stages`, which also takes the time
 for that slot). What a ``sharded_source``/``sharded_files`` root spent loading comes from its
 running totals (:class:`~workers.sources.plan._sampling.BatchedSamples`), read once per batch;
 time spent waiting for a command between epochs is added by the command loop
-(:meth:`~BatchClock.idle`). Each batch's :class:`~ipc.wire.StageTimes` travels in its ``BatchReady``.
+(:meth:`~BatchClock.idle`). Each batch's :class:`~ipc.wire.StageTimes` travels in its
+``BatchReady``.
 
 Cost: a few clock reads per batch (about 1 us in all), see docs/diagnosis.md.
 """
