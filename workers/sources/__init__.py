@@ -9,9 +9,12 @@ One family over one planning core:
   resumed) over any ``load(index)``.
 * ``_files`` (files and ImageFolders, with ``_folder_index``), ``_tars`` (tar shards, with the
   tar index, summary, writer and indexer modules ``_tar_*``, ``_wds_idx``).
-* ``_datasets``: the dataset definitions ``FilesDataset``, ``TarsDataset``, ``SamplesDataset``
-  (what a mixture takes); ``_mix`` (``sharded_mix``); ``_sharded``: ``sharded_source``,
-  ``sharded_files``, ``sharded_tars``, one call each over a dataset definition. Each module imports
+* ``parquet/``: Parquet files (``ParquetDataset``, ``sharded_parquet``): the plan from the
+  footers, row groups read by ranged reads (pyarrow, imported only when one is opened).
+* ``_datasets``: the dataset definitions ``FilesDataset``, ``TarsDataset``, ``ParquetDataset``,
+  ``SamplesDataset`` (what a mixture takes); ``_mix`` (``sharded_mix``); ``_sharded``:
+  ``sharded_source``, ``sharded_files``, ``sharded_tars``, ``sharded_parquet``, one call each
+  over a dataset definition. Each module imports
   only those listed before it (no import circle).
 * ``_storage`` (local ``pread`` or fsspec, identities, retries) and ``_index_file`` (mapped index
   files): the one storage layer they share.
@@ -33,7 +36,7 @@ from ._control import (
     FeedState,
     SampleControl,
 )
-from ._datasets import FilesDataset, SamplesDataset, TarsDataset
+from ._datasets import FilesDataset, ParquetDataset, SamplesDataset, TarsDataset
 from ._files import list_files
 from ._image_size import MAX_IMAGE_PIXELS, ImageTooLargeError
 from ._mix import sharded_mix
@@ -49,7 +52,7 @@ from ._positions import (
     steps_per_epoch,
 )
 from ._sampling import BatchedSamples
-from ._sharded import sharded_files, sharded_source, sharded_tars
+from ._sharded import sharded_files, sharded_parquet, sharded_source, sharded_tars
 from ._storage import StorageFailure
 from ._tar_tool import Progress as IndexProgress
 from ._tar_tool import index_dataset
@@ -65,6 +68,7 @@ __all__ = [
     "FilesDataset",
     "ImageTooLargeError",
     "IndexProgress",
+    "ParquetDataset",
     "SampleControl",
     "SamplesDataset",
     "StorageFailure",
@@ -80,6 +84,7 @@ __all__ = [
     "shard_steps",
     "sharded_files",
     "sharded_mix",
+    "sharded_parquet",
     "sharded_source",
     "sharded_tars",
     "steps_left",

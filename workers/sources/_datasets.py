@@ -5,9 +5,9 @@ A dataset is a definition (paths, URLs, a ``load``): :meth:`open` opens it in a 
 size, how to load a sample, its fingerprint, its own epoch orders), and :meth:`source` makes the
 ``ndd.ExternalSource`` root of one shard of it, with every guarantee of
 :func:`~workers.sources._sampling.sharded_source`. ``sharded_files(shard, root, ...)`` is
-``FilesDataset(root).source(shard, ...)``, ``sharded_tars`` is ``TarsDataset``'s and
-``sharded_source`` is ``SamplesDataset``'s; :func:`~workers.sources._mix.sharded_mix` opens each
-of the datasets it mixes.
+``FilesDataset(root).source(shard, ...)``, ``sharded_tars`` is ``TarsDataset``'s,
+``sharded_parquet`` ``ParquetDataset``'s and ``sharded_source`` is ``SamplesDataset``'s;
+:func:`~workers.sources._mix.sharded_mix` opens each of the datasets it mixes.
 """
 
 from __future__ import annotations
@@ -142,4 +142,36 @@ class SamplesDataset(_Kind):
         )
 
 
-Dataset = FilesDataset | TarsDataset | SamplesDataset
+@dataclass(frozen=True)
+class ParquetDataset(_Kind):
+    """Parquet files (those of the Hugging Face Hub and of ``datasets``), as
+    :func:`sharded_parquet` reads them (the same arguments): one output per column."""
+
+    urls: str | os.PathLike[str] | Sequence[str]
+    columns: str | Sequence[str] = ("image", "label")
+    storage_options: Mapping[str, Any] | None = None
+    shuffle_window: int | None = None
+    ahead: int = 2
+    retries: int = RETRIES
+    ahead_bytes: int | None = AHEAD_BYTES
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS
+
+    def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
+        from .parquet import open_parquet_source
+
+        return open_parquet_source(
+            shard,
+            self.urls,
+            columns=self.columns,
+            storage_options=dict(self.storage_options or {}),
+            shuffle_window=self.shuffle_window,
+            ahead=self.ahead,
+            ahead_bytes=self.ahead_bytes,
+            retries=self.retries,
+            seed=seed,
+            shuffle=shuffle,
+            max_image_pixels=self.max_image_pixels,
+        )
+
+
+Dataset = FilesDataset | TarsDataset | ParquetDataset | SamplesDataset

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..spec import Shard
-from ._datasets import Dataset, FilesDataset, SamplesDataset, TarsDataset
+from ._datasets import Dataset, FilesDataset, ParquetDataset, SamplesDataset, TarsDataset
 from ._epoch_order import EpochOrder
 from ._positions import Order
 from ._sampling import BatchedSamples, Batching, OpenedSource
@@ -264,9 +264,10 @@ def _check_sources(sources: Mapping[str, Dataset]) -> list[str]:
     if not isinstance(sources, Mapping) or not sources:
         raise ValueError("sources must be a non-empty dict of name -> dataset")
     for name, dataset in sources.items():
-        if not isinstance(dataset, (FilesDataset, TarsDataset, SamplesDataset)):
+        if not isinstance(dataset, (FilesDataset, TarsDataset, ParquetDataset, SamplesDataset)):
             raise TypeError(
-                f"source {name!r} must be a FilesDataset, TarsDataset or SamplesDataset "
+                f"source {name!r} must be a FilesDataset, TarsDataset, ParquetDataset or "
+                "SamplesDataset "
                 f"(a dataset's definition, not a per-shard source), got {type(dataset).__name__}"
             )
         if isinstance(dataset, SamplesDataset) and dataset.pass_epoch:

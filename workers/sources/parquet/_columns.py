@@ -84,12 +84,10 @@ def _kind(arrow_type: Any, feature: Any) -> str | None:
         return "float"
     if types.is_string(arrow_type) or types.is_large_string(arrow_type):
         return "string"
-    if types.is_list(arrow_type) or types.is_large_list(arrow_type):
-        inner = arrow_type.value_type
-    elif types.is_fixed_size_list(arrow_type):
-        inner = arrow_type.value_type
-    else:
+    listed = (types.is_list, types.is_large_list, types.is_fixed_size_list)
+    if not any(is_list(arrow_type) for is_list in listed):
         return None
+    inner = arrow_type.value_type
     if types.is_integer(inner) or types.is_floating(inner) or types.is_boolean(inner):
         return "list"
     return None

@@ -37,7 +37,9 @@ def checked_columns(columns: str | Sequence[str]) -> tuple[str, ...]:
     """``columns`` as a tuple of names; ``ValueError`` when it names none or repeats one."""
     names = (columns,) if isinstance(columns, str) else tuple(columns)
     if not names or not all(isinstance(name, str) and name for name in names):
-        raise ValueError(f"columns must name at least one column, e.g. ('image', 'label'): {columns!r}")
+        raise ValueError(
+            f"columns must name at least one column, e.g. ('image', 'label'), got {columns!r}"
+        )
     if len(set(names)) != len(names):
         raise ValueError(f"columns names a column twice: {names}")
     return names

@@ -108,8 +108,7 @@ def read_footer(storage: Storage, url: str, size: int) -> Any:
     tail = storage.read(url, first, size).tobytes()
     if tail[-4:] != _MAGIC:
         raise ValueError(
-            f"{url} is not a Parquet file (it does not end with PAR1: not Parquet, or "
-            "truncated)"
+            f"{url} is not a Parquet file (it does not end with PAR1: not Parquet, or truncated)"
         )
     (length,) = struct.unpack("<I", tail[-8:-4])
     if length + 12 > size:

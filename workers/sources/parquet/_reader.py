@@ -130,9 +130,7 @@ class _Ahead:
             self._next += 1
 
     def _may_read_ahead(self, first: int, loading: int, unit: int) -> bool:
-        waiting = [
-            u for u, f, _l in self._needs[: self._next] if f > loading and u in self._held
-        ]
+        waiting = [u for u, f, _l in self._needs[: self._next] if f > loading and u in self._held]
         if len(waiting) >= self.ahead:
             return False
         if self.ahead_bytes is None or not waiting:
@@ -263,7 +261,9 @@ class ParquetLoader:
         try:
             data = storage.read_all(path)
         except (OSError, EOFError) as error:
-            raise FileNotFoundError(f"{url}: its image file {path} cannot be read: {error}") from None
+            raise FileNotFoundError(
+                f"{url}: its image file {path} cannot be read: {error}"
+            ) from None
         with self._lock:
             self.requests += 1
             self.bytes_read += len(data)
