@@ -170,10 +170,14 @@ class ParquetPlan:
                     continue
                 spans = [_chunk_range(meta.column(k)) for k in leaves]
                 begin, end = min(s for s, _e in spans), max(e for _s, e in spans)
-                if begin < 4 or end > size - 8:
+                # (every column's chunks, read or not, must lie before the footer)
+                whole = [_chunk_range(meta.column(k)) for k in range(meta.num_columns)]
+                first, last = min(s for s, _e in whole), max(e for _s, e in whole)
+                if first < 4 or last > size - 8 - footer.serialized_size:
                     why = (
-                        f"{url}: row group {group} (bytes {begin}-{end}) lies outside the file "
-                        f"({size} bytes): the file is truncated or damaged"
+                        f"{url}: row group {group} (bytes {first}-{last}) lies outside the "
+                        f"file's data ({size} bytes, its footer included): the file is "
+                        "truncated or damaged"
                     )
                     if not skip_damaged:
                         raise ValueError(why)
