@@ -12,11 +12,14 @@ A face over its wings, each a sub-package with a face of its own, bottom up:
   image-size guard every format applies.
 * :mod:`~workers.sources.tars`: the WebDataset tar format (reader, order, fetch, shards,
   listing, walk, index, summary; the writer and the index command apart, offline).
-* ``_datasets``: the dataset definitions ``FilesDataset``, ``TarsDataset``, ``SamplesDataset``
-  (what the Loader and a mixture take; their base, ``Definition``, is what the worker opens);
+* :mod:`~workers.sources.parquet`: Parquet files (the plan from the footers, row groups read by
+  ranged reads; pyarrow, imported only when one is opened).
+* ``_datasets``: the dataset definitions ``FilesDataset``, ``TarsDataset``, ``ParquetDataset``,
+  ``SamplesDataset`` (what the Loader and a mixture take; their base, ``Definition``, is what
+  the worker opens);
   ``_mix`` (``MixDataset``, ``sharded_mix``); ``_sharded``: ``sharded_source``,
-  ``sharded_files``, ``sharded_tars``, thin wrappers over a dataset definition for hand-written
-  sources.
+  ``sharded_files``, ``sharded_tars``, ``sharded_parquet``, thin wrappers over a dataset
+  definition for hand-written sources.
 
 Imports between wings go down that list and through a wing's face, never to another wing's
 private module: ``plan`` imports no other wing, ``storage`` only ``plan``, ``files`` those two,
@@ -31,9 +34,9 @@ below are re-exported by ``workers`` (and ``loader``); the worker's command loop
 control state, :class:`Definition` and :class:`BatchedSamples` from here.
 """
 
-from ._datasets import Definition, FilesDataset, SamplesDataset, TarsDataset
+from ._datasets import Definition, FilesDataset, ParquetDataset, SamplesDataset, TarsDataset
 from ._mix import MixDataset, sharded_mix
-from ._sharded import sharded_files, sharded_source, sharded_tars
+from ._sharded import sharded_files, sharded_parquet, sharded_source, sharded_tars
 from .files import MAX_IMAGE_PIXELS, ImageTooLargeError, list_files
 from .plan import (
     REPORT_PROGRESS,
@@ -68,6 +71,7 @@ __all__ = [
     "ImageTooLargeError",
     "IndexProgress",
     "MixDataset",
+    "ParquetDataset",
     "SampleControl",
     "SamplesDataset",
     "StorageFailure",
@@ -85,6 +89,7 @@ __all__ = [
     "shard_steps",
     "sharded_files",
     "sharded_mix",
+    "sharded_parquet",
     "sharded_source",
     "sharded_tars",
     "steps_left",

@@ -9,7 +9,8 @@ load a sample, its fingerprint, its own epoch orders) into a :class:`BatchedSamp
 loader's batch size, with every guarantee of :func:`~workers.sources._sharded.sharded_source`;
 the worker binds its control state and puts the batches under DALI itself. ``sharded_files(shard,
 root, batch_size=..., ...)`` is ``FilesDataset(root).source(shard, batch_size=..., ...)``,
-``sharded_tars`` is ``TarsDataset``'s and ``sharded_source`` is ``SamplesDataset``'s;
+``sharded_tars`` is ``TarsDataset``'s, ``sharded_parquet`` ``ParquetDataset``'s and
+``sharded_source`` ``SamplesDataset``'s;
 :class:`~workers.sources._mix.MixDataset` (and ``sharded_mix``) opens each of the datasets it
 mixes.
 """
@@ -186,4 +187,39 @@ class SamplesDataset(_Opened):
         )
 
 
-Dataset = FilesDataset | TarsDataset | SamplesDataset
+@dataclass(frozen=True)
+class ParquetDataset(_Opened):
+    """Parquet files (those of the Hugging Face Hub and of ``datasets``), as
+    :func:`sharded_parquet` reads them (the same arguments): one output per column."""
+
+    urls: str | os.PathLike[str] | Sequence[str]
+    columns: str | Sequence[str] = ("image", "label")
+    storage_options: Mapping[str, Any] | None = None
+    shuffle_window: int | None = None
+    ahead: int = 2
+    retries: int = RETRIES
+    ahead_bytes: int | None = AHEAD_BYTES
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS
+    _: KW_ONLY
+    shuffle: bool = True
+    drop_last: bool = False
+
+    def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
+        from .parquet import open_parquet_source
+
+        return open_parquet_source(
+            shard,
+            self.urls,
+            columns=self.columns,
+            storage_options=dict(self.storage_options or {}),
+            shuffle_window=self.shuffle_window,
+            ahead=self.ahead,
+            ahead_bytes=self.ahead_bytes,
+            retries=self.retries,
+            seed=seed,
+            shuffle=shuffle,
+            max_image_pixels=self.max_image_pixels,
+        )
+
+
+Dataset = FilesDataset | TarsDataset | ParquetDataset | SamplesDataset

@@ -39,7 +39,14 @@ from typing import Any
 import numpy as np
 
 from ..spec import Shard
-from ._datasets import Dataset, Definition, FilesDataset, SamplesDataset, TarsDataset
+from ._datasets import (
+    Dataset,
+    Definition,
+    FilesDataset,
+    ParquetDataset,
+    SamplesDataset,
+    TarsDataset,
+)
 from .plan import BatchedSamples, Batching, EpochOrder, OpenedSource, Order
 
 logger = logging.getLogger("workers")
@@ -263,9 +270,10 @@ def _check_sources(sources: Mapping[str, Dataset]) -> list[str]:
     if not isinstance(sources, Mapping) or not sources:
         raise ValueError("sources must be a non-empty dict of name -> dataset")
     for name, dataset in sources.items():
-        if not isinstance(dataset, (FilesDataset, TarsDataset, SamplesDataset)):
+        if not isinstance(dataset, (FilesDataset, TarsDataset, ParquetDataset, SamplesDataset)):
             raise TypeError(
-                f"source {name!r} must be a FilesDataset, TarsDataset or SamplesDataset "
+                f"source {name!r} must be a FilesDataset, TarsDataset, ParquetDataset or "
+                "SamplesDataset "
                 f"(a dataset's definition, not a per-shard source), got {type(dataset).__name__}"
             )
         if not dataset.shuffle or dataset.drop_last:

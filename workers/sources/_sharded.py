@@ -3,8 +3,8 @@ builds a dataset definition (:mod:`._datasets`) and opens it for one shard, with
 that must be the Loader's. ``source(shard)`` returns what they return (DALI-free batches); the
 worker puts those under DALI as it does a definition given to the Loader. Runs in the worker.
 
-Above the source modules (:mod:`.plan`, :mod:`.files`, :mod:`.tars`) and the dataset
-definitions, which never import it: the family has no import circle.
+Above the source modules (:mod:`.plan`, :mod:`.files`, :mod:`.tars`, :mod:`.parquet`) and the
+dataset definitions, which never import it: the family has no import circle.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..spec import Shard
-from ._datasets import FilesDataset, SamplesDataset, TarsDataset
+from ._datasets import FilesDataset, ParquetDataset, SamplesDataset, TarsDataset
 from .files import MAX_IMAGE_PIXELS
 from .plan import Batching
 from .storage import AHEAD_BYTES, RETRIES
@@ -129,5 +129,51 @@ def sharded_tars(
         retries,
         ahead_bytes,
         max_image_pixels=max_image_pixels,
+    )
+    return dataset._batched(shard, batching)
+
+
+def sharded_parquet(
+    shard: Shard,
+    urls: str | os.PathLike[str] | Sequence[str],
+    *,
+    batch_size: int,
+    columns: str | Sequence[str] = ("image", "label"),
+    shuffle: bool = True,
+    drop_last: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    shuffle_window: int | None = None,
+    ahead: int = 2,
+    retries: int = RETRIES,
+    ahead_bytes: int | None = AHEAD_BYTES,
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS,
+) -> Any:
+    """An ``ndd.ExternalSource`` root over Parquet files: one output per column of ``columns``.
+
+    ``urls``: a file, a directory (its ``*.parquet`` files in name order), a glob, an fsspec URL
+    (``s3://bucket/train/``: ``storage_options`` go to the filesystem) or a list of them; the
+    Parquet files of the Hugging Face Hub and those ``datasets`` writes (``to_parquet``) are
+    read as they are. A column gives: an ``Image`` (Hugging Face's ``struct<bytes, path>``) its
+    encoded bytes (those of the file at ``path`` where ``bytes`` is empty; decode them with
+    ``ndd.decoders.image``), binary its bytes, an integer or ``ClassLabel`` an int64, a float a
+    float32, a string its UTF-8 bytes, a list of numbers an array; any other type is refused at
+    the start, naming the column. The plan comes from the files' footers (one ranged read each);
+    the row group is the unit an epoch deals to the shards, and each is read with one ranged
+    read of the requested columns' bytes, ``ahead`` of its need within ``ahead_bytes``.
+    ``shuffle_window``: how many row groups' rows an epoch shuffles together (None: as many as
+    take 64 MiB of the requested columns, at least one). The same guarantees as
+    :func:`sharded_source`: exactly once per epoch, full batches, padding flagged, a position
+    resumed exactly on any layout. Needs pyarrow (``pip install 'dali-capture-loader[parquet]'``).
+    """
+    batching = Batching.pick(locals())
+    dataset = ParquetDataset(
+        urls,
+        columns,
+        storage_options,
+        shuffle_window,
+        ahead,
+        retries,
+        ahead_bytes,
+        max_image_pixels,
     )
     return dataset._batched(shard, batching)

@@ -1,0 +1,261 @@
+"""sharded_parquet over Parquet written by Hugging Face ``datasets``: every guarantee of
+sharded_source, through workers, on both layouts users meet (100-row row groups; one large row
+group), with fewer files than workers, over simulated ranks."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("datasets")
+
+from loader import Loader
+from tests import parquet_pipelines as P
+
+pytestmark = pytest.mark.timeout(240)
+
+#: 100-row row groups over files of uneven sizes (row groups 100, 100, 50 | 100, 30 | 40)
+SMALL = (250, 130, 40)
+#: one file, one large row group
+LARGE = (300,)
+
+
+def real(batch: Any, name: str) -> list[int]:
+    values = [int(v) for v in np.asarray(batch[name]).ravel()]
+    return values[: len(values) - batch.info.padded]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("small")
+    P.write_parquet(root, SMALL, 100)
+    return root
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("large")
+    P.write_parquet(root, LARGE, 10_000)
+    return root
+
+
+def loader_over(urls: Any, workers: int = 2, **kw: Any) -> Loader:
+    options = {k: kw.pop(k) for k in ("shuffle_window", "storage_options", "columns") if k in kw}
+    source = functools.partial(P.id_parquet, urls=urls, **options)
+    return Loader(source, P.label_id_step, batch_size=4, num_workers=workers, copy=True, **kw)
+
+
+def ids_of_ranks(urls: Any, workers: int, ranks: int, epochs: int = 2) -> list[list[int]]:
+    """Every rank's ids of each epoch, their labels checked against the ids."""
+    loaders = [
+        loader_over(urls, workers, rank=r, world_size=ranks)
+        if ranks > 1
+        else loader_over(urls, workers)
+        for r in range(ranks)
+    ]
+    try:
+        assert len({len(loader) for loader in loaders}) == 1  # equal steps on every rank
+        seen: list[list[int]] = [[] for _ in range(epochs)]
+        for loader in loaders:
+            for epoch in range(epochs):
+                for batch in loader:
+                    ids, labels = real(batch, "id"), real(batch, "label")
+                    assert labels == [i % 3 for i in ids]
+                    seen[epoch] += ids
+    finally:
+        for loader in loaders:
+            loader.close()
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("layout", "workers", "ranks"), [("small", 2, 1), ("small", 1, 2), ("large", 2, 2)]
+)
+def test_every_row_once_per_epoch(
+    layout: str, workers: int, ranks: int, request: pytest.FixtureRequest
+) -> None:
+    root: Path = request.getfixturevalue(layout)
+    total = sum(SMALL if layout == "small" else LARGE)
+    epochs = ids_of_ranks(str(root), workers, ranks)
+    for ids in epochs:
+        assert sorted(ids) == list(range(total))
+    assert epochs[0] != epochs[1]  # a new order every epoch
+
+
+def test_images_are_the_encoded_bytes_of_the_image_column(small: Path) -> None:
+    source = functools.partial(P.image_parquet, urls=str(small / "train-00002.parquet"))
+    with Loader(source, P.decode_step, batch_size=4, num_workers=1, copy=True) as loader:
+        batches = list(loader)
+    seen = []
+    for batch in batches:
+        images = [np.asarray(image) for image in batch["image"]]
+        for image, row in zip(images, real(batch, "id"), strict=False):
+            assert image.shape == (8, 8, 3)
+            assert abs(int(image[..., 0].mean()) - row % 256) <= 3  # (its id, in red)
+            seen.append(row)
+    assert sorted(seen) == list(range(380, 420))
+
+
+@pytest.mark.parametrize("layout", ["small", "large"])
+def test_resume_on_the_same_and_another_layout_is_exact(
+    layout: str, request: pytest.FixtureRequest
+) -> None:
+    root: Path = request.getfixturevalue(layout)
+    total = sum(SMALL if layout == "small" else LARGE)
+    urls = str(root)
+    with loader_over(urls) as loader:
+        epochs = [[real(b, "id") for b in loader] for _ in range(2)]
+    with loader_over(urls) as loader:
+        iterator = iter(loader)
+        taken = [real(next(iterator), "id") for _ in range(5)]
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert state["sampling"]["fingerprint"].startswith("parquet:")
+    with loader_over(urls) as loader:  # the same layout: the same stream
+        loader.load_state_dict(state)
+        assert taken + [real(b, "id") for b in loader] == epochs[0]
+        assert [real(b, "id") for b in loader] == epochs[1]
+    with loader_over(urls, workers=3) as loader:  # another: once each
+        loader.load_state_dict(state)
+        rest = [i for batch in loader for i in real(batch, "id")]
+    assert sorted([i for ids in taken for i in ids] + rest) == list(range(total))
+
+
+def test_a_state_over_other_files_names_the_file_missing(small: Path, tmp_path: Path) -> None:
+    with loader_over(str(small)) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    for name in ("train-00000.parquet", "train-00002.parquet"):
+        shutil.copy(small / name, tmp_path / name)
+    with loader_over(str(tmp_path)) as loader:
+        with pytest.raises(ValueError, match=r"files missing here: train-00001\.parquet"):
+            loader.load_state_dict(state)
+
+
+def _not_parquet(root: Path) -> None:
+    (root / "train-00001.parquet").write_bytes(b"just some text, not Parquet at all\n" * 4)
+
+
+def _truncated_footer(root: Path) -> None:
+    path = root / "train-00001.parquet"
+    data = path.read_bytes()
+    path.write_bytes(data[:-200] + data[-8:])  # (the length and magic kept: the footer cut)
+
+
+def _other_label_type(root: Path) -> None:
+    import datasets
+
+    dataset = P.hf_dataset(range(130)).cast_column("label", datasets.Value("string"))
+    dataset.to_parquet(str(root / "train-00001.parquet"), batch_size=100)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (_not_parquet, r"train-00001\.parquet is not a Parquet file"),
+        (_truncated_footer, r"train-00001\.parquet: its Parquet footer"),
+        (
+            _other_label_type,
+            r"column 'label' is int64 in \S*train-00000\.parquet but string in "
+            r"\S*train-00001\.parquet",
+        ),
+    ],
+)
+def test_bad_files_fail_before_the_first_batch_naming_them(
+    small: Path, tmp_path: Path, spoil: Any, message: str
+) -> None:
+    root = tmp_path / "data"
+    shutil.copytree(small, root)
+    spoil(root)
+    with pytest.raises(ValueError, match=message):
+        loader_over(str(root))
+
+
+def test_a_missing_column_names_the_file_and_the_columns_it_has(small: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"train-00000\.parquet has no column 'caption'; its columns: image, "
+    ):
+        loader_over(str(small), columns=("image", "caption"))
+
+
+def _damage_row_group(path: Path, group: int) -> tuple[int, int]:
+    """Overwrite the middle of row group ``group``'s ``id`` chunk with garbage; its range."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata.row_group(group)
+    names = [meta.column(k).path_in_schema for k in range(meta.num_columns)]
+    chunk = meta.column(names.index("id"))
+    start, size = chunk.data_page_offset, chunk.total_compressed_size
+    data = bytearray(path.read_bytes())
+    data[start : start + size] = b"\xff" * size
+    path.write_bytes(bytes(data))
+    return start, size
+
+
+def test_an_unreadable_row_group_is_named_with_its_byte_range(small: Path, tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    shutil.copytree(small, root)
+    _damage_row_group(root / "train-00000.parquet", 1)  # (rows 100-199)
+    with loader_over(str(root)) as loader, pytest.raises(Exception) as raised:
+        for _batch in loader:
+            pass
+    assert "train-00000.parquet: row group 1 (bytes " in str(raised.value)
+
+
+def _cut_last_row_group(path: Path) -> None:
+    """Bytes taken out of the last row group's chunks, the footer kept: a file truncated in
+    its data (its footer still whole), as a copy cut short and mended by hand would be."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    last = meta.row_group(meta.num_row_groups - 1)
+    start = last.column(0).data_page_offset
+    data = path.read_bytes()
+    path.write_bytes(data[: start + 10] + data[start + 12_000 :])
+
+
+def test_a_truncated_row_group_fails_the_start_or_is_left_out_under_skip(
+    small: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "data"
+    shutil.copytree(small, root)
+    _cut_last_row_group(root / "train-00000.parquet")  # (rows 200-249)
+    with pytest.raises(ValueError, match=r"train-00000\.parquet: row group 2 \(bytes \d+-\d+\)"):
+        loader_over(str(root))
+    loaders = [loader_over(str(root), on_error="skip", rank=r, world_size=2) for r in range(2)]
+    try:
+        assert len(loaders[0]) == len(loaders[1])
+        seen = [i for loader in loaders for batch in loader for i in real(batch, "id")]
+        left_out = loaders[1].stats().left_out
+    finally:
+        for loader in loaders:
+            loader.close()
+    assert sorted(seen) == [i for i in range(sum(SMALL)) if not 200 <= i < 250]
+    assert len(left_out) == 1 and "row group 2" in left_out[0] and "50 rows" in left_out[0]
+
+
+def test_a_null_image_is_named_or_skipped(tmp_path: Path) -> None:
+    P.write_parquet(tmp_path, (20,), 10, null_image=frozenset({7}))
+    source = functools.partial(P.image_parquet, urls=str(tmp_path))
+    with Loader(source, P.decode_step, batch_size=4, num_workers=1, copy=True) as loader:
+        with pytest.raises(Exception, match=r"row group 0, row 7: column 'image' is null"):
+            list(loader)
+    with Loader(
+        source, P.decode_step, batch_size=4, num_workers=1, copy=True, on_error="skip"
+    ) as loader:
+        seen = {i for batch in loader for i in real(batch, "id")}
+    assert seen == set(range(20)) - {7}
+
+
+def test_reading_writes_nothing_beside_the_data(small: Path) -> None:
+    before = sorted(os.listdir(small))
+    with loader_over(str(small)) as loader:
+        list(loader)
+    assert sorted(os.listdir(small)) == before

@@ -1,0 +1,67 @@
+"""The plan from footers: files listed, row groups and their byte ranges, bad files named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from workers.sources.parquet._plan import list_parquet, open_plan, read_footer  # noqa: E402
+from workers.sources.storage._storage import LocalStorage  # noqa: E402
+
+
+def write(path: Path, rows: int, row_group: int, first: int = 0) -> Path:
+    table = pa.table({"id": list(range(first, first + rows)), "x": [1.5] * rows})
+    pq.write_table(table, path, row_group_size=row_group)
+    return path
+
+
+def test_directories_and_globs_list_parquet_files_in_name_order(tmp_path: Path) -> None:
+    for name in ("b.parquet", "a.parquet", "notes.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    storage = LocalStorage()
+    assert list_parquet(str(tmp_path), storage) == [
+        str(tmp_path / n) for n in ("a.parquet", "b.parquet")
+    ]
+    assert list_parquet(str(tmp_path / "*.parquet"), storage)[0].endswith("a.parquet")
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        list_parquet(str(tmp_path / "z*.parquet"), storage)
+
+
+def test_row_groups_are_numbered_across_files(tmp_path: Path) -> None:
+    write(tmp_path / "a.parquet", 25, 10)
+    write(tmp_path / "b.parquet", 7, 10, first=25)
+    plan = open_plan(str(tmp_path), ("id",))
+    assert plan.counts.tolist() == [10, 10, 5, 7] and plan.starts.tolist() == [0, 10, 20, 25]
+    assert plan.total == 32 and plan.unit_of(26) == (3, 1)
+    assert plan.name(3).endswith("b.parquet, row group 0")
+    assert (plan.begins < plan.ends).all()
+    assert plan.fingerprint().startswith("parquet:")
+    again = open_plan([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], ("id",))
+    assert again.fingerprint() == plan.fingerprint()
+    assert open_plan(str(tmp_path), ("id", "x")).fingerprint() != plan.fingerprint()
+
+
+def test_a_file_that_is_not_parquet_or_whose_footer_is_cut_is_named(tmp_path: Path) -> None:
+    storage = LocalStorage()
+    text = tmp_path / "t.parquet"
+    text.write_bytes(b"hello world, not parquet")
+    with pytest.raises(ValueError, match=r"t\.parquet is not a Parquet file"):
+        read_footer(storage, str(text), text.stat().st_size)
+    data = write(tmp_path / "d.parquet", 20, 10).read_bytes()
+    cut = tmp_path / "c.parquet"
+    cut.write_bytes(data[:-100] + data[-8:])
+    with pytest.raises(ValueError, match=r"c\.parquet: its Parquet footer"):
+        read_footer(storage, str(cut), cut.stat().st_size)
+
+
+def test_columns_of_another_type_in_another_file_name_both(tmp_path: Path) -> None:
+    write(tmp_path / "a.parquet", 5, 10)
+    pq.write_table(pa.table({"id": ["s"] * 5}), tmp_path / "b.parquet")
+    with pytest.raises(
+        ValueError, match=r"'id' is int64 in \S+a\.parquet but string in \S+b\.parquet"
+    ):
+        open_plan(str(tmp_path), ("id",))

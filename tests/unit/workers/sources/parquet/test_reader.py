@@ -1,0 +1,54 @@
+"""ParquetLoader: a row group read with one ranged read of the requested columns only, rows
+served from it, reads ahead planned from an epoch's batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from workers.sources.parquet._plan import open_plan  # noqa: E402
+from workers.sources.parquet._reader import ParquetLoader, SparseFile  # noqa: E402
+
+
+def test_rows_come_from_one_read_per_row_group_of_the_requested_columns(tmp_path: Path) -> None:
+    rows = 30
+    table = pa.table(
+        {
+            "big": [bytes([i]) * 5000 for i in range(rows)],  # (never read)
+            "id": list(range(rows)),
+            "blob": [bytes([i]) * 3 for i in range(rows)],
+        }
+    )
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=10)
+    plan = open_plan(str(tmp_path / "a.parquet"), ("id", "blob"))
+    load = ParquetLoader(plan)
+    assert [int(load(i)[0][0]) for i in range(rows)] == list(range(rows))
+    assert load(17)[1].tobytes() == bytes([17]) * 3
+    assert load.requests == 3  # (one per row group: the last two kept)
+    assert load.bytes_read == int((plan.ends - plan.begins).sum()) < 10_000
+    assert load.describe(17).endswith("a.parquet, row group 1, row 7")
+
+
+def test_expected_batches_are_read_ahead_and_dropped_once_passed(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"id": list(range(40))}), tmp_path / "a.parquet", row_group_size=10)
+    load = ParquetLoader(open_plan(str(tmp_path / "a.parquet"), ("id",)), ahead=1)
+    batches = [np.array([0, 1]), np.array([12, 2]), np.array([25, 35])]
+    load.expect(0, batches)
+    for step, batch in enumerate(batches):
+        assert [int(load(int(i))[0][0]) for i in batch] == batch.tolist()
+        load.passed(0, step)
+    assert load.requests == 4
+
+
+def test_a_sparse_file_names_a_read_outside_what_it_holds() -> None:
+    sparse = SparseFile("f.parquet", 100, {10: np.arange(20, dtype=np.uint8)})
+    sparse.seek(12)
+    assert sparse.read(3) == bytes([2, 3, 4])
+    sparse.seek(50)
+    with pytest.raises(OSError, match=r"f\.parquet: bytes 50-52 were not read"):
+        sparse.read(2)

@@ -1,0 +1,21 @@
+"""The Parquet source: ``sharded_parquet`` and ``ParquetDataset`` read Parquet files (those of the
+Hugging Face Hub and of ``datasets``) with every guarantee of the other sources. Runs in the
+worker.
+
+* ``_arrow``: pyarrow, imported only here and only when a Parquet dataset is opened (the
+  ``[parquet]`` extra; ``import loader`` never imports it).
+* ``_columns``: what each requested column becomes (Hugging Face's ``Image``, binary, integers,
+  floats, strings, lists of numbers), checked at the start; values as views of Arrow's buffers.
+* ``_plan``: the files listed and their footers read (one ranged read each): the row groups,
+  the unit an epoch's order deals, each with the byte range of the requested columns.
+* ``_reader``: ``load(index)``: a row group read with one ranged read, ahead of its need.
+
+:func:`open_parquet_source` opens one for a shard: the plan, the loader and the epoch orders
+(the row groups permuted, then the rows inside a window of row groups, as tar shards are:
+:class:`~workers.sources.tars.TarOrders`).
+"""
+
+from ._arrow import EXTRA_HINT
+from ._open import WINDOW_BYTES, open_parquet_source
+
+__all__ = ["EXTRA_HINT", "WINDOW_BYTES", "open_parquet_source"]

@@ -1,0 +1,24 @@
+"""pyarrow, imported where the Parquet reader first needs it (never by ``import loader``), with
+an error that names the extra to install when it is missing. Runs in the worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["EXTRA_HINT", "pyarrow_modules"]
+
+#: How to install what the Parquet reader needs.
+EXTRA_HINT = "pip install 'dali-capture-loader[parquet]' (or pip install pyarrow)"
+
+
+def pyarrow_modules() -> tuple[Any, Any]:
+    """``(pyarrow, pyarrow.parquet)``; ``ImportError`` naming the ``[parquet]`` extra when
+    pyarrow is not installed."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as error:
+        raise ImportError(
+            f"reading Parquet needs pyarrow, which is not installed ({error}): {EXTRA_HINT}"
+        ) from error
+    return pyarrow, pyarrow.parquet

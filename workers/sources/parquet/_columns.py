@@ -1,0 +1,208 @@
+"""What each requested Parquet column becomes: its kind, checked once at the start, and its values
+as numpy arrays without a Python object per row. Runs in the worker.
+
+A column's kind comes from its Arrow type, and from the file's ``huggingface`` schema metadata
+where present (``datasets`` writes its ``Features`` there: an ``Image`` feature is a
+``struct<bytes, path>`` column, a ``ClassLabel`` an integer one):
+
+* ``image``: Hugging Face's ``Image`` (``struct<bytes: binary, path: string>``): the encoded bytes
+  (or, where ``bytes`` is null or empty, those of the file at ``path``: read by the reader).
+* ``binary``: ``binary``/``large_binary``/``fixed_size_binary``: the bytes.
+* ``int``: any integer type (``ClassLabel`` included): int64. ``bool`` too.
+* ``float``: any floating type: float32.
+* ``string``: ``string``/``large_string``: its UTF-8 bytes.
+* ``list``: a fixed or variable list of numbers: a 1-d array of its values' dtype (floats as
+  float32, integers as int64).
+
+Anything else (nested structs, maps, lists of strings, dates...) is refused at the start,
+naming the column and its type.
+
+The values of a read row group are held as numpy views of Arrow's buffers (:class:`Values`): a
+row's bytes are one slice of the data buffer between two offsets, never a ``to_pylist()``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ColumnKind", "Values", "column_kinds", "hf_features", "values_of"]
+
+#: The kinds a column may have (see the module docstring).
+KINDS = ("image", "binary", "int", "float", "string", "list")
+
+
+@dataclass(frozen=True)
+class ColumnKind:
+    """One requested column: its name, its kind and its Arrow type (as text, for the
+    fingerprint and for messages)."""
+
+    name: str
+    kind: str
+    type: str
+
+
+def hf_features(schema: Any) -> dict[str, Any]:
+    """The ``features`` of the ``huggingface`` schema metadata (``{}`` when there is none or it
+    cannot be read)."""
+    metadata = schema.metadata or {}
+    text = metadata.get(b"huggingface")
+    if not text:
+        return {}
+    try:
+        found = json.loads(text)
+        features = found.get("info", {}).get("features", {})
+    except (ValueError, AttributeError):
+        return {}
+    return features if isinstance(features, dict) else {}
+
+
+def _kind(arrow_type: Any, feature: Any) -> str | None:
+    """The kind of a column of ``arrow_type`` (``feature``: its ``huggingface`` feature, or
+    None); None when it has none the reader gives."""
+    import pyarrow as pa
+
+    types = pa.types
+    declared = feature.get("_type") if isinstance(feature, dict) else None
+    if types.is_struct(arrow_type):
+        names = {arrow_type.field(k).name for k in range(arrow_type.num_fields)}
+        if "bytes" in names and (declared == "Image" or names <= {"bytes", "path"}):
+            inner = arrow_type.field("bytes").type
+            if types.is_binary(inner) or types.is_large_binary(inner):
+                return "image"
+        return None
+    if types.is_binary(arrow_type) or types.is_large_binary(arrow_type):
+        return "binary"
+    if types.is_fixed_size_binary(arrow_type):
+        return "binary"
+    if types.is_integer(arrow_type) or types.is_boolean(arrow_type):
+        return "int"
+    if types.is_floating(arrow_type):
+        return "float"
+    if types.is_string(arrow_type) or types.is_large_string(arrow_type):
+        return "string"
+    listed = (types.is_list, types.is_large_list, types.is_fixed_size_list)
+    if not any(is_list(arrow_type) for is_list in listed):
+        return None
+    inner = arrow_type.value_type
+    if types.is_integer(inner) or types.is_floating(inner) or types.is_boolean(inner):
+        return "list"
+    return None
+
+
+def column_kinds(schema: Any, columns: tuple[str, ...], url: str) -> list[ColumnKind]:
+    """The kind of each of ``columns`` in ``schema`` (an Arrow schema, of the file at ``url``):
+    ``ValueError`` naming the file, the column and the columns it has when one is missing, and
+    the column and its type when the reader cannot give it."""
+    features = hf_features(schema)
+    found = []
+    for name in columns:
+        index = schema.get_field_index(name)
+        if index < 0:
+            raise ValueError(
+                f"{url} has no column {name!r}; its columns: {', '.join(schema.names)}. "
+                "Pass columns=(...) naming the ones to read"
+            )
+        arrow_type = schema.field(index).type
+        kind = _kind(arrow_type, features.get(name))
+        if kind is None:
+            raise ValueError(
+                f"column {name!r} of {url} has the type {arrow_type}, which the Parquet reader "
+                "does not give (it reads images (Hugging Face's Image), binary, integers, "
+                "floats, strings and lists of numbers); leave it out of columns=(...)"
+            )
+        found.append(ColumnKind(name, kind, str(arrow_type)))
+    return found
+
+
+def _bytes_of(array: Any) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """(offsets, data) of a binary or string array: row ``i`` is ``data[offsets[i]:offsets[i +
+    1]]``; views of its buffers (no copy)."""
+    import pyarrow as pa
+
+    if pa.types.is_fixed_size_binary(array.type):
+        width = array.type.byte_width
+        data_buffer = array.buffers()[1]
+        data = np.frombuffer(data_buffer, np.uint8) if data_buffer is not None else np.empty(0)
+        offsets = np.arange(array.offset, array.offset + len(array) + 1, dtype=np.int64) * width
+        return offsets, data.astype(np.uint8, copy=False)
+    large = pa.types.is_large_binary(array.type) or pa.types.is_large_string(array.type)
+    buffers = array.buffers()
+    dtype = np.int64 if large else np.int32
+    offsets = np.frombuffer(buffers[1], dtype)[array.offset : array.offset + len(array) + 1]
+    data = np.frombuffer(buffers[2], np.uint8) if buffers[2] is not None else np.empty(0, np.uint8)
+    return offsets.astype(np.int64), data
+
+
+def _valid(array: Any) -> np.ndarray[Any, Any] | None:
+    """Which rows are not null (None: all are)."""
+    if array.null_count == 0:
+        return None
+    return np.asarray(array.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+
+
+class Values:
+    """One column of one read row group, as numpy arrays: :meth:`row` gives a row's value
+    (``None`` for a null; for an ``image`` whose bytes are empty, its ``path`` as a ``str``, for
+    the reader to read)."""
+
+    def __init__(self, kind: str, array: Any) -> None:
+        import pyarrow as pa
+
+        if isinstance(array, pa.ChunkedArray):
+            array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
+        self.kind = kind
+        self.valid = _valid(array)
+        self.paths: Any = None
+        if kind == "image":
+            inner = array.field("bytes")
+            self.offsets, self.data = _bytes_of(inner)
+            inner_valid = _valid(inner)
+            if inner_valid is not None:
+                self.valid = inner_valid if self.valid is None else self.valid & inner_valid
+            names = {array.type.field(k).name for k in range(array.type.num_fields)}
+            self.paths = array.field("path") if "path" in names else None
+        elif kind in ("binary", "string"):
+            self.offsets, self.data = _bytes_of(array)
+        elif kind in ("int", "float"):
+            dtype = np.int64 if kind == "int" else np.float32
+            filled = array.fill_null(0) if array.null_count else array
+            self.numbers = np.asarray(filled.to_numpy(zero_copy_only=False)).astype(dtype)
+        else:  # list
+            if pa.types.is_fixed_size_list(array.type):
+                size = array.type.list_size
+                flat = array.flatten()
+                self.offsets = np.arange(len(array) + 1, dtype=np.int64) * size
+            else:
+                flat = array.flatten()
+                first = array.offsets[0].as_py() if len(array) else 0
+                self.offsets = array.offsets.to_numpy().astype(np.int64) - first
+            values = np.asarray(flat.fill_null(0).to_numpy(zero_copy_only=False))
+            if np.issubdtype(values.dtype, np.floating):
+                self.data = values.astype(np.float32, copy=False)
+            else:
+                self.data = values.astype(np.int64, copy=False)
+
+    def row(self, row: int) -> np.ndarray[Any, Any] | str | None:
+        """Row ``row``'s value: a numpy array (a view for bytes), None for a null, the path of an
+        image kept as a file."""
+        if self.valid is not None and not self.valid[row]:
+            if self.kind == "image" and self.paths is not None and self.paths[row].is_valid:
+                return str(self.paths[row].as_py())
+            return None
+        kind = self.kind
+        if kind in ("int", "float"):
+            return self.numbers[row : row + 1]
+        start, end = int(self.offsets[row]), int(self.offsets[row + 1])
+        if kind == "image" and end == start and self.paths is not None:
+            path = self.paths[row]
+            return str(path.as_py()) if path.is_valid else None
+        return self.data[start:end]
+
+
+def values_of(kinds: list[ColumnKind], table: Any) -> list[Values]:
+    """The :class:`Values` of each requested column of a read row group (an Arrow table)."""
+    return [Values(kind.kind, table.column(kind.name)) for kind in kinds]

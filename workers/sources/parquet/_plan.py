@@ -1,0 +1,329 @@
+"""The plan of a Parquet dataset, from its files' footers alone. Runs in the worker.
+
+:func:`open_plan` lists the files (paths, directories -- their ``*.parquet`` in name order --,
+globs, brace patterns and fsspec URLs), takes each one's size and identity from the listing (no
+HEAD), reads each footer with one ranged read of the file's tail (a second only when the footer
+is longer than that read), and checks that every file has the requested columns, of one type
+across files, and of a kind the reader gives (:mod:`._columns`).
+
+What it makes, :class:`ParquetPlan`: the row groups of all the files, in file order, each with
+its rows and the byte range of the requested columns' chunks (what one ranged read fetches).
+Sample ids number the rows row group after row group. The row group is the unit the epoch's
+order deals (``counts`` and ``starts``, as tar shards have); a layout's part edges cut a row
+group into row ranges, so more workers than files all work.
+
+A row group whose chunks lie outside its file (a truncated or rewritten file) is damaged: an
+error naming the file, the row group and the byte range; under ``on_error="skip"`` it is left out
+of every epoch and listed in ``stats().left_out``.
+
+Nothing is written anywhere: reading a dataset never writes beside it.
+"""
+
+from __future__ import annotations
+
+import glob as globbing
+import hashlib
+import json
+import os
+import posixpath
+import struct
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ..plan import SKIP_DAMAGED, STARTED_TOGETHER, encode_parts
+from ..storage import (
+    RETRIES,
+    Identity,
+    Storage,
+    StorageFailure,
+    expand_urls,
+    is_url,
+    storage_failure,
+    storage_for,
+)
+from ._arrow import pyarrow_modules
+from ._columns import ColumnKind, column_kinds
+
+__all__ = ["ParquetPlan", "list_parquet", "open_plan", "read_footer"]
+
+#: Bytes of a file's tail read for its footer at first (most footers fit).
+TAIL = 64 << 10
+#: Footers read at once.
+_THREADS = 16
+_MAGIC = b"PAR1"
+_GLOB = frozenset("*?[")
+
+
+def list_parquet(urls: str | os.PathLike[str] | Sequence[str], storage: Storage) -> list[str]:
+    """The files ``urls`` names, in order: a directory gives its ``*.parquet`` files sorted by
+    name, a glob its matches sorted, a file itself."""
+    found: list[str] = []
+    for item in expand_urls(urls):
+        if is_url(item):
+            fs = getattr(storage, "fs", None)
+            protocol = item.split("://", 1)[0]
+            if any(c in item for c in _GLOB):
+                matches = sorted(fs.glob(item)) if fs is not None else []
+                found.extend(m if "://" in m else f"{protocol}://{m}" for m in matches)
+                if not matches:
+                    raise FileNotFoundError(f"no file matches {item}")
+                continue
+            listed = storage.listing(item)
+            names = sorted(n for n in (listed or {}) if n.endswith(".parquet"))
+            if names:
+                found.extend(storage.join(item, name) for name in names)
+            else:
+                found.append(item)
+            continue
+        path = item[len("file://") :] if item.startswith("file://") else item
+        if any(c in path for c in _GLOB):
+            matches = sorted(globbing.glob(path))
+            if not matches:
+                raise FileNotFoundError(f"no file matches {path}")
+            found.extend(matches)
+        elif os.path.isdir(path):
+            names = sorted(n for n in os.listdir(path) if n.endswith(".parquet"))
+            if not names:
+                raise FileNotFoundError(f"{path} holds no *.parquet file")
+            found.extend(os.path.join(path, name) for name in names)
+        else:
+            found.append(path)
+    if not found:
+        raise ValueError("no Parquet files: the list of paths/URLs is empty")
+    return found
+
+
+def read_footer(storage: Storage, url: str, size: int) -> Any:
+    """The footer (``pyarrow.parquet.FileMetaData``) of the Parquet file at ``url`` of ``size``
+    bytes, from one ranged read of its tail (two when the footer is longer); ``ValueError``
+    naming the file when it is not Parquet or its footer is damaged."""
+    pa, pq = pyarrow_modules()
+    if size < 12:
+        raise ValueError(f"{url} is not a Parquet file: {size} bytes, shorter than any")
+    first = max(0, size - TAIL)
+    tail = storage.read(url, first, size).tobytes()
+    if tail[-4:] != _MAGIC:
+        raise ValueError(
+            f"{url} is not a Parquet file (it does not end with PAR1: not Parquet, or truncated)"
+        )
+    (length,) = struct.unpack("<I", tail[-8:-4])
+    if length + 12 > size:
+        raise ValueError(
+            f"{url}: its Parquet footer says it is {length} bytes long, more than the file "
+            f"({size} bytes): the file is truncated or damaged"
+        )
+    if length + 8 > len(tail):
+        head = storage.read(url, size - 8 - length, first).tobytes()
+        tail = head + tail
+    footer = tail[len(tail) - 8 - length :]
+    try:
+        return pq.read_metadata(pa.BufferReader(_MAGIC + footer))
+    except Exception as error:
+        raise ValueError(
+            f"{url}: its Parquet footer cannot be read ({type(error).__name__}: {error}): "
+            "the file is damaged"
+        ) from None
+
+
+def _chunk_range(column: Any) -> tuple[int, int]:
+    """[start, end) of one column chunk's pages in its file."""
+    start = column.data_page_offset
+    dictionary = column.dictionary_page_offset
+    if column.has_dictionary_page and dictionary is not None and 0 < dictionary < start:
+        start = dictionary
+    return int(start), int(start + column.total_compressed_size)
+
+
+class ParquetPlan:
+    """The row groups of a Parquet dataset and what one epoch needs of them (see the module
+    docstring). ``counts``/``starts``: rows per row group and the first sample id of each, for
+    the epoch's order (:class:`~workers.sources.tars.TarOrder` deals them as it deals shards)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        identities: list[Identity],
+        footers: list[Any],
+        kinds: list[ColumnKind],
+        storage: Storage,
+        skip_damaged: bool = False,
+    ) -> None:
+        self.urls, self.identities, self.footers = urls, identities, footers
+        self.kinds, self.storage = kinds, storage
+        wanted = {kind.name for kind in kinds}
+        files, groups, rows, begins, ends = [], [], [], [], []
+        self.damaged: list[str] = []
+        for number, (url, footer) in enumerate(zip(urls, footers, strict=True)):
+            size = identities[number][0]
+            leaves = [
+                k
+                for k in range(footer.num_columns)
+                if footer.schema.column(k).path.split(".")[0] in wanted
+            ]
+            for group in range(footer.num_row_groups):
+                meta = footer.row_group(group)
+                if meta.num_rows == 0:
+                    continue
+                spans = [_chunk_range(meta.column(k)) for k in leaves]
+                begin, end = min(s for s, _e in spans), max(e for _s, e in spans)
+                # (every column's chunks, read or not, must lie before the footer)
+                whole = [_chunk_range(meta.column(k)) for k in range(meta.num_columns)]
+                first, last = min(s for s, _e in whole), max(e for _s, e in whole)
+                if first < 4 or last > size - 8 - footer.serialized_size:
+                    why = (
+                        f"{url}: row group {group} (bytes {first}-{last}) lies outside the "
+                        f"file's data ({size} bytes, its footer included): the file is "
+                        "truncated or damaged"
+                    )
+                    if not skip_damaged:
+                        raise ValueError(why)
+                    self.damaged.append(f"{why}; its {meta.num_rows} rows are left out")
+                    continue
+                files.append(number)
+                groups.append(group)
+                rows.append(meta.num_rows)
+                begins.append(begin)
+                ends.append(end)
+        if not rows:
+            raise ValueError(f"no rows to read in {', '.join(urls[:3])}: every file is empty")
+        #: per row group: its file, its number in the file, its byte range
+        self.files = np.asarray(files, np.int64)
+        self.groups = np.asarray(groups, np.int64)
+        self.begins = np.asarray(begins, np.int64)
+        self.ends = np.asarray(ends, np.int64)
+        self.counts = np.asarray(rows, np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        self.total = int(self.counts.sum())
+        self._starts_list: list[int] = self.starts.tolist()
+
+    def unit_of(self, index: int) -> tuple[int, int]:
+        """(row group unit, row in it) of sample ``index``."""
+        import bisect
+
+        unit = bisect.bisect_right(self._starts_list, index) - 1
+        return unit, index - self._starts_list[unit]
+
+    def name(self, unit: int) -> str:
+        """``<file>, row group <k>`` of a unit."""
+        return f"{self.urls[int(self.files[unit])]}, row group {int(self.groups[unit])}"
+
+    def fingerprint(self) -> str:
+        """``parquet:`` and a hash of the files' names (not where they are kept), sizes, row
+        groups' rows and the requested columns' kinds: the same files copied elsewhere keep it."""
+        digest = hashlib.sha256()
+        for kind in self.kinds:
+            digest.update(f"{kind.name}\0{kind.kind}\0{kind.type}\n".encode())
+        for url, (size, _version), footer in zip(
+            self.urls, self.identities, self.footers, strict=True
+        ):
+            groups = [footer.row_group(k).num_rows for k in range(footer.num_row_groups)]
+            digest.update(f"{posixpath.basename(url)}\0{size}\0{groups}\n".encode())
+        return f"parquet:{digest.hexdigest()[:16]}"
+
+    def parts(self) -> str:
+        """Each file's name, size and rows, for a state (:mod:`workers.sources.plan._parts`)."""
+        return encode_parts(
+            "file",
+            [
+                (posixpath.basename(url), size, int(footer.num_rows))
+                for url, (size, _v), footer in zip(
+                    self.urls, self.identities, self.footers, strict=True
+                )
+            ],
+        )
+
+    def left_out(self) -> tuple[str, ...]:
+        return tuple(self.damaged)
+
+
+def _checked_schemas(urls: list[str], footers: list[Any], columns: tuple[str, ...]) -> Any:
+    """The kinds of ``columns``, the same in every file: ``ValueError`` naming both files and
+    the column when one file's type differs from the first's."""
+    kinds = column_kinds(footers[0].schema.to_arrow_schema(), columns, urls[0])
+    for url, footer in zip(urls[1:], footers[1:], strict=True):
+        schema = footer.schema.to_arrow_schema()
+        theirs = column_kinds(schema, columns, url)
+        for mine, other in zip(kinds, theirs, strict=True):
+            if mine.type != other.type:
+                raise ValueError(
+                    f"column {mine.name!r} is {mine.type} in {urls[0]} but {other.type} in "
+                    f"{url}: the files of one dataset must share their columns' types"
+                )
+    return kinds
+
+
+def open_plan(
+    urls: str | os.PathLike[str] | Sequence[str],
+    columns: tuple[str, ...],
+    storage_options: dict[str, Any] | None = None,
+    retries: int = RETRIES,
+    skip_damaged: bool = False,
+) -> ParquetPlan:
+    """List the files, read their footers (in parallel) and check their columns."""
+    pyarrow_modules()  # (the extra's error first)
+    first = os.fspath(urls) if isinstance(urls, (str, os.PathLike)) else None
+    if first is None:
+        listed_urls = [os.fspath(u) for u in urls]
+        if not listed_urls:
+            raise ValueError("no Parquet files: the list of paths/URLs is empty")
+        first = listed_urls[0]
+    storage = storage_for(first, storage_options, retries)
+    files = list_parquet(urls, storage)
+    try:
+        identities = storage.identities(files)
+    except StorageFailure:
+        raise
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{error.strerror or error}") from None
+
+    def footer(number: int) -> Any:
+        url = files[number]
+        try:
+            return read_footer(storage, url, identities[number][0])
+        except (ValueError, StorageFailure):
+            raise
+        except (OSError, EOFError) as error:
+            raise storage_failure(url, error) from error
+
+    if len(files) == 1:
+        footers = [footer(0)]
+    else:
+        with ThreadPoolExecutor(min(_THREADS, len(files)), "parquet-footer") as pool:
+            footers = list(pool.map(footer, range(len(files))))
+    kinds = _checked_schemas(files, footers, columns)
+    return ParquetPlan(files, identities, footers, kinds, storage, skip_damaged)
+
+
+#: The plan this process opened last, and the arguments it opened it with.
+_last_opened: tuple[Any, ParquetPlan] | None = None
+
+
+def open_plan_once(
+    urls: str | os.PathLike[str] | Sequence[str],
+    columns: tuple[str, ...],
+    storage_options: dict[str, Any] | None,
+    retries: int,
+) -> ParquetPlan:
+    """:func:`open_plan`, once per worker and arguments: a source built again (a resume's seek)
+    keeps the plan made at the worker's start (the files are checked again as they are read:
+    their identities). Outside a loader's worker, opened every time."""
+    global _last_opened
+    skip, pool = SKIP_DAMAGED.get(), STARTED_TOGETHER.get()
+    key: Any = None
+    if pool:
+        try:
+            options = json.dumps(storage_options, sort_keys=True)
+        except (TypeError, ValueError):
+            options = None
+        if options is not None:
+            names = os.fspath(urls) if isinstance(urls, (str, os.PathLike)) else tuple(urls)
+            key = (pool, names, columns, options, retries, skip)
+    last = _last_opened
+    if key is not None and last is not None and last[0] == key:
+        return last[1]
+    plan = open_plan(urls, columns, storage_options, retries, skip)
+    _last_opened = None if key is None else (key, plan)
+    return plan

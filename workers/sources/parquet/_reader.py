@@ -1,0 +1,302 @@
+"""``load(index)`` over a Parquet plan: row groups read with one ranged read each, ahead of their
+need, their columns held as numpy views. Runs in the worker.
+
+A row group is read whole, over the requested columns only: one ranged read of the bytes from
+its first requested chunk to the end of its last (:attr:`ParquetPlan.begins`/``ends``), handed to
+pyarrow as the only bytes of a sparse file of the real file's size (with the footer the plan
+read: pyarrow asks for nothing else), and decoded to :class:`~._columns.Values`. A sample is then
+a row of those: slices of Arrow's buffers, no copy and no Python object per row.
+
+The loader is told each epoch's batches (``expect``) and each batch loaded (``passed``): a row
+group is read on a background thread when the batch being loaded needs it, or shortly before
+(at most ``ahead`` waiting and, past the first, ``ahead_bytes`` of them), and dropped once the
+last batch that needs it is loaded. Remote reads check the file's identity (on S3 from the GET
+itself: a file rewritten since the start is named, never read as another's rows).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ..files import ImageTooLargeError, over_limit
+from ..storage import IdentityChanged, StorageFailure, is_url, storage_failure, storage_for
+from ._arrow import pyarrow_modules
+from ._columns import Values, values_of
+from ._plan import ParquetPlan
+
+__all__ = ["DamagedRowGroup", "ParquetLoader", "SparseFile"]
+
+#: Row groups read outside an epoch's plan (a ``load`` called on its own) that are kept.
+_KEPT = 2
+#: Background threads that read row groups.
+_THREADS = 4
+
+
+class DamagedRowGroup(ValueError):
+    """A row group whose bytes cannot be decoded (a corrupt page, a bad checksum): its samples
+    fail to load, so ``on_error="skip"`` skips them (and names them)."""
+
+
+class SparseFile(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only ``pieces`` (start -> bytes) are held:
+    what pyarrow reads of a row group. A read outside them raises (the plan said which bytes a
+    row group needs), naming the range."""
+
+    def __init__(self, name: str, size: int, pieces: dict[int, np.ndarray[Any, Any]]) -> None:
+        super().__init__()
+        self.name, self.size, self.pieces, self.position = name, size, pieces, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.position, 2: self.size}[whence]
+        self.position = base + offset
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), max(0, self.size - self.position))
+        if want == 0:
+            return 0
+        for start, data in self.pieces.items():
+            if start <= self.position and self.position + want <= start + len(data):
+                at = self.position - start
+                memoryview(buffer).cast("B")[:want] = data[at : at + want]
+                self.position += want
+                return want
+        raise OSError(
+            f"{self.name}: bytes {self.position}-{self.position + want} were not read "
+            "with the row group (its footer's offsets disagree with its pages)"
+        )
+
+
+class _Ahead:
+    """Reads row groups on background threads as an epoch's batches come near them (see the
+    module docstring): ``plan`` per epoch, ``passed`` per batch, ``get`` per load."""
+
+    def __init__(self, read: Any, ahead: int, ahead_bytes: int | None, sizes: Any) -> None:
+        self.read, self.ahead, self.ahead_bytes, self.sizes = read, ahead, ahead_bytes, sizes
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._held: dict[int, Future[list[Values]]] = {}
+        self._needs: list[tuple[int, int, int]] = []  # unit, first step, last step
+        self._next, self._step = 0, -1
+
+    def plan(self, needs: list[tuple[int, int, int]]) -> None:
+        with self._lock:
+            wanted = {unit for unit, _f, _l in needs}
+            kept = {u: f for u, f in self._held.items() if u in wanted}
+            for unit, future in self._held.items():
+                if unit not in kept:
+                    future.cancel()
+            self._held = kept
+            self._needs, self._next, self._step = needs, 0, -1
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_THREADS, "parquet-read")
+            self._schedule()
+
+    def passed(self, step: int) -> None:
+        with self._lock:
+            self._step = step
+            for unit, _first, last in self._needs[: self._next]:
+                if last <= step:
+                    self._held.pop(unit, None)
+            if self._pool is not None:
+                self._schedule()
+
+    def _schedule(self) -> None:
+        assert self._pool is not None
+        loading = self._step + 1
+        while self._next < len(self._needs):
+            unit, first, _last = self._needs[self._next]
+            if unit not in self._held:
+                if first > loading and not self._may_read_ahead(first, loading, unit):
+                    return
+                self._held[unit] = self._pool.submit(self.read, unit)
+            self._next += 1
+
+    def _may_read_ahead(self, first: int, loading: int, unit: int) -> bool:
+        waiting = [u for u, f, _l in self._needs[: self._next] if f > loading and u in self._held]
+        if len(waiting) >= self.ahead:
+            return False
+        if self.ahead_bytes is None or not waiting:
+            return True
+        held = sum(int(self.sizes[u]) for u in waiting)
+        return held + int(self.sizes[unit]) <= self.ahead_bytes
+
+    def get(self, unit: int) -> Future[list[Values]] | None:
+        with self._lock:
+            return self._held.get(unit)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+            self._held.clear()
+
+
+class ParquetLoader:
+    """``load(index)`` of :func:`sharded_parquet`: one output per requested column."""
+
+    def __init__(
+        self,
+        plan: ParquetPlan,
+        ahead: int = 2,
+        ahead_bytes: int | None = None,
+        max_pixels: int | None = None,
+    ) -> None:
+        self.plan, self.max_pixels = plan, max_pixels
+        self.names = [kind.name for kind in plan.kinds]
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[int, list[Values]] = OrderedDict()
+        self._ahead = _Ahead(self._read_unit, ahead, ahead_bytes, plan.ends - plan.begins)
+        #: ranged reads made and their bytes (row groups and images kept as files)
+        self.requests = 0
+        self.bytes_read = 0
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _read_bytes(self, file: int, start: int, end: int) -> np.ndarray[Any, Any]:
+        plan = self.plan
+        url, identity = plan.urls[file], plan.identities[file]
+        storage = plan.storage
+        check = not storage.local and storage.can_check(identity)
+        try:
+            data = storage.read(url, start, end, expect=identity if check else None)
+        except IdentityChanged as error:
+            raise StorageFailure(
+                f"{url} changed since the job planned its epochs ({error.expected} -> "
+                f"{error.found}): restart the job over the files as they are now"
+            ) from error
+        except StorageFailure:
+            raise
+        except (OSError, EOFError) as error:
+            raise storage_failure(url, error) from error
+        with self._lock:
+            self.requests += 1
+            self.bytes_read += end - start
+        return data
+
+    def _read_unit(self, unit: int) -> list[Values]:
+        """Read and decode row group ``unit`` (on a background thread, or on the loading one)."""
+        pa, pq = pyarrow_modules()
+        plan = self.plan
+        file, group = int(plan.files[unit]), int(plan.groups[unit])
+        begin, end = int(plan.begins[unit]), int(plan.ends[unit])
+        url = plan.urls[file]
+        data = self._read_bytes(file, begin, end)
+        sparse = SparseFile(url, plan.identities[file][0], {begin: data})
+        try:
+            reader = pq.ParquetFile(pa.PythonFile(sparse, mode="r"), metadata=plan.footers[file])
+            table = reader.read_row_group(group, columns=self.names, use_threads=False)
+            return values_of(plan.kinds, table)
+        except Exception as error:
+            raise DamagedRowGroup(
+                f"{url}: row group {group} (bytes {begin}-{end}) cannot be read: "
+                f"{type(error).__name__}: {error}"
+            ) from None
+
+    def _values(self, unit: int) -> list[Values]:
+        future = self._ahead.get(unit)
+        if future is not None:
+            return future.result()
+        with self._lock:
+            kept = self._kept.get(unit)
+        if kept is not None:
+            return kept
+        values = self._read_unit(unit)
+        with self._lock:
+            self._kept[unit] = values
+            while len(self._kept) > _KEPT:
+                self._kept.popitem(last=False)
+        return values
+
+    # -- the source's interface --------------------------------------------------------------
+
+    def describe(self, index: int) -> str:
+        """``<file>, row group <k>, row <r>`` of sample ``index``."""
+        unit, row = self.plan.unit_of(index)
+        return f"{self.plan.name(unit)}, row {row}"
+
+    def __call__(self, index: int) -> tuple[np.ndarray[Any, Any], ...]:
+        unit, row = self.plan.unit_of(index)
+        columns = self._values(unit)
+        outputs = []
+        for name, values in zip(self.names, columns, strict=True):
+            value = values.row(row)
+            if value is None:
+                raise ValueError(
+                    f"{self.describe(index)}: column {name!r} is null; filter such rows out "
+                    'of the dataset, or pass on_error="skip" to skip them'
+                )
+            if isinstance(value, str):
+                value = self._image_file(unit, value)
+            if values.kind == "image":
+                self._check_pixels(value, index, name)
+            outputs.append(value)
+        return tuple(outputs)
+
+    def _image_file(self, unit: int, path: str) -> np.ndarray[Any, Any]:
+        """The bytes of an image kept as a file (an ``Image`` row with ``path`` and no
+        ``bytes``): ``path`` as a URL, an absolute path, or relative to the Parquet file."""
+        url = self.plan.urls[int(self.plan.files[unit])]
+        if not is_url(path) and not os.path.isabs(path):
+            path = self.plan.storage.join(self.plan.storage.dirname(url), path)
+        storage = storage_for(path) if is_url(path) != is_url(url) else self.plan.storage
+        try:
+            data = storage.read_all(path)
+        except (OSError, EOFError) as error:
+            raise FileNotFoundError(
+                f"{url}: its image file {path} cannot be read: {error}"
+            ) from None
+        with self._lock:
+            self.requests += 1
+            self.bytes_read += len(data)
+        return np.frombuffer(data, np.uint8)
+
+    def _check_pixels(self, value: np.ndarray[Any, Any], index: int, column: str) -> None:
+        size = over_limit(value, self.max_pixels)
+        if size is None:
+            return
+        assert self.max_pixels is not None
+        name = f"{self.describe(index)} ({column})"
+        raise ImageTooLargeError.of(name, size, self.max_pixels, "sharded_parquet")
+
+    def expect(self, epoch: int, ids: Sequence[np.ndarray[Any, Any]]) -> None:
+        """The epoch's batches (sample ids per step): plan the reads of their row groups."""
+        if not ids:
+            return
+        flat = np.concatenate([np.asarray(chunk, dtype=np.int64) for chunk in ids])
+        steps = np.repeat(np.arange(len(ids)), [len(chunk) for chunk in ids])
+        units = np.searchsorted(self.plan.starts, flat, side="right") - 1
+        found, first_at = np.unique(units, return_index=True)
+        last_step = np.zeros(len(found), np.int64)
+        np.maximum.at(last_step, np.searchsorted(found, units), steps)
+        order = np.argsort(first_at, kind="stable")
+        needs = [
+            (int(found[k]), int(steps[first_at[k]]), int(last_step[k])) for k in order.tolist()
+        ]
+        self._ahead.plan(needs)
+
+    def passed(self, epoch: int, step: int) -> None:
+        self._ahead.passed(step)
+
+    def __del__(self) -> None:
+        ahead = getattr(self, "_ahead", None)
+        if ahead is not None:
+            ahead.close()
