@@ -13,6 +13,11 @@ worker.
 :func:`open_parquet_source` opens one for a shard: the plan, the loader and the epoch orders
 (the row groups permuted, then the rows inside a window of row groups, as tar shards are:
 :class:`~workers.sources.tars.TarOrders`).
+
+May import: the standard library, numpy, pyarrow (inside functions, through ``_arrow``),
+:mod:`workers.spec` and the other wings through their faces (:mod:`~workers.sources.plan`,
+:mod:`~workers.sources.storage`, :mod:`~workers.sources.files`, :mod:`~workers.sources.tars`).
+Never DALI, never ``loader``.
 """
 
 from ._arrow import EXTRA_HINT
