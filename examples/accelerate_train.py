@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from loader import Loader, SamplesDataset
+from loader import Loader, SamplesDataset, ndd
 
 FEATURES = 8
 CLASSES = 3
@@ -65,8 +65,6 @@ def make_sample(index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]
 
 
 def feature_step(features: Any, ids: Any) -> dict[str, Any]:
-    import nvidia.dali.experimental.dynamic as ndd
-
     return {"x": ndd.cast(features, dtype=ndd.float32), "id": ndd.cast(ids, dtype=ndd.int64)}
 
 

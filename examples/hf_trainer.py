@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from loader import Loader, SamplesDataset, list_images
+from loader import Loader, SamplesDataset, list_images, ndd
 
 
 def _load(index: int, files: list[str], labels: list[int]) -> tuple[Any, ...]:
@@ -54,8 +54,6 @@ def dataset(root: str, shuffle: bool = True) -> SamplesDataset:
 
 def train_step(jpegs: Any, labels: Any, ids: Any) -> dict[str, Any]:
     """Decode, random crop 32x32 and random flip: the random draws a resume must replay."""
-    import nvidia.dali.experimental.dynamic as ndd
-
     images = ndd.decoders.image(jpegs, device="cpu")
     images = ndd.random_resized_crop(images, size=[32, 32])
     flip = ndd.random.coin_flip(probability=0.5, batch_size=images.batch_size)
@@ -64,8 +62,6 @@ def train_step(jpegs: Any, labels: Any, ids: Any) -> dict[str, Any]:
 
 
 def eval_step(jpegs: Any, labels: Any, ids: Any) -> dict[str, Any]:
-    import nvidia.dali.experimental.dynamic as ndd
-
     images = ndd.resize(ndd.decoders.image(jpegs, device="cpu"), size=[32, 32])
     pixels = ndd.crop_mirror_normalize(images, dtype=ndd.float32, std=[255.0] * 3)
     return {"pixels": pixels, "labels": labels, "ids": ids}

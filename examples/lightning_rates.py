@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from loader import Loader, SamplesDataset
+from loader import Loader, SamplesDataset, ndd
 
 FEATURES = 8
 CLASSES = 3
@@ -40,8 +40,6 @@ def _sample(index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
 
 
 def step(features: Any, labels: Any) -> dict[str, Any]:
-    import nvidia.dali.experimental.dynamic as ndd
-
     return {"x": ndd.cast(features, dtype=ndd.float32), "y": ndd.cast(labels, dtype=ndd.int64)}
 
 

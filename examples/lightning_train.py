@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from loader import FilesDataset, Loader, SamplesDataset, list_images
+from loader import FilesDataset, Loader, SamplesDataset, list_images, ndd
 
 FEATURES = 8
 CLASSES = 3
@@ -70,8 +70,6 @@ def make_sample(index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]
 
 
 def feature_step(features: Any, ids: Any) -> dict[str, Any]:
-    import nvidia.dali.experimental.dynamic as ndd
-
     return {"x": ndd.cast(features, dtype=ndd.float32), "id": ndd.cast(ids, dtype=ndd.int64)}
 
 
@@ -82,8 +80,6 @@ def image_dataset(root: str) -> FilesDataset:
 
 
 def image_step(jpegs: Any, ids: Any) -> dict[str, Any]:
-    import nvidia.dali.experimental.dynamic as ndd
-
     images = ndd.decoders.image(jpegs, device="cpu")
     images = ndd.resize(images, size=[16, 16])
     images = ndd.crop_mirror_normalize(images, dtype=ndd.float32, mean=[128.0] * 3, std=[64.0] * 3)

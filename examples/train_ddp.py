@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-import nvidia.dali.experimental.dynamic as ndd
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -63,6 +62,7 @@ from loader import (
     TarsDataset,
     ensure_sample_dataset,
     list_images,
+    ndd,
 )
 
 
