@@ -40,7 +40,7 @@ from ._changed import changed_answer
 from ._fetch import Fetcher
 from ._index import TarIndex
 from ._indexer import Indexer
-from ._members import KEY, Members, decode_int, parse_ext
+from ._members import Members, parse_ext
 from ._order import TarOrders
 from ._shards import TarShards, open_shards
 from ._wds_idx import idx_url, member_mismatch
