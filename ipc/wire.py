@@ -611,7 +611,12 @@ class BatchCodec:
 
     def encode(self, message: Any) -> bytes:
         """One frame holding ``message``."""
-        if type(message) is BatchReady and not message.replaced and not message.skipped:
+        if (
+            type(message) is BatchReady
+            and not message.replaced
+            and not message.skipped
+            and not message.defaulted
+        ):
             layout = self.encode_layout(message.outputs)
             random = message.random
             if layout is not None and len(random) <= 0xFFFF:
