@@ -95,3 +95,8 @@ def clip_step(jpg: Any, txt: Any, key: Any) -> dict[str, Any]:
 def key_step(txt: Any, key: Any, url: Any) -> dict[str, Any]:
     """No decoding: the caption, the key and the url as they are."""
     return {"txt": txt, "key": key, "url": url}
+
+
+def key_step_txt(txt: Any) -> dict[str, Any]:
+    """The caption alone."""
+    return {"txt": txt}
