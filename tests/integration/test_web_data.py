@@ -182,3 +182,4 @@ def test_the_clip_example_runs(web_root: Path, tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed" in done.stdout and "tokens (16, 32)" in done.stdout
+    assert "none twice" in done.stdout
