@@ -41,9 +41,17 @@ from workers import (
 from ._loader import OPEN_LOADERS as OPEN_LOADERS  # (for the leak_check fixture)
 from ._loader import Loader, LoaderStats, WorkerStats
 from ._ndd import ndd
-from ._text import jsons, texts
 from .config import LoaderConfig, package_version
-from .engine import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple, Timeline
+from .engine import (
+    BatchInfo,
+    LoadedArray,
+    LoadedBatch,
+    LoadedList,
+    LoadedTuple,
+    Timeline,
+    jsons,
+    texts,
+)
 from .errors import (
     AgreementError,
     LoaderClosedError,

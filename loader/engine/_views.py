@@ -4,12 +4,17 @@ A delivered batch's arrays all hang off one :class:`ipc.SlotView`. When the last
 the torch tensors made from them) is garbage-collected, a finalizer queues the slot's release in a
 :class:`ReleaseQueue`; the trainer's thread sends it at its next wait. Finalizers never write to a
 worker's channel themselves: they may run in any thread, or in the middle of another send.
+
+A text output (a tar's ``.txt``/``.json`` member, ``__key__``) arrives as bytes, one uint8 array
+per row (or one 2-D array, rows of one length stacked): :func:`texts` decodes it to ``list[str]``
+on the trainer's side, the form a tokenizer takes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -261,3 +266,36 @@ def current_stream(output: str) -> Callable[[int], int]:
             return int(cupy.cuda.get_current_stream().ptr)
 
     return cupy_stream
+
+
+# ---------------------------------------------------------------- text outputs as str
+def _row_bytes(row: Any) -> bytes:
+    """One row's bytes: a numpy, torch (any device) or cupy array, or bytes."""
+    if isinstance(row, (bytes, bytearray, memoryview)):
+        return bytes(row)
+    if isinstance(row, np.ndarray):
+        return row.tobytes()
+    detach = getattr(row, "detach", None)
+    if detach is not None:  # torch: to the host first
+        return bytes(detach().cpu().numpy().tobytes())
+    get = getattr(row, "get", None)
+    if get is not None and hasattr(row, "__cuda_array_interface__"):  # cupy
+        return bytes(get().tobytes())
+    return np.asarray(row).tobytes()
+
+
+def texts(values: Any, encoding: str = "utf-8", errors: str = "strict") -> list[str]:
+    """The rows of a text output of a batch (``batch["txt"]``) as ``list[str]``, one per row,
+    in row order: ``captions = loader.texts(batch["txt"])``. ``values``: a list of per-row
+    arrays or one 2-D array (numpy, torch or cupy); ``errors`` as for ``bytes.decode``
+    (``"replace"`` for text that may not be UTF-8). A row cut with ``cut_padding=True`` is not
+    there; without it, rows ``info.replaced`` and the last ``info.padded`` repeat others."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError("texts() takes a batch's text output (rows of bytes), not one text")
+    return [_row_bytes(row).decode(encoding, errors) for row in values]
+
+
+def jsons(values: Any) -> list[Any]:
+    """The rows of a ``.json`` output of a batch, each parsed (:func:`texts`, then
+    ``json.loads``)."""
+    return [json.loads(text) if text else None for text in texts(values)]

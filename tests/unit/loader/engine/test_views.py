@@ -29,3 +29,13 @@ def test_padding_alone_is_cut_as_views() -> None:
     values, cut = _cut_rows([rows], info(2))
     assert values[0].tolist() == [0, 1, 2, 3] and np.shares_memory(values[0], rows)
     assert (cut.cut, cut.cut_rows) == (2, (4, 5))
+
+
+def test_texts_decode_lists_and_stacked_rows_of_numpy_and_torch() -> None:
+    from loader import jsons, texts
+
+    rows = [np.frombuffer("café ☕".encode(), np.uint8), np.zeros(0, np.uint8)]
+    assert texts(rows) == ["café ☕", ""]
+    stacked = np.frombuffer(b"abcdef", np.uint8).reshape(2, 3)
+    assert texts(stacked) == ["abc", "def"] == texts(torch.from_numpy(stacked.copy()))
+    assert jsons([np.frombuffer(b'{"k": 1}', np.uint8)]) == [{"k": 1}]
