@@ -403,6 +403,8 @@ class BatchReady:
     skipped_names: tuple[str, ...] = ()  # how each skipped sample is named (a file's path)
     random: RandomStates = b""
     timing: StageTimes = NO_STAGE_TIMES  # where the worker's time went around this batch
+    #: (member, rows) of the optional members this batch's real rows hold the default of
+    defaulted: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -609,7 +611,12 @@ class BatchCodec:
 
     def encode(self, message: Any) -> bytes:
         """One frame holding ``message``."""
-        if type(message) is BatchReady and not message.replaced and not message.skipped:
+        if (
+            type(message) is BatchReady
+            and not message.replaced
+            and not message.skipped
+            and not message.defaulted
+        ):
             layout = self.encode_layout(message.outputs)
             random = message.random
             if layout is not None and len(random) <= 0xFFFF:

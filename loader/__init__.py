@@ -42,7 +42,16 @@ from ._loader import OPEN_LOADERS as OPEN_LOADERS  # (for the leak_check fixture
 from ._loader import Loader, LoaderStats, WorkerStats
 from ._ndd import ndd
 from .config import LoaderConfig, package_version
-from .engine import BatchInfo, LoadedArray, LoadedBatch, LoadedList, LoadedTuple, Timeline
+from .engine import (
+    BatchInfo,
+    LoadedArray,
+    LoadedBatch,
+    LoadedList,
+    LoadedTuple,
+    Timeline,
+    jsons,
+    texts,
+)
 from .errors import (
     AgreementError,
     LoaderClosedError,
@@ -96,6 +105,7 @@ __all__ = [
     "WorkerTimeoutError",
     "__version__",
     "ensure_sample_dataset",
+    "jsons",
     "list_images",
     "ndd",
     "shard_indices",
@@ -107,6 +117,7 @@ __all__ = [
     "sharded_tars",
     "shutdown_worker_server",
     "steps_per_epoch",
+    "texts",
     "worker_server_pid",
     "write_tars",
 ]

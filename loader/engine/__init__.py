@@ -37,7 +37,9 @@ from ._views import (
     build_batch,
     carry_info,
     current_stream,
+    jsons,
     register_pytree_nodes,
+    texts,
 )
 
 __all__ = [
@@ -63,5 +65,7 @@ __all__ = [
     "check_healable",
     "current_stream",
     "is_interruption",
+    "jsons",
     "register_pytree_nodes",
+    "texts",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from dataclasses import dataclass
 
 from ipc import wire
@@ -28,6 +29,25 @@ logger = logging.getLogger("loader")
 #: With ``timeout`` set, the longest a replacement process may take to start (spawn, imports,
 #: sources) before its Hello, unless ``startup_timeout`` or ``timeout`` says otherwise.
 REPLACEMENT_START = 60.0
+
+
+#: The kinds of failure that skip a sample, in the order the skip-limit error names them.
+_KINDS = ("member missing", "file undecodable", "exception in step", "load failed")
+_MISSING = re.compile(r"has no \.([\w.-]+)(?: or \.[\w.-]+)* member")
+_UNDECODABLE = re.compile(
+    r"decod|jpeg|png|tiff|webp|image|marker|codec|ImageTooLarge|not a whole|truncated", re.I
+)
+
+
+def _kind_of(inside: bool, reason: str) -> tuple[str, str]:
+    """(kind, the missing member) of a skip: ``inside`` DALI or ``step`` (its batch failed
+    there), else its ``load`` raised (or hung); ``reason``: the finder's words."""
+    missing = _MISSING.search(reason)
+    if missing is not None:
+        return "member missing", missing.group(1)
+    if _UNDECODABLE.search(reason):
+        return "file undecodable", ""
+    return ("exception in step", "") if inside else ("load failed", "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +89,9 @@ class Healing:
         self.restarts = 0
         self.bad_samples: set[int] = set()  # on_error="skip": samples that fail inside DALI
         self.skipped: dict[int, str] = {}  # sample id -> name, every sample skipped so far
-        self._epoch_skips = (0, 0)  # (epoch, samples skipped in it so far)
+        #: sample id -> (whether it failed inside DALI or step, why), as its finder reported it
+        self.reasons: dict[int, tuple[bool, str]] = {}
+        self._epoch_skips: tuple[int, list[tuple[int, str]]] = (0, [])  # (epoch, its skips)
         self._exiting: set[int] = set()  # workers that said they exit (SamplesFailed)
         #: worker -> its replacement process, and the traces counted before it started
         self._replacements: dict[int, tuple[WorkerHandle, int]] = {}
@@ -101,6 +123,8 @@ class Healing:
                 step,
                 message.reason,
             )
+        for index in message.ids:
+            self.reasons.setdefault(index, (message.exits, message.reason))
         self.bad_samples.update(message.ids)
         if message.exits:
             self._exiting.add(view.index)
@@ -108,22 +132,69 @@ class Healing:
 
     def delivered(self, info: wire.BatchReady, total: int) -> SkipLimitError | None:
         """Count a delivered batch's skipped samples; more than ``max_skipped`` in an epoch is
-        a pipeline bug, not bad data (the error to raise)."""
+        the error to raise, naming each of them by the kind of failure that made it a skip."""
         for index, name in zip(info.skipped, info.skipped_names, strict=True):
             self.skipped.setdefault(index, name)
-        epoch, count = self._epoch_skips
-        count = (count if epoch == info.epoch else 0) + len(info.skipped)
-        self._epoch_skips = (info.epoch, count)
+        epoch, skips = self._epoch_skips
+        if epoch != info.epoch:
+            skips = []
+        skips.extend(zip(info.skipped, info.skipped_names, strict=True))
+        self._epoch_skips = (info.epoch, skips)
         limit = self.max_skipped
+        default = limit is None
         if limit is None:  # by default 1% of an epoch's samples (at least 8)
             limit = max(8, math.ceil(0.01 * total))
-        if count <= limit:
+        if len(skips) <= limit:
             return None
-        return SkipLimitError(
-            f"{count} samples were skipped in epoch {info.epoch}, more than "
-            f"max_skipped={limit}: that is a pipeline bug, not bad data (last: "
-            f"{info.skipped_names[-1]}). Fix step() or the data, or raise max_skipped="
+        return SkipLimitError(self._limit_message(info.epoch, skips, limit, default))
+
+    def _limit_message(
+        self, epoch: int, skips: list[tuple[int, str]], limit: int, default: bool
+    ) -> str:
+        """The skip-limit error's words: the count, each skip by its kind, what to do."""
+        kinds: dict[str, list[str]] = {}
+        members: set[str] = set()
+        for index, name in skips:
+            kind, member = _kind_of(*self.reasons.get(index, (False, "")))
+            kinds.setdefault(kind, []).append(name)
+            if member:
+                members.add(member)
+        lines = [
+            f"{len(skips)} samples were skipped in epoch {epoch}, more than max_skipped={limit}"
+            + (" (the default: 1% of an epoch's samples, at least 8)" if default else "")
+            + ":"
+        ]
+        for kind in _KINDS:
+            names = kinds.get(kind)
+            if names:
+                shown = ", ".join(names[:5]) + (
+                    f" and {len(names) - 5} more" if len(names) > 5 else ""
+                )
+                lines.append(f"  {len(names)} {kind}: {shown}")
+        lines.append("What to do:")
+        if "member missing" in kinds:
+            example = ", ".join(f"{m!r}: b''" for m in sorted(members)) or "'txt': b''"
+            lines.append(
+                "  member missing: if samples may lack it, make it optional "
+                f"(optional={{{example}}} on TarsDataset/sharded_tars): such a sample then "
+                "gets the default, counted in stats().defaulted, not skipped"
+            )
+        if "file undecodable" in kinds:
+            lines.append(
+                "  file undecodable: the file is damaged or not what the decoder reads; replace or"
+                " remove it in the data"
+            )
+        if "exception in step" in kinds:
+            lines.append(
+                "  exception in step: step() raised on these samples alone; fix step() for them"
+            )
+        if "load failed" in kinds:
+            lines.append("  load failed: the sample cannot be read; fix or remove it in the data")
+        lines.append(
+            "  or, if this many skips are expected, raise max_skipped= (None: 1% of an epoch, "
+            "at least 8)"
         )
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------------ restarts
     def decide(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, make_dataclass
 from operator import itemgetter
 from typing import TYPE_CHECKING, NamedTuple
@@ -149,6 +149,9 @@ class LoaderStats:
     #: (affinity and cgroup quota) and memory (available, cgroup limit and usage); see
     #: :class:`ipc.limits.Limits`
     limits: Limits | None = None
+    #: optional members (``optional=`` of tars) given their default, by member: the real rows
+    #: handed out so far that lacked it (a sample delivered in two epochs counts twice)
+    defaulted: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def samples_per_second(self) -> float:
@@ -191,10 +194,15 @@ class TrainerCounters:
     startup_wait_ns: int = 0
     batches: int = 0
     samples: int = 0
+    defaulted: dict[str, int] = field(default_factory=dict)
 
-    def handed_out(self, now: float, real_samples: int) -> None:
+    def handed_out(
+        self, now: float, real_samples: int, defaulted: tuple[tuple[str, int], ...] = ()
+    ) -> None:
         self.batches += 1
         self.samples += real_samples
+        for member, rows in defaulted:
+            self.defaulted[member] = self.defaulted.get(member, 0) + rows
         self.last_batch_at = now
         if self.first_batch is None and self.iterating_since is not None:
             self.first_batch = now - self.iterating_since
@@ -508,4 +516,5 @@ def snapshot(
         window_seconds=(span[1] - span[0]) / 1e9,
         cpus=cpus,
         limits=read_limits(),
+        defaulted=dict(trainer.defaulted),
     )

@@ -4,12 +4,17 @@ A delivered batch's arrays all hang off one :class:`ipc.SlotView`. When the last
 the torch tensors made from them) is garbage-collected, a finalizer queues the slot's release in a
 :class:`ReleaseQueue`; the trainer's thread sends it at its next wait. Finalizers never write to a
 worker's channel themselves: they may run in any thread, or in the middle of another send.
+
+A text output (a tar's ``.txt``/``.json`` member, ``__key__``) arrives as bytes, one uint8 array
+per row (or one 2-D array, rows of one length stacked): :func:`texts` decodes it to ``list[str]``
+on the trainer's side, the form a tokenizer takes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,10 +32,13 @@ class BatchInfo:
     """Where a delivered batch came from. ``step`` is its step in the epoch on this rank
     (``0 .. len(loader) - 1``, counting the batches received before a resume too);
     ``worker_step`` the step in the epoch of the ``worker`` that made it. ``padded`` rows at
-    its end are padding, not data (with ``cut_padding=True`` they are cut off: ``padded`` is 0
-    and ``cut`` says how many were); with ``on_error="skip"``, ``replaced`` rows repeat a good
-    sample of the batch in place of the ``skipped`` sample ids (``skipped_names``: their names,
-    a file's path for ``sharded_files``)."""
+    its end are padding, not data; with ``on_error="skip"``, ``replaced`` rows hold a repeat of
+    another row of the batch in place of the ``skipped`` sample ids (``skipped_names``: their
+    names, a file's path for ``sharded_files``, ``<tar>:<key>`` for tars): mask them (a
+    contrastive loss must, or it trains on duplicate pairs). With ``cut_padding=True`` both are
+    cut off, so that no row of a batch repeats another: ``padded`` is 0, ``replaced`` empty,
+    ``cut`` says how many rows were cut and ``cut_rows`` which (counted in the batch as the
+    worker made it); ``skipped`` still names the samples left out."""
 
     epoch: int
     step: int
@@ -42,6 +50,7 @@ class BatchInfo:
     skipped: tuple[int, ...] = ()
     skipped_names: tuple[str, ...] = ()
     cut: int = 0
+    cut_rows: tuple[int, ...] = ()
 
     @property
     def valid(self) -> int | None:
@@ -208,11 +217,11 @@ def build_batch(
     """The user's batch over a slot's ``arrays``. Without ``copy`` the slot's release is queued
     when ``lease`` (which every view keeps alive) is collected; with ``copy`` the caller
     releases the slot at once. ``cut``: a batch with padded rows comes as views of its real
-    rows (``info.cut`` says how many were cut)."""
+    rows (``info.cut`` says how many were cut), without its replaced rows too (those are
+    copies of the rows kept: views where they are at the end, else copies of the rows kept)."""
     values = [to_output(value, output, copy) for value in arrays]
-    if cut and info.padded:  # zero-copy views of the real rows (they keep the lease alive)
-        values = [value[: len(value) - info.padded] for value in values]
-        info = dataclasses.replace(info, padded=0, cut=info.padded)
+    if cut and (info.padded or info.replaced):
+        values, info = _cut_rows(values, info)
     if not copy:
         finalizer = weakref.finalize(
             lease, releases.put, owner, descriptor.slot, descriptor.generation
@@ -220,6 +229,28 @@ def build_batch(
         finalizer.atexit = False
     names = [placement.name for placement in descriptor.outputs]
     return wrap_outputs(kind, names, values, info)
+
+
+def _cut_rows(values: list[Any], info: BatchInfo) -> tuple[list[Any], BatchInfo]:
+    """The batch's ``values`` without its padded and replaced rows, and its info saying so.
+    Padding alone (trailing rows) is cut as zero-copy views (they keep the lease alive); a
+    replaced row in the middle takes the kept rows by index (a copy of them: numpy, torch and
+    cupy arrays, and lists of per-sample arrays)."""
+    size = len(values[0]) if values else 0
+    real = size - info.padded
+    gone = set(range(real, size)) | {row for row in info.replaced if 0 <= row < size}
+    inside = sorted(row for row in gone if row < real)
+    if not inside:
+        values = [value[:real] for value in values]
+    else:
+        kept = [row for row in range(size) if row not in gone]
+        values = [
+            [value[row] for row in kept] if isinstance(value, list) else value[kept]
+            for value in values
+        ]
+    cut_rows = tuple(sorted(gone))
+    info = dataclasses.replace(info, padded=0, replaced=(), cut=len(cut_rows), cut_rows=cut_rows)
+    return values, info
 
 
 def current_stream(output: str) -> Callable[[int], int]:
@@ -235,3 +266,36 @@ def current_stream(output: str) -> Callable[[int], int]:
             return int(cupy.cuda.get_current_stream().ptr)
 
     return cupy_stream
+
+
+# ---------------------------------------------------------------- text outputs as str
+def _row_bytes(row: Any) -> bytes:
+    """One row's bytes: a numpy, torch (any device) or cupy array, or bytes."""
+    if isinstance(row, (bytes, bytearray, memoryview)):
+        return bytes(row)
+    if isinstance(row, np.ndarray):
+        return row.tobytes()
+    detach = getattr(row, "detach", None)
+    if detach is not None:  # torch: to the host first
+        return bytes(detach().cpu().numpy().tobytes())
+    get = getattr(row, "get", None)
+    if get is not None and hasattr(row, "__cuda_array_interface__"):  # cupy
+        return bytes(get().tobytes())
+    return np.asarray(row).tobytes()
+
+
+def texts(values: Any, encoding: str = "utf-8", errors: str = "strict") -> list[str]:
+    """The rows of a text output of a batch (``batch["txt"]``) as ``list[str]``, one per row,
+    in row order: ``captions = loader.texts(batch["txt"])``. ``values``: a list of per-row
+    arrays or one 2-D array (numpy, torch or cupy); ``errors`` as for ``bytes.decode``
+    (``"replace"`` for text that may not be UTF-8). A row cut with ``cut_padding=True`` is not
+    there; without it, rows ``info.replaced`` and the last ``info.padded`` repeat others."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError("texts() takes a batch's text output (rows of bytes), not one text")
+    return [_row_bytes(row).decode(encoding, errors) for row in values]
+
+
+def jsons(values: Any) -> list[Any]:
+    """The rows of a ``.json`` output of a batch, each parsed (:func:`texts`, then
+    ``json.loads``)."""
+    return [json.loads(text) if text else None for text in texts(values)]

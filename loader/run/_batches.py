@@ -48,7 +48,7 @@ def hand_out(
     real = config.batch_size - descriptor.padded
     # a row filled in for a skipped sample (on_error="skip") is a repeat, like padding
     real -= sum(1 for row in descriptor.replaced if row < real)
-    counters.handed_out(time.monotonic(), real)
+    counters.handed_out(time.monotonic(), real, descriptor.defaulted)
     return batch
 
 

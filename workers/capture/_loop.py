@@ -317,7 +317,9 @@ class Worker:
         activity.set_phase(Phase.TRANSPORT)
         named, kind = normalize_outputs(outputs)
         signature.outputs(named, kind)
-        padded, replaced, skipped, names = delivery_info(sources, step, signature.batch_size)
+        padded, replaced, skipped, names, defaulted = delivery_info(
+            sources, step, signature.batch_size
+        )
         publisher.publish(
             epoch,
             step,
@@ -329,6 +331,7 @@ class Worker:
             names,
             random,
             self.clock,
+            defaulted,
         )
         return True
 

@@ -158,16 +158,17 @@ def check_feeders(made: Any) -> dict[str, Any]:
 
 def delivery_info(
     sources: Sources, step: int, batch_size: int
-) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[str, ...], tuple[tuple[str, int], ...]]:
     """Of step ``step``'s batch: rows of padding, replaced rows, skipped sample ids and their
-    names. Padding is counted by ``sharded_source``, or is what lies past the shard's real
-    samples for a reader that sticks to its shard and pads its last batch."""
+    names, and (member, rows) of the optional members given their default. Padding is counted
+    by ``sharded_source``, or is what lies past the shard's real samples for a reader that
+    sticks to its shard and pads its last batch."""
     sampled, fed = sources.sampled, sources.feed.delivered()  # only a sampled source feeds
     if sampled is not None and fed is not None:
         names = tuple(sampled.name(index) for index in fed.skipped)
-        return fed.padded, fed.replaced, fed.skipped, names
+        return fed.padded, fed.replaced, fed.skipped, names, fed.defaulted
     padded = 0
     if sources.reader_real_samples is not None:
         rows = (step + 1) * batch_size
         padded = max(0, min(batch_size, rows - sources.reader_real_samples))
-    return padded, (), (), ()
+    return padded, (), (), (), ()

@@ -125,7 +125,7 @@ class TarsDataset(_Opened):
     """WebDataset tar shards, as :func:`sharded_tars` reads them (the same arguments).
     ``Loader(TarsDataset(urls), step, batch_size=64)``."""
 
-    urls: str | Sequence[str]
+    urls: str | os.PathLike[str] | Sequence[str]
     ext: str | Sequence[str] = ("jpg", "cls")
     storage_options: Mapping[str, Any] | None = None
     shuffle_window: int | None = None
@@ -133,6 +133,7 @@ class TarsDataset(_Opened):
     retries: int = RETRIES
     ahead_bytes: int | None = AHEAD_BYTES
     max_image_pixels: int | None = MAX_IMAGE_PIXELS
+    optional: Mapping[str, Any] | None = None
     _: KW_ONLY
     shuffle: bool = True
     drop_last: bool = False
@@ -152,6 +153,7 @@ class TarsDataset(_Opened):
             seed=seed,
             shuffle=shuffle,
             max_image_pixels=self.max_image_pixels,
+            optional=self.optional,
         )
 
 

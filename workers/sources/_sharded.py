@@ -10,7 +10,7 @@ dataset definitions, which never import it: the family has no import circle.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..spec import Shard
@@ -88,7 +88,7 @@ def sharded_source(
 
 def sharded_tars(
     shard: Shard,
-    urls: str | Sequence[str],
+    urls: str | os.PathLike[str] | Sequence[str],
     *,
     batch_size: int,
     ext: str | Sequence[str] = ("jpg", "cls"),
@@ -100,15 +100,24 @@ def sharded_tars(
     retries: int = RETRIES,
     ahead_bytes: int | None = AHEAD_BYTES,
     max_image_pixels: int | None = MAX_IMAGE_PIXELS,
+    optional: Mapping[str, Any] | None = None,
 ) -> Any:
     """Batches of WebDataset tar shards, one output per ``ext``, for ``source(shard)`` to
     return: a thin wrapper of :class:`TarsDataset` for a hand-written source (``batch_size``:
     the Loader's; ``Loader(TarsDataset(urls), step, batch_size=...)`` gives it once).
 
-    ``urls``: a list of paths or fsspec URLs, or one string with brace patterns
-    (``"s3://bucket/train-{000000..000127}.tar"``); ``storage_options`` go to the filesystem
+    ``urls``: a shard, a directory (its ``*.tar`` files in name order), a glob
+    (``"data/*.tar"``; only ``*.tar`` matches are shards), one string with brace patterns
+    (``"s3://bucket/train-{000000..000127}.tar"``), or a list of these; local paths or fsspec
+    URLs. Files beside the shards (img2dataset's ``.parquet`` and ``_stats.json``, the loader's
+    ``.idx`` and summary) are never taken for shards. ``storage_options`` go to the filesystem
     (``s3fs``: ``key``, ``secret``, ``endpoint_url``...). ``ext``: the members each sample gives,
-    in output order (``"jpg;png"``: either); ``cls``-like members are parsed as integers.
+    in output order (``"jpg;png"``: either); ``cls``-like members are parsed as integers;
+    ``"__key__"`` and ``"__url__"`` (WebDataset's names) give the sample's key and its shard's
+    URL as UTF-8 bytes (``loader.texts`` makes them ``str``). ``optional``: members some
+    samples lack, and the default each such sample gets (``{"txt": b""}``): counted per member
+    in ``stats().defaulted``, not skipped; a sample without a member that is not optional is
+    skipped (``on_error="skip"``), named ``<tar>:<key>``.
     ``shuffle_window``: how many shards' samples an epoch shuffles together (None: all for local
     shards, :data:`REMOTE_WINDOW` for remote ones; see the module docstring); ``ahead``: remote
     shards fetched ahead of the one being read, at most; ``ahead_bytes``: and at most that many
@@ -128,7 +137,8 @@ def sharded_tars(
         ahead,
         retries,
         ahead_bytes,
-        max_image_pixels=max_image_pixels,
+        max_image_pixels,
+        optional,
     )
     return dataset._batched(shard, batching)
 

@@ -80,6 +80,7 @@ class Publisher:
         skipped_names: tuple[str, ...] = (),
         random: wire.RandomStates = b"",
         clock: BatchClock | None = None,
+        defaulted: tuple[tuple[str, int], ...] = (),
     ) -> None:
         """Copy one batch into a free slot, one packed copy per output, then send its
         descriptor (with ``random``, the random generators' states after its step, and the
@@ -109,6 +110,7 @@ class Publisher:
                 skipped_names=skipped_names,
                 random=random,
                 timing=timing,
+                defaulted=defaulted,
             )
         )
 

@@ -38,7 +38,7 @@ from ._positions import (
     steps_left,
     steps_per_epoch,
 )
-from ._sampling import BatchedSamples, Batching, OpenedSource
+from ._sampling import BatchedSamples, Batching, Defaulted, OpenedSource
 
 __all__ = [
     "REPORT_PROGRESS",
@@ -47,6 +47,7 @@ __all__ = [
     "Batch",
     "BatchedSamples",
     "Batching",
+    "Defaulted",
     "EpochOrder",
     "FedBatch",
     "FeedState",

@@ -93,6 +93,8 @@ class FedBatch:
     padded: int  # trailing rows of padding
     replaced: tuple[int, ...] = ()  # rows filled with a repeat of a good sample (on_error="skip")
     skipped: tuple[int, ...] = ()  # the sample ids those rows would have held
+    #: (member, rows) of the optional members its real rows were given the default of
+    defaulted: tuple[tuple[str, int], ...] = ()
 
 
 class FeedState:

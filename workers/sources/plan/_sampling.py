@@ -129,6 +129,8 @@ class BatchedSamples:
         # the worker's, handed over by ``bind``; until then, a control state of its own
         self._control = SampleControl()
         self._feed = FeedState()
+        #: the last sample loaded whole: fills the rows of a batch none of whose samples load
+        self._last_good: Any = None
         #: the load running now: (sample id, time.monotonic() at its start; written by the
         #: thread that loads), and the batch (epoch, step) loaded last or now (written by the
         #: main thread); read when the trainer asks a stuck worker for its stack
@@ -237,7 +239,10 @@ class BatchedSamples:
     def load_batch(self, chunk: np.ndarray[Any, Any], epoch: int) -> LoadedSamples:
         """Every sample of a batch of ``epoch``; with ``on_error="skip"`` a sample whose
         ``load`` raises (or that is known bad) is replaced by a repeat of a good sample of the
-        same batch.
+        same batch (of an earlier batch when none of this one loads): the row is flagged
+        (``info.replaced``) and, like padding, cut with ``cut_padding=True``. A skipped sample
+        is not filled with one of a later batch: the positions (a count of batches per shard)
+        stay the same whatever is skipped, so a resume on any layout stays exactly once.
         May run on the prefetch thread: it writes no shared state and reports nothing itself
         (the caller does both from ``LoadedSamples.errors``)."""
         ids = [int(index) for index in chunk]
@@ -261,13 +266,19 @@ class BatchedSamples:
                 errors.append((index, f"load raised {type(error).__name__}: {error}"[:300]))
                 samples.append(None)
                 failed.append(row)
+        good = next((sample for sample in samples if sample is not None), None)
+        if good is not None:  # (the prefetch thread's alone: one load_batch at a time)
+            self._last_good = good
         if not failed:
             return LoadedSamples(samples)
-        good = next((sample for sample in samples if sample is not None), None)
+        good = good if good is not None else self._last_good
         if good is None:
             raise RuntimeError(
-                f"every sample of a batch failed ({', '.join(self.describe(i) for i in ids[:4])}"
-                f"{', ...' if len(ids) > 4 else ''}): that is a pipeline bug, not bad data"
+                f"every sample of the first batch failed to load "
+                f"({', '.join(self.describe(i) for i in ids[:4])}{', ...' if len(ids) > 4 else ''}"
+                f"; first: {errors[0][1] if errors else 'known bad'}): nothing to fill their "
+                "rows with. Check that the data is readable and that ext=/columns= name what "
+                "the samples hold (optional= for a member some samples lack)"
             )
         for row in failed:
             samples[row] = good
@@ -341,7 +352,10 @@ class BatchedSamples:
                     pending = prefetch.submit(load, batches[step + 1][0], epoch)
                 for index, reason in loaded.errors:
                     self._skipped_on_load(epoch, step, index, reason)
-                self._feed.fed(FedBatch(epoch, step, pad_rows, loaded.replaced, loaded.skipped))
+                defaulted = _defaulted(loaded.samples, pad_rows, loaded.replaced)
+                self._feed.fed(
+                    FedBatch(epoch, step, pad_rows, loaded.replaced, loaded.skipped, defaulted)
+                )
                 samples = loaded.samples
                 outputs = [
                     _batch_arrays(
@@ -364,6 +378,36 @@ class BatchedSamples:
             report(epoch, step, index, self.name(index), reason)
         else:
             logger.warning("skipped %s: %s", self.describe(index), reason)
+
+
+class Defaulted(tuple[Any, ...]):
+    """A sample (its outputs) that lacked optional ``members`` and holds their defaults: a
+    ``load`` returns one so that the loader counts them (``stats().defaulted``)."""
+
+    members: tuple[str, ...]
+
+    def __new__(cls, outputs: Any, members: Any) -> Defaulted:
+        made = super().__new__(cls, outputs)
+        made.members = tuple(members)
+        return made
+
+    def __reduce__(self) -> Any:
+        return (Defaulted, (tuple(self), self.members))
+
+
+def _defaulted(
+    samples: list[Any], pad_rows: int, replaced: tuple[int, ...]
+) -> tuple[tuple[str, int], ...]:
+    """(member, rows) of the optional members the batch's real rows (not padding, not
+    replaced) were given the default of."""
+    counts: dict[str, int] = {}
+    gone = set(replaced)
+    for row in range(len(samples) - pad_rows):
+        members = getattr(samples[row], "members", None)
+        if members and row not in gone:
+            for member in members:
+                counts[member] = counts.get(member, 0) + 1
+    return tuple(sorted(counts.items()))
 
 
 def _batch_arrays(

@@ -313,6 +313,10 @@ def _plain_members(data: bytes) -> list[_Member] | None:
         offset = start + -(-size // _BLOCK) * _BLOCK
 
 
+class NotATar(ValueError):
+    """A file given as a shard that is no tar at all (not a damaged one)."""
+
+
 def _members(
     url: str, stream: IO[bytes], *, seekable: bool, size: int | None
 ) -> tuple[list[_Member], int, ValueError | None]:
@@ -332,6 +336,12 @@ def _members(
                 members.append((member.name, member.offset_data, member.size, at))
             tar_end = tar.offset  # where the next header (or the end-of-archive blocks) starts
     except tarfile.ReadError as error:
+        if not members and offset == 0:  # (not even a first header: no tar at all)
+            return (
+                members,
+                0,
+                NotATar(f"{url} is not a tar file ({error}): take it out of the shards"),
+            )
         return (
             members,
             offset,

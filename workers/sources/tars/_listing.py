@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..plan import STARTED_TOGETHER
-from ..storage import Identity, Storage, cache_dir, expand_urls, local_path, locked
+from ..storage import RETRIES, Identity, Storage, cache_dir, local_path, locked
+from ._names import shard_names
 from ._summary import ShardEntry, read_summary, summary_url
 from ._wds_idx import idx_url
 
@@ -30,9 +31,14 @@ _T = TypeVar("_T")
 LISTING_FRESH = 30.0
 
 
-def check_urls(urls: str | Iterable[str]) -> list[str]:
-    """Expand ``urls`` and refuse a set that mixes places or lists a shard twice."""
-    expanded = expand_urls(urls)
+def check_urls(
+    urls: str | os.PathLike[str] | Iterable[str],
+    storage_options: dict[str, Any] | None = None,
+    retries: int = RETRIES,
+) -> list[str]:
+    """Expand ``urls`` (:func:`~._names.shard_names`: directories, globs, brace patterns) and
+    refuse a set that mixes places or lists a shard twice."""
+    expanded = shard_names(urls, storage_options, retries)
     kinds = {"://" in url and not url.startswith("file://") for url in expanded}
     if len(kinds) > 1:
         raise ValueError("the shards mix local paths and URLs; keep them in one place")

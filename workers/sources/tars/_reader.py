@@ -13,9 +13,11 @@ bytes) or, for remote shards, :class:`~._order.TarOrder`'s shuffle within groups
 shards; a worker then reads of each shard one contiguous piece, fetched ahead by
 :class:`~._fetch.Fetcher` with one request per piece, never one per sample.
 
-Outputs: one per requested extension, in order: the member's raw bytes (a uint8 array, for DALI's
-decoders), or for ``cls``-like members (:data:`INTEGER_EXTS`) their text parsed as an integer.
-``ext`` entries may list alternatives: ``"jpg;png"`` takes whichever the sample has.
+Outputs: one per requested extension, in order (:mod:`~._members`): the member's raw bytes (a
+uint8 array, for DALI's decoders), or for ``cls``-like members their text parsed as an integer;
+an optional member a sample lacks gives its default; ``__key__`` and ``__url__`` the sample's
+key and shard. ``ext`` entries may list alternatives: ``"jpg;png"`` takes whichever the sample
+has.
 """
 
 from __future__ import annotations
@@ -25,38 +27,27 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ...spec import Shard
 from ..files import MAX_IMAGE_PIXELS, ImageTooLargeError, checked_limit, over_limit
-from ..plan import SKIP_DAMAGED, STARTED_TOGETHER, OpenedSource
+from ..plan import SKIP_DAMAGED, STARTED_TOGETHER, Defaulted, OpenedSource
 from ..storage import AHEAD_BYTES, Identity, IdentityChanged, StorageFailure, storage_failure
 from ._changed import changed_answer
 from ._fetch import Fetcher
 from ._index import TarIndex
 from ._indexer import Indexer
+from ._members import Members, parse_ext
 from ._order import TarOrders
 from ._shards import TarShards, open_shards
 from ._wds_idx import idx_url, member_mismatch
 
-__all__ = ["INTEGER_EXTS", "REMOTE_WINDOW", "TarLoader", "open_tar_source", "parse_ext"]
+__all__ = ["REMOTE_WINDOW", "TarLoader", "open_tar_source"]
 
 logger = logging.getLogger("workers")
-
-#: Extensions whose members are text integers (WebDataset's convention): decoded to int arrays.
-INTEGER_EXTS: dict[str, type[np.integer[Any]]] = {
-    "cls": np.int32,
-    "cls2": np.int32,
-    "class": np.int32,
-    "label": np.int32,
-    "count": np.int64,
-    "index": np.int64,
-    "inx": np.int64,
-    "id": np.int64,
-}
 
 #: Shards whose samples a remote epoch shuffles together, by default.
 REMOTE_WINDOW = 4
@@ -66,18 +57,6 @@ _OPEN_INDEXES = 32
 _HEADER = 512
 
 _Int64s = np.ndarray[Any, np.dtype[np.int64]]
-
-
-def _decode_int(
-    data: np.ndarray[Any, Any], dtype: Any, table: TarIndex, sample: int, ext: str
-) -> np.ndarray[Any, Any]:
-    text = data.tobytes()
-    try:
-        return np.array([int(text)], dtype=dtype)
-    except ValueError:
-        raise ValueError(
-            f"{table.url}: {table.key(sample)}.{ext} is not an integer: {text[:40]!r}"
-        ) from None
 
 
 class _Checked:
@@ -100,11 +79,14 @@ class TarLoader:
         shards: TarShards,
         ext: Sequence[Sequence[str]],
         ahead: int,
-        names: Sequence[str],
+        members: Members | Sequence[str],
         ahead_bytes: int | None = AHEAD_BYTES,
         max_pixels: int | None = MAX_IMAGE_PIXELS,
     ) -> None:
-        self.shards, self.ext, self.names = shards, [list(e) for e in ext], list(names)
+        if not isinstance(members, Members):  # (the outputs' names: every member required)
+            members = Members(ext)
+        self.shards, self.ext, self.members = shards, [list(e) for e in ext], members
+        self.names = members.names
         #: members that are images decoding to more pixels raise (None: no limit)
         self.max_pixels = max_pixels
         self._indexer = Indexer(shards.storage)
@@ -120,7 +102,6 @@ class TarLoader:
             else Fetcher(self._fetch, ahead, ahead_bytes, self._piece_bytes)
         )
         self._starts: list[int] = shards.starts.tolist()
-        self._integers = [INTEGER_EXTS.get(name) for name in self.names]
         #: on_error="skip": a shard found truncated when it is read gives its whole samples
         self._skip = SKIP_DAMAGED.get()
         #: shards a read found changed since the summary vouched for them, taken as they are
@@ -185,20 +166,21 @@ class TarLoader:
         table, offsets, sizes = held or self._table(shard)
         # (Python lists from here: numpy's per-call cost is most of a sample's on small rows)
         row_offsets, row_sizes = offsets[sample].tolist(), sizes[sample].tolist()
-        if min(row_sizes) < 0:
-            column = row_sizes.index(min(row_sizes))
-            has = sorted(
-                table.exts[int(e)] for e in table.member_ext[table.member_sample == sample]
-            )
-            raise ValueError(
-                f"{url}: sample {table.key(sample)!r} has no "
-                f"{' or '.join('.' + e for e in self.ext[column])} member (it has "
-                f"{', '.join('.' + e for e in has) or 'none'})"
-            )
-        start = min(row_offsets)
-        end = max(offset + size for offset, size in zip(row_offsets, row_sizes, strict=True))
+        members, defaulted = self.members, []
+        for column, size in enumerate(row_sizes):
+            if size < 0 and members.kinds[column] == "member":
+                if column not in members.defaults:
+                    _missing(url, table, sample, self.ext[column], self.names[column])
+                defaulted.append(self.names[column])
+        present = [
+            (offset, size) for offset, size in zip(row_offsets, row_sizes, strict=True) if size >= 0
+        ]
+        start = min((offset for offset, _size in present), default=0)
+        end = max((offset + size for offset, size in present), default=0)
         self._left_out(shard, table, sample)
-        if table.scanned:
+        if not present:
+            data = np.empty(0, np.uint8)
+        elif table.scanned:
             data = self._read(shard, url, start, end)
         else:
             if self.shards.vouched and self.shards.vouched[shard] is not None:
@@ -210,16 +192,15 @@ class TarLoader:
                 return self(index)
             data = checked
         self._left_out(shard, table, sample)
-        outputs = []
-        for column, (offset, size) in enumerate(zip(row_offsets, row_sizes, strict=True)):
-            member = data[offset - start : offset - start + size]
-            dtype = self._integers[column]
-            if dtype is None:
-                self._check_pixels(member, table, sample, offset)
-                outputs.append(member)
-            else:
-                outputs.append(_decode_int(member, dtype, table, sample, self.names[column]))
-        return tuple(outputs)
+        outputs = members.outputs(
+            row_offsets,
+            row_sizes,
+            data,
+            start,
+            (table.key(sample), url),
+            lambda member, offset: self._check_pixels(member, table, sample, offset),
+        )
+        return Defaulted(outputs, defaulted) if defaulted else tuple(outputs)
 
     def _left_out(self, shard: int, table: TarIndex, sample: int) -> None:
         """A ``ValueError`` (skipped, under ``on_error="skip"``) for a planned sample of a shard
@@ -440,6 +421,17 @@ class TarLoader:
 _last_opened: tuple[Any, TarShards] | None = None
 
 
+def _missing(url: str, table: TarIndex, sample: int, wanted: list[str], name: str) -> None:
+    """Raise the ``ValueError`` (a skip, under ``on_error="skip"``) of a sample that lacks a
+    required member (``wanted``: its alternatives)."""
+    has = sorted(table.exts[int(e)] for e in table.member_ext[table.member_sample == sample])
+    raise ValueError(
+        f"{url}: sample {table.key(sample)!r} has no {' or '.join('.' + e for e in wanted)} "
+        f"member (it has {', '.join('.' + e for e in has) or 'none'}); a member some samples "
+        f"lack can be optional: optional={{{name!r}: default}}"
+    )
+
+
 def _open_shards_once(
     urls: str | Sequence[str], storage_options: dict[str, Any] | None, shard: Shard, retries: int
 ) -> TarShards:
@@ -476,19 +468,6 @@ def _open_shards_once(
     return shards
 
 
-def parse_ext(ext: str | Sequence[str]) -> list[list[str]]:
-    """``ext`` as a list of alternatives per output (``"jpg;png"`` -> ``["jpg", "png"]``)."""
-    items = [ext] if isinstance(ext, str) else list(ext)
-    if not items:
-        raise ValueError("ext must name at least one extension, e.g. ext=('jpg', 'cls')")
-    parsed = []
-    for item in items:
-        if not isinstance(item, str) or not item.strip(";"):
-            raise ValueError(f"ext entries must be extension names like 'jpg', got {item!r}")
-        parsed.append([part.lstrip(".") for part in item.split(";") if part])
-    return parsed
-
-
 def open_tar_source(
     shard: Shard,
     urls: str | Sequence[str],
@@ -502,9 +481,11 @@ def open_tar_source(
     shuffle: bool,
     ahead_bytes: int | None = AHEAD_BYTES,
     max_image_pixels: int | None = MAX_IMAGE_PIXELS,
+    optional: Mapping[str, Any] | None = None,
 ) -> OpenedSource:
     """Check the arguments, open (index) the shards and make the loader and epoch orders."""
     wanted = parse_ext(ext)
+    members = Members(wanted, optional)
     max_pixels = checked_limit(max_image_pixels)
     checked = [("retries", retries, 0), ("ahead", ahead, 0)]
     if ahead_bytes is not None:
@@ -528,8 +509,8 @@ def open_tar_source(
     if shuffle and window < len(shards.urls):
         fingerprint += f"+window{window}"
         orders = TarOrders(shards, seed, window)
-    names = [alternatives[0] for alternatives in wanted]
-    load = TarLoader(shards, wanted, ahead, names, ahead_bytes, max_pixels)
+    names = members.names
+    load = TarLoader(shards, wanted, ahead, members, ahead_bytes, max_pixels)
     return OpenedSource(
         shards.total,
         load,

@@ -242,7 +242,7 @@ def open_shards(
     names a stale summary, reports progress and writes the summary when it had to look past it.
     ``skip_damaged`` (``on_error="skip"``): a shard that is not whole gives its samples before
     the damage (the ``lead`` worker warns, naming it) instead of failing the start."""
-    expanded = check_urls(urls)
+    expanded = check_urls(urls, storage_options, retries)
     storage = storage_for(expanded[0], storage_options, retries)
     places = places_of(storage, expanded)
     listed, summaries = start_facts(storage, expanded, places)

@@ -107,7 +107,7 @@ def index_dataset(
     progress: Callable[[Progress], None] | None = None,
 ) -> Progress:
     """Index every shard of ``urls`` and write the summary (see the module docstring)."""
-    job = _IndexJob(check_urls(urls), storage_options, retries)
+    job = _IndexJob(check_urls(urls, storage_options, retries), storage_options, retries)
     todo = job.plan(force)
     if progress is not None:
         progress(job.state)

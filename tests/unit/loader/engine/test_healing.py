@@ -140,8 +140,56 @@ def test_skipped_samples_past_the_limit_fail_the_epoch() -> None:
     error = healing.delivered(batch(1, skipped=(3,), skipped_names=("c",)), 100)
     assert isinstance(error, SkipLimitError)
     assert "3 samples were skipped in epoch 0, more than max_skipped=2" in str(error)
-    assert "(last: c)" in str(error)
+    assert "3 load failed: a, b, c" in str(error) and "pipeline bug" not in str(error)
+    assert str(error).rstrip().endswith("at least 8)")  # (the sentence whole)
     assert healing.skipped == {1: "a", 2: "b", 3: "c"}
+
+
+def test_the_skip_limit_error_names_each_skip_by_its_kind_and_what_to_do() -> None:
+    healing = _healing(on_error="skip", max_skipped=2)
+    snapshot = view(1, Running(0), epoch=0)
+    reasons = [
+        (
+            1,
+            "s/00000.tar:000000005",
+            "load raised ValueError: s/00000.tar: sample '000000005' "
+            "has no .txt member (it has .jpg, .json)",
+            False,
+        ),
+        (2, "s/00003.tar:000030007", "[jpeg_parser] Invalid marker: decoding failed", True),
+        (
+            3,
+            "s/00002.tar:000020011",
+            "load raised ValueError: sample '000020011' has no .txt member",
+            False,
+        ),
+        (4, "7", "step raised KeyError: 'x'", True),
+    ]
+    for index, name, reason, inside in reasons:
+        message = wire.SamplesFailed(0, index, (index,), (name,), reason, exits=inside)
+        healing.samples_failed(snapshot, message)
+    assert (
+        healing.delivered(batch(0, skipped=(1, 2), skipped_names=reasons_names(reasons, 0, 2)), 220)
+        is None
+    )
+    error = healing.delivered(
+        batch(1, skipped=(3, 4), skipped_names=reasons_names(reasons, 2, 4)), 220
+    )
+    assert isinstance(error, SkipLimitError)
+    text = str(error)
+    assert text.startswith("4 samples were skipped in epoch 0, more than max_skipped=2:")
+    assert "2 member missing: s/00000.tar:000000005, s/00002.tar:000020011" in text
+    assert "1 file undecodable: s/00003.tar:000030007" in text
+    assert "1 exception in step: 7" in text
+    assert "optional={'txt': b''}" in text and "fix step()" in text
+    assert "replace or remove it" in text and "raise max_skipped=" in text
+    assert "pipeline bug" not in text
+
+
+def reasons_names(
+    reasons: list[tuple[int, str, str, bool]], first: int, last: int
+) -> tuple[str, ...]:
+    return tuple(name for _index, name, _reason, _inside in reasons[first:last])
 
 
 def test_the_skip_count_starts_again_each_epoch_and_defaults_to_one_percent() -> None:
