@@ -84,8 +84,16 @@ def id_parquet(
     )
 
 
-def image_parquet(shard: Shard, urls: Any, batch_size: int = 4) -> Any:
-    return sharded_parquet(shard, urls, batch_size=batch_size, columns=("image", "label", "id"))
+def image_parquet(
+    shard: Shard, urls: Any, batch_size: int = 4, storage_options: dict[str, Any] | None = None
+) -> Any:
+    return sharded_parquet(
+        shard,
+        urls,
+        batch_size=batch_size,
+        columns=("image", "label", "id"),
+        storage_options=storage_options,
+    )
 
 
 def label_id_step(label: Any, ids: Any) -> dict[str, Any]:

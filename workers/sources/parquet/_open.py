@@ -6,9 +6,10 @@ sequence where each worker's part starts and ends, cuts each part into windows o
 ``shuffle_window`` row groups and permutes the rows inside each window
 (:class:`~workers.sources.tars.TarOrder`, which deals tar shards the same way): a worker reads
 of each row group only its own piece's, each once, and holds one window's row groups at a time.
-``shuffle_window=None``: as many row groups as take :data:`WINDOW_BYTES` of the requested columns
-(their median size), at least one -- ``datasets`` >= 4.1 writes ~100 MB row groups, so one;
-the Hub's 100-row ones, many.
+``shuffle_window=None``: for local files, as many row groups as take :data:`WINDOW_BYTES` of the
+requested columns (their median size), at least one -- ``datasets`` >= 4.1 writes ~100 MB row
+groups, so one; the Hub's 100-row ones, many. For remote files, one row group: a resume then
+re-reads at most one row group per worker (the one it was partly through).
 """
 
 from __future__ import annotations
@@ -78,7 +79,12 @@ def open_parquet_source(
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     plan = open_plan_once(urls, names, storage_options, retries)
     units = len(plan.counts)
-    window = shuffle_window or default_window(plan.begins, plan.ends)
+    if shuffle_window is not None:
+        window = shuffle_window
+    elif plan.storage.local:
+        window = default_window(plan.begins, plan.ends)
+    else:
+        window = 1
     window = min(window, units)
     fingerprint = plan.fingerprint()
     orders = None

@@ -18,6 +18,7 @@ May import: the standard library, numpy, :mod:`workers.spec`, and the wings belo
 (through their faces).
 """
 
+from ._listing import node_listing
 from ._order import TarOrder, TarOrders
 from ._reader import INTEGER_EXTS, REMOTE_WINDOW, TarLoader, open_tar_source, parse_ext
 from ._shards import TarShards, open_shards
@@ -33,6 +34,7 @@ __all__ = [
     "TarOrders",
     "TarShards",
     "index_dataset",
+    "node_listing",
     "open_shards",
     "open_tar_source",
     "parse_ext",
