@@ -107,3 +107,12 @@ def decode_step(jpegs: Any, label: Any, ids: Any) -> dict[str, Any]:
         "label": ndd.cast(label, dtype=ndd.int64),
         "id": ndd.cast(ids, dtype=ndd.int64),
     }
+
+
+def saved_dataset(directory: Path, rows: int, shard_bytes: int = 20_000) -> Any:
+    """A ``datasets.Dataset`` of ``rows`` rows saved to ``directory`` in several Arrow files and
+    loaded back (memory-mapped)."""
+    import datasets
+
+    hf_dataset(range(rows)).save_to_disk(str(directory), max_shard_size=shard_bytes)
+    return datasets.load_from_disk(str(directory))

@@ -25,7 +25,8 @@ from ..files import MAX_IMAGE_PIXELS, checked_limit
 from ..plan import OpenedSource
 from ..storage import AHEAD_BYTES, RETRIES
 from ..tars import TarOrders
-from ._plan import open_plan_once
+from ._ipc import ArrowFiles, ArrowLoader, ArrowPlan
+from ._plan import ParquetPlan, open_plan_once
 from ._reader import ParquetLoader
 
 __all__ = ["WINDOW_BYTES", "checked_columns", "open_parquet_source"]
@@ -54,7 +55,7 @@ def default_window(begins: np.ndarray[Any, Any], ends: np.ndarray[Any, Any]) -> 
 
 def open_parquet_source(
     shard: Shard,
-    urls: str | os.PathLike[str] | Sequence[str],
+    urls: str | os.PathLike[str] | Sequence[str] | ArrowFiles,
     *,
     columns: str | Sequence[str] = ("image", "label"),
     storage_options: dict[str, Any] | None = None,
@@ -77,7 +78,13 @@ def open_parquet_source(
     for name, value, low in checked:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    plan = open_plan_once(urls, names, storage_options, retries)
+    load: ParquetLoader
+    if isinstance(urls, ArrowFiles):
+        plan: ParquetPlan = ArrowPlan(urls, names)
+        load = ArrowLoader(plan, max_pixels)
+    else:
+        plan = open_plan_once(urls, names, storage_options, retries)
+        load = ParquetLoader(plan, ahead, ahead_bytes, max_pixels)
     units = len(plan.counts)
     if shuffle_window is not None:
         window = shuffle_window
@@ -91,7 +98,6 @@ def open_parquet_source(
     if shuffle:
         fingerprint += f"+window{window}"
         orders = TarOrders(plan, seed, window)  # type: ignore[arg-type]
-    load = ParquetLoader(plan, ahead, ahead_bytes, max_pixels)
     return OpenedSource(
         plan.total,
         load,

@@ -48,7 +48,7 @@ from ._arrow import pyarrow_modules
 from ._columns import ColumnKind, column_kinds
 from ._footers import node_footers, parse_footer, read_footer_bytes
 
-__all__ = ["ParquetPlan", "list_parquet", "open_plan", "read_footer"]
+__all__ = ["ParquetPlan", "checked_schemas", "list_parquet", "open_plan", "read_footer"]
 
 _GLOB = frozenset("*?[")
 
@@ -243,12 +243,12 @@ class ParquetPlan:
         return tuple(self.damaged)
 
 
-def _checked_schemas(urls: list[str], footers: list[Any], columns: tuple[str, ...]) -> Any:
-    """The kinds of ``columns``, the same in every file: ``ValueError`` naming both files and
-    the column when one file's type differs from the first's."""
-    kinds = column_kinds(footers[0].schema.to_arrow_schema(), columns, urls[0])
-    for url, footer in zip(urls[1:], footers[1:], strict=True):
-        schema = footer.schema.to_arrow_schema()
+def checked_schemas(urls: list[str], schemas: list[Any], columns: tuple[str, ...]) -> Any:
+    """The kinds of ``columns``, the same in every file (``schemas``: their Arrow schemas):
+    ``ValueError`` naming both files and the column when one file's type differs from the
+    first's."""
+    kinds = column_kinds(schemas[0], columns, urls[0])
+    for url, schema in zip(urls[1:], schemas[1:], strict=True):
         theirs = column_kinds(schema, columns, url)
         for mine, other in zip(kinds, theirs, strict=True):
             if mine.type != other.type:
@@ -294,7 +294,8 @@ def open_plan(
             raise storage_failure(url, error) from error
 
     footers = node_footers(storage, files, identities, footer)
-    kinds = _checked_schemas(files, footers, columns)
+    schemas = [footer.schema.to_arrow_schema() for footer in footers]
+    kinds = checked_schemas(files, schemas, columns)
     return ParquetPlan(files, identities, footers, kinds, storage, skip_damaged)
 
 
