@@ -23,6 +23,7 @@ one epoch per iteration.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict, deque
@@ -45,6 +46,8 @@ logger = logging.getLogger("workers")
 _KEEP_ALIVE = 4
 #: The epochs whose plan of batches is kept (this one and the next).
 _PLANS_KEPT = 2
+#: Samples of later batches tried for a stand-in when every sample of a batch failed.
+_STAND_IN_TRIES = 256
 
 #: Largest sample (bytes) that is stacked with the rest of its batch into one dense array.
 _STACK_BYTES = 1024
@@ -139,6 +142,9 @@ class BatchedSamples:
         self.wait_ns = 0
         self.load_ns = 0
         self.load_cpu_ns = 0
+        #: the id of a good sample loaded (on the prefetch thread, its only user): loaded again
+        #: to stand in a batch whose every sample failed under skip
+        self._last_good: int | None = None
         #: batches of this shard in a whole epoch (a worker may have one more than another)
         self.steps = shard_steps(
             total, shard.index, shard.count, batch_size, batching.drop_last, shard.world_size
@@ -264,6 +270,10 @@ class BatchedSamples:
         if not failed:
             return LoadedSamples(samples)
         good = next((sample for sample in samples if sample is not None), None)
+        if good is None:  # (a damaged part of the data: a row group, a shard's tail)
+            good = self._stand_in(epoch, ids, raised)
+        else:
+            self._last_good = next(i for row, i in enumerate(ids) if samples[row] is not None)
         if good is None:
             raise RuntimeError(
                 f"every sample of a batch failed ({', '.join(self.describe(i) for i in ids[:4])}"
@@ -273,6 +283,31 @@ class BatchedSamples:
             samples[row] = good
         skipped = tuple(dict.fromkeys(ids[row] for row in failed))
         return LoadedSamples(samples, tuple(failed), skipped, errors)
+
+    def _stand_in(self, epoch: int, ids: list[int], raised: set[int]) -> Any | None:
+        """A good sample to stand in a batch whose every sample failed under skip (all of them
+        in one damaged part: a row group, a shard cut short): the last good sample loaded, else
+        the first that loads of this shard's batches of ``epoch`` (it is still delivered in its
+        own batch; here its rows are flagged replaced). None when none loads."""
+        candidates = (int(i) for chunk, _pad in self.batches_for_epoch(epoch) for i in chunk)
+        if self._last_good is not None:
+            candidates = itertools.chain([self._last_good], candidates)
+        tried = 0
+        for index in candidates:
+            if index in ids or index in raised or index in self._control.bad:
+                continue
+            tried += 1
+            try:
+                sample = self._load(index, epoch)
+                self._last_good = index
+                return sample
+            except Exception as error:
+                if getattr(error, "_loader_fatal", False):
+                    raise
+                if tried >= _STAND_IN_TRIES:
+                    return None
+                raised.add(index)  # (its own batch finds it again: skipped there)
+        return None
 
     def __iter__(self) -> Iterator[Any]:
         """One epoch of batches; when the worker's feed state is ``continuous``, every epoch
