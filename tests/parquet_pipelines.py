@@ -84,8 +84,16 @@ def id_parquet(
     )
 
 
-def image_parquet(shard: Shard, urls: Any, batch_size: int = 4) -> Any:
-    return sharded_parquet(shard, urls, batch_size=batch_size, columns=("image", "label", "id"))
+def image_parquet(
+    shard: Shard, urls: Any, batch_size: int = 4, storage_options: dict[str, Any] | None = None
+) -> Any:
+    return sharded_parquet(
+        shard,
+        urls,
+        batch_size=batch_size,
+        columns=("image", "label", "id"),
+        storage_options=storage_options,
+    )
 
 
 def label_id_step(label: Any, ids: Any) -> dict[str, Any]:
@@ -99,3 +107,12 @@ def decode_step(jpegs: Any, label: Any, ids: Any) -> dict[str, Any]:
         "label": ndd.cast(label, dtype=ndd.int64),
         "id": ndd.cast(ids, dtype=ndd.int64),
     }
+
+
+def saved_dataset(directory: Path, rows: int, shard_bytes: int = 20_000) -> Any:
+    """A ``datasets.Dataset`` of ``rows`` rows saved to ``directory`` in several Arrow files and
+    loaded back (memory-mapped)."""
+    import datasets
+
+    hf_dataset(range(rows)).save_to_disk(str(directory), max_shard_size=shard_bytes)
+    return datasets.load_from_disk(str(directory))

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import Loader
+from .. import Loader, ParquetDataset, TarsDataset
 from ..sample import (
     ensure_sample_dataset,
     image_source,
@@ -25,10 +25,12 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of the job itself, the same for the main job and ``doctor``."""
     parser.add_argument(
         "--data",
-        type=Path,
+        type=_data,
         default=None,
-        help="an ImageFolder (root/<class>/<image>.jpg); default: a built-in sample dataset, "
-        "generated into ~/.cache/dali-capture-loader on first use",
+        help="an ImageFolder (root/<class>/<image>.jpg), Parquet (a .parquet file, a directory "
+        "of them, a glob or a URL: its image and label columns) or WebDataset tars (a .tar "
+        "path, pattern or URL: their .jpg and .cls members); default: a built-in sample "
+        "dataset, generated into ~/.cache/dali-capture-loader on first use",
     )
     parser.add_argument(
         "--workers",
@@ -46,6 +48,28 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="DALI threads per worker")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the loader does")
+
+
+def _data(text: str) -> Path | str:
+    """``--data``: an ImageFolder's path, or the text naming Parquet files or tar shards."""
+    return text if data_format(text) != "folder" else Path(text)
+
+
+def data_format(data: Path | str) -> str:
+    """``"parquet"``, ``"tars"`` or ``"folder"``: what ``--data`` names, from its name (a URL,
+    a ``.parquet`` or ``.tar`` name or pattern) or, for a local directory, what it holds."""
+    text = str(data)
+    base = text.rstrip("/").rsplit("/", 1)[-1]
+    if ".tar" in base:
+        return "tars"
+    if ".parquet" in base or "://" in text:
+        return "parquet"
+    path = Path(text)
+    if path.is_dir() and any(path.glob("*.parquet")):
+        return "parquet"
+    if path.is_dir() and any(path.glob("*.tar")):
+        return "tars"
+    return "folder"
 
 
 def _workers(text: str) -> int | str:
@@ -75,7 +99,7 @@ def check_flags(args: argparse.Namespace, counts: list[tuple[str, Any]]) -> bool
 
 def setup(
     args: argparse.Namespace, counts: list[tuple[str, Any]], *, quiet: bool = False
-) -> Path | None:
+) -> Path | str | None:
     """Logging, the flags' checks and the dataset: its root, or None after printing why not.
     ``quiet``: say nothing unless something is wrong (a rank other than 0)."""
     if not check_flags(args, counts):
@@ -86,6 +110,10 @@ def setup(
         root: Path = ensure_sample_dataset()
     else:
         root = args.data
+    if data_format(root) != "folder":
+        if not quiet:
+            print(f"{data_format(root)} data at {root}; {layout(args)}")
+        return str(root)
     try:
         files, _ = list_images(root)
     except (FileNotFoundError, NotADirectoryError, ValueError) as error:
@@ -103,8 +131,16 @@ def layout(args: argparse.Namespace) -> str:
     )
 
 
-def make_loader(args: argparse.Namespace, root: Path, trace: Path | None = None) -> Loader:
-    source = functools.partial(image_source, root=str(root))  # (batch_size: the Loader's)
+def make_loader(args: argparse.Namespace, root: Path | str, trace: Path | None = None) -> Loader:
+    """The job's loader: the image pipeline over ``root`` (an ImageFolder, Parquet or tars)."""
+    source: Any
+    kind = data_format(root)
+    if kind == "parquet":
+        source = ParquetDataset(str(root), columns=("image", "label"))
+    elif kind == "tars":
+        source = TarsDataset(str(root), ext=("jpg", "cls"))
+    else:
+        source = functools.partial(image_source, root=str(root))  # (batch_size: the Loader's)
     return Loader(
         source,
         image_step,

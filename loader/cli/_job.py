@@ -12,7 +12,7 @@ from .. import LoaderStats
 from ..errors import LoaderError
 from ..observe import Diagnosis
 from ..sample import list_images
-from ._flags import job_flags, make_loader, setup
+from ._flags import data_format, job_flags, make_loader, setup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,12 +89,15 @@ def run_job(argv: list[str]) -> int:
     root = setup(args, [*counts, ("--epochs", args.epochs)])
     if root is None:
         return 2
-    files, _ = list_images(root)
     try:
         with make_loader(args, root) as loader:
+            if data_format(root) == "folder":
+                total = len(list_images(root)[0])
+            else:  # (each rank's share, padding included)
+                total = len(loader) * args.batch_size
             for epoch in range(args.epochs):
                 with tqdm(
-                    total=len(files),
+                    total=total,
                     desc=f"epoch {epoch}",
                     unit="img",
                     disable=args.no_progress,

@@ -77,3 +77,15 @@ def test_main_job_rejects_a_missing_directory(tmp_path: Path) -> None:
     result = run_cli("--data", str(tmp_path / "missing"), "--epochs", "1")
     assert result.returncode == 2
     assert "does not exist" in result.stderr
+
+
+def test_main_job_reads_parquet_as_it_reads_an_image_folder(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("datasets")
+    from tests import parquet_pipelines as P
+
+    P.write_parquet(tmp_path / "pq", (30, 18), 10)
+    result = run_cli("--data", str(tmp_path / "pq"), "--epochs", "1", "--batch-size", "8")
+    assert result.returncode == 0, result.stderr
+    assert f"parquet data at {tmp_path / 'pq'}" in result.stdout
+    assert "samples            48" in result.stdout  # (every row once, padding not counted)

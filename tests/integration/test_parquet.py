@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -259,3 +260,45 @@ def test_reading_writes_nothing_beside_the_data(small: Path) -> None:
     with loader_over(str(small)) as loader:
         list(loader)
     assert sorted(os.listdir(small)) == before
+
+
+def _spoil_pages(path: Path, group: int) -> None:
+    """Overwrite every column chunk of row group ``group`` with garbage, the file's size and
+    footer kept: pages that cannot be decoded (not a file cut short)."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata.row_group(group)
+    data = bytearray(path.read_bytes())
+    for k in range(meta.num_columns):
+        chunk = meta.column(k)
+        start, size = chunk.data_page_offset, chunk.total_compressed_size
+        data[start : start + size] = bytes((7 * i) % 251 for i in range(size))
+    path.write_bytes(bytes(data))
+
+
+def test_an_undecodable_row_group_is_left_out_whole_under_skip_and_named_under_raise(
+    small: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "data"
+    shutil.copytree(small, root)
+    _spoil_pages(root / "train-00000.parquet", 1)  # (rows 100-199: whole batches of them)
+    with loader_over(str(root), workers=1) as loader, pytest.raises(Exception) as raised:
+        for _batch in loader:
+            pass
+    assert re.search(
+        r"train-00000\.parquet: row group 1 \(bytes \d+-\d+\) cannot be read", str(raised.value)
+    ), str(raised.value)
+    # (its 100 rows count as skipped: more than the default budget of 1% of an epoch)
+    with loader_over(str(root), on_error="skip", max_skipped=100) as loader:
+        seen, skipped = [], []
+        for batch in loader:
+            seen += real(batch, "id")
+            skipped += list(batch.info.skipped)
+            assert len(batch.info.replaced) + batch.info.padded <= len(batch["id"])
+        stats = loader.stats()
+    rows = [i for i in range(sum(SMALL)) if not 100 <= i < 200]
+    delivered = [i for i in seen if 100 <= i < 200]
+    assert not delivered  # (a stand-in row is flagged replaced, never a damaged row)
+    assert sorted(set(seen)) == rows
+    assert sorted(skipped) == list(range(100, 200))
+    assert len(stats.skipped) == 100

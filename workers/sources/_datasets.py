@@ -192,9 +192,11 @@ class SamplesDataset(_Opened):
 @dataclass(frozen=True)
 class ParquetDataset(_Opened):
     """Parquet files (those of the Hugging Face Hub and of ``datasets``), as
-    :func:`sharded_parquet` reads them (the same arguments): one output per column."""
+    :func:`sharded_parquet` reads them (the same arguments): one output per column. ``urls`` may
+    be a ``datasets.Dataset`` (from ``load_dataset`` or ``load_from_disk``): its Arrow files are
+    read where they lie; the definition holds their paths and the dataset's fingerprint."""
 
-    urls: str | os.PathLike[str] | Sequence[str]
+    urls: Any
     columns: str | Sequence[str] = ("image", "label")
     storage_options: Mapping[str, Any] | None = None
     shuffle_window: int | None = None
@@ -205,6 +207,12 @@ class ParquetDataset(_Opened):
     _: KW_ONLY
     shuffle: bool = True
     drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if (type(self.urls).__module__ or "").split(".", 1)[0] == "datasets":
+            from .parquet import arrow_files_of  # (its files, not the object, go to the workers)
+
+            object.__setattr__(self, "urls", arrow_files_of(self.urls))
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from .parquet import open_parquet_source

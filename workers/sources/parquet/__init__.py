@@ -8,7 +8,9 @@ worker.
   floats, strings, lists of numbers), checked at the start; values as views of Arrow's buffers.
 * ``_plan``: the files listed and their footers read (one ranged read each): the row groups,
   the unit an epoch's order deals, each with the byte range of the requested columns.
+* ``_footers``: footers read once per node (remote ones kept in the node's cache).
 * ``_reader``: ``load(index)``: a row group read with one ranged read, ahead of its need.
+* ``_ipc``: a ``datasets.Dataset``'s memory-mapped Arrow files, read where they lie.
 
 :func:`open_parquet_source` opens one for a shard: the plan, the loader and the epoch orders
 (the row groups permuted, then the rows inside a window of row groups, as tar shards are:
@@ -21,6 +23,13 @@ Never DALI, never ``loader``.
 """
 
 from ._arrow import EXTRA_HINT
+from ._ipc import ArrowFiles, arrow_files_of
 from ._open import WINDOW_BYTES, open_parquet_source
 
-__all__ = ["EXTRA_HINT", "WINDOW_BYTES", "open_parquet_source"]
+__all__ = [
+    "EXTRA_HINT",
+    "WINDOW_BYTES",
+    "ArrowFiles",
+    "arrow_files_of",
+    "open_parquet_source",
+]

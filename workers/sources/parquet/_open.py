@@ -6,9 +6,10 @@ sequence where each worker's part starts and ends, cuts each part into windows o
 ``shuffle_window`` row groups and permutes the rows inside each window
 (:class:`~workers.sources.tars.TarOrder`, which deals tar shards the same way): a worker reads
 of each row group only its own piece's, each once, and holds one window's row groups at a time.
-``shuffle_window=None``: as many row groups as take :data:`WINDOW_BYTES` of the requested columns
-(their median size), at least one -- ``datasets`` >= 4.1 writes ~100 MB row groups, so one;
-the Hub's 100-row ones, many.
+``shuffle_window=None``: for local files, as many row groups as take :data:`WINDOW_BYTES` of the
+requested columns (their median size), at least one -- ``datasets`` >= 4.1 writes ~100 MB row
+groups, so one; the Hub's 100-row ones, many. For remote files, one row group: a resume then
+re-reads at most one row group per worker (the one it was partly through).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ..files import MAX_IMAGE_PIXELS, checked_limit
 from ..plan import OpenedSource
 from ..storage import AHEAD_BYTES, RETRIES
 from ..tars import TarOrders
-from ._plan import open_plan_once
+from ._ipc import ArrowFiles, ArrowLoader, ArrowPlan
+from ._plan import ParquetPlan, open_plan_once
 from ._reader import ParquetLoader
 
 __all__ = ["WINDOW_BYTES", "checked_columns", "open_parquet_source"]
@@ -53,7 +55,7 @@ def default_window(begins: np.ndarray[Any, Any], ends: np.ndarray[Any, Any]) -> 
 
 def open_parquet_source(
     shard: Shard,
-    urls: str | os.PathLike[str] | Sequence[str],
+    urls: str | os.PathLike[str] | Sequence[str] | ArrowFiles,
     *,
     columns: str | Sequence[str] = ("image", "label"),
     storage_options: dict[str, Any] | None = None,
@@ -76,16 +78,26 @@ def open_parquet_source(
     for name, value, low in checked:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    plan = open_plan_once(urls, names, storage_options, retries)
+    load: ParquetLoader
+    if isinstance(urls, ArrowFiles):
+        plan: ParquetPlan = ArrowPlan(urls, names)
+        load = ArrowLoader(plan, max_pixels)
+    else:
+        plan = open_plan_once(urls, names, storage_options, retries)
+        load = ParquetLoader(plan, ahead, ahead_bytes, max_pixels)
     units = len(plan.counts)
-    window = shuffle_window or default_window(plan.begins, plan.ends)
+    if shuffle_window is not None:
+        window = shuffle_window
+    elif plan.storage.local:
+        window = default_window(plan.begins, plan.ends)
+    else:
+        window = 1
     window = min(window, units)
     fingerprint = plan.fingerprint()
     orders = None
     if shuffle:
         fingerprint += f"+window{window}"
         orders = TarOrders(plan, seed, window)  # type: ignore[arg-type]
-    load = ParquetLoader(plan, ahead, ahead_bytes, max_pixels)
     return OpenedSource(
         plan.total,
         load,

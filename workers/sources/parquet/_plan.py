@@ -3,8 +3,9 @@
 :func:`open_plan` lists the files (paths, directories -- their ``*.parquet`` in name order --,
 globs, brace patterns and fsspec URLs), takes each one's size and identity from the listing (no
 HEAD), reads each footer with one ranged read of the file's tail (a second only when the footer
-is longer than that read), and checks that every file has the requested columns, of one type
-across files, and of a kind the reader gives (:mod:`._columns`).
+is longer than that read; a remote file's once per node: :mod:`._footers`), and checks that
+every file has the requested columns, of one type across files, and of a kind the reader gives
+(:mod:`._columns`).
 
 What it makes, :class:`ParquetPlan`: the row groups of all the files, in file order, each with
 its rows and the byte range of the requested columns' chunks (what one ranged read fetches).
@@ -26,9 +27,7 @@ import hashlib
 import json
 import os
 import posixpath
-import struct
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -44,23 +43,52 @@ from ..storage import (
     storage_failure,
     storage_for,
 )
+from ..tars import node_listing
 from ._arrow import pyarrow_modules
 from ._columns import ColumnKind, column_kinds
+from ._footers import node_footers, parse_footer, read_footer_bytes
 
-__all__ = ["ParquetPlan", "list_parquet", "open_plan", "read_footer"]
+__all__ = ["ParquetPlan", "checked_schemas", "list_parquet", "open_plan", "read_footer"]
 
-#: Bytes of a file's tail read for its footer at first (most footers fit).
-TAIL = 64 << 10
-#: Footers read at once.
-_THREADS = 16
-_MAGIC = b"PAR1"
 _GLOB = frozenset("*?[")
 
 
-def list_parquet(urls: str | os.PathLike[str] | Sequence[str], storage: Storage) -> list[str]:
+class Listings:
+    """Each remote directory listed once (by the workers started together, for all of them:
+    :func:`~workers.sources.tars.node_listing`), for the files' names and identities."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._listed: dict[str, dict[str, Identity] | None] = {}
+
+    def __call__(self, directory: str) -> dict[str, Identity] | None:
+        if directory not in self._listed:
+            self._listed[directory] = node_listing(self.storage, directory)
+        return self._listed[directory]
+
+    def identities(self, files: Sequence[str]) -> list[Identity]:
+        """(size, version) of each file: from its directory's listing (a remote one), else
+        asked of the store; ``FileNotFoundError`` naming a missing one."""
+        storage = self.storage
+        if storage.local:
+            return storage.identities(files)
+        found = []
+        for path in files:
+            listed = self(storage.dirname(path))
+            identity = None if listed is None else listed.get(storage.basename(path))
+            found.append(identity if identity is not None else storage.identity(path))
+        return found
+
+
+def list_parquet(
+    urls: str | os.PathLike[str] | Sequence[str],
+    storage: Storage,
+    listings: Listings | None = None,
+) -> list[str]:
     """The files ``urls`` names, in order: a directory gives its ``*.parquet`` files sorted by
     name, a glob its matches sorted, a file itself."""
     found: list[str] = []
+    listing = listings if listings is not None else storage.listing
     for item in expand_urls(urls):
         if is_url(item):
             fs = getattr(storage, "fs", None)
@@ -71,7 +99,7 @@ def list_parquet(urls: str | os.PathLike[str] | Sequence[str], storage: Storage)
                 if not matches:
                     raise FileNotFoundError(f"no file matches {item}")
                 continue
-            listed = storage.listing(item)
+            listed = listing(item)
             names = sorted(n for n in (listed or {}) if n.endswith(".parquet"))
             if names:
                 found.extend(storage.join(item, name) for name in names)
@@ -100,32 +128,8 @@ def read_footer(storage: Storage, url: str, size: int) -> Any:
     """The footer (``pyarrow.parquet.FileMetaData``) of the Parquet file at ``url`` of ``size``
     bytes, from one ranged read of its tail (two when the footer is longer); ``ValueError``
     naming the file when it is not Parquet or its footer is damaged."""
-    pa, pq = pyarrow_modules()
-    if size < 12:
-        raise ValueError(f"{url} is not a Parquet file: {size} bytes, shorter than any")
-    first = max(0, size - TAIL)
-    tail = storage.read(url, first, size).tobytes()
-    if tail[-4:] != _MAGIC:
-        raise ValueError(
-            f"{url} is not a Parquet file (it does not end with PAR1: not Parquet, or truncated)"
-        )
-    (length,) = struct.unpack("<I", tail[-8:-4])
-    if length + 12 > size:
-        raise ValueError(
-            f"{url}: its Parquet footer says it is {length} bytes long, more than the file "
-            f"({size} bytes): the file is truncated or damaged"
-        )
-    if length + 8 > len(tail):
-        head = storage.read(url, size - 8 - length, first).tobytes()
-        tail = head + tail
-    footer = tail[len(tail) - 8 - length :]
-    try:
-        return pq.read_metadata(pa.BufferReader(_MAGIC + footer))
-    except Exception as error:
-        raise ValueError(
-            f"{url}: its Parquet footer cannot be read ({type(error).__name__}: {error}): "
-            "the file is damaged"
-        ) from None
+    pyarrow_modules()
+    return parse_footer(url, read_footer_bytes(storage, url, size))
 
 
 def _chunk_range(column: Any) -> tuple[int, int]:
@@ -239,12 +243,12 @@ class ParquetPlan:
         return tuple(self.damaged)
 
 
-def _checked_schemas(urls: list[str], footers: list[Any], columns: tuple[str, ...]) -> Any:
-    """The kinds of ``columns``, the same in every file: ``ValueError`` naming both files and
-    the column when one file's type differs from the first's."""
-    kinds = column_kinds(footers[0].schema.to_arrow_schema(), columns, urls[0])
-    for url, footer in zip(urls[1:], footers[1:], strict=True):
-        schema = footer.schema.to_arrow_schema()
+def checked_schemas(urls: list[str], schemas: list[Any], columns: tuple[str, ...]) -> Any:
+    """The kinds of ``columns``, the same in every file (``schemas``: their Arrow schemas):
+    ``ValueError`` naming both files and the column when one file's type differs from the
+    first's."""
+    kinds = column_kinds(schemas[0], columns, urls[0])
+    for url, schema in zip(urls[1:], schemas[1:], strict=True):
         theirs = column_kinds(schema, columns, url)
         for mine, other in zip(kinds, theirs, strict=True):
             if mine.type != other.type:
@@ -271,29 +275,27 @@ def open_plan(
             raise ValueError("no Parquet files: the list of paths/URLs is empty")
         first = listed_urls[0]
     storage = storage_for(first, storage_options, retries)
-    files = list_parquet(urls, storage)
+    listings = Listings(storage)
+    files = list_parquet(urls, storage, listings)
     try:
-        identities = storage.identities(files)
+        identities = listings.identities(files)
     except StorageFailure:
         raise
     except FileNotFoundError as error:
         raise FileNotFoundError(f"{error.strerror or error}") from None
 
-    def footer(number: int) -> Any:
+    def footer(number: int) -> bytes:
         url = files[number]
         try:
-            return read_footer(storage, url, identities[number][0])
+            return read_footer_bytes(storage, url, identities[number][0])
         except (ValueError, StorageFailure):
             raise
         except (OSError, EOFError) as error:
             raise storage_failure(url, error) from error
 
-    if len(files) == 1:
-        footers = [footer(0)]
-    else:
-        with ThreadPoolExecutor(min(_THREADS, len(files)), "parquet-footer") as pool:
-            footers = list(pool.map(footer, range(len(files))))
-    kinds = _checked_schemas(files, footers, columns)
+    footers = node_footers(storage, files, identities, footer)
+    schemas = [footer.schema.to_arrow_schema() for footer in footers]
+    kinds = checked_schemas(files, schemas, columns)
     return ParquetPlan(files, identities, footers, kinds, storage, skip_damaged)
 
 

@@ -42,7 +42,8 @@ _THREADS = 4
 
 class DamagedRowGroup(ValueError):
     """A row group whose bytes cannot be decoded (a corrupt page, a bad checksum): its samples
-    fail to load, so ``on_error="skip"`` skips them (and names them)."""
+    fail to load, so ``on_error="skip"`` skips them all, each named with the row group's byte
+    range (read once: its other rows fail without another read)."""
 
 
 class SparseFile(io.RawIOBase):
@@ -165,6 +166,8 @@ class ParquetLoader:
         self._lock = threading.Lock()
         self._kept: OrderedDict[int, list[Values]] = OrderedDict()
         self._ahead = _Ahead(self._read_unit, ahead, ahead_bytes, plan.ends - plan.begins)
+        #: row groups found undecodable, and why
+        self._damaged: dict[int, DamagedRowGroup] = {}
         #: ranged reads made and their bytes (row groups and images kept as files)
         self.requests = 0
         self.bytes_read = 0
@@ -206,12 +209,19 @@ class ParquetLoader:
             table = reader.read_row_group(group, columns=self.names, use_threads=False)
             return values_of(plan.kinds, table)
         except Exception as error:
-            raise DamagedRowGroup(
-                f"{url}: row group {group} (bytes {begin}-{end}) cannot be read: "
-                f"{type(error).__name__}: {error}"
-            ) from None
+            damaged = DamagedRowGroup(
+                f"{url}: row group {group} (bytes {begin}-{end}) cannot be read "
+                f"({type(error).__name__}: {error}); its {int(plan.counts[unit])} rows are "
+                'left out under on_error="skip"'
+            )
+            with self._lock:
+                self._damaged[unit] = damaged
+            raise damaged from None
 
     def _values(self, unit: int) -> list[Values]:
+        damaged = self._damaged.get(unit)
+        if damaged is not None:  # (read once: its other rows fail at once, not read again)
+            raise DamagedRowGroup(str(damaged))
         future = self._ahead.get(unit)
         if future is not None:
             return future.result()

@@ -45,6 +45,8 @@ logger = logging.getLogger("workers")
 _KEEP_ALIVE = 4
 #: The epochs whose plan of batches is kept (this one and the next).
 _PLANS_KEPT = 2
+#: Samples of later batches tried for a stand-in when every sample of a batch failed.
+_STAND_IN_TRIES = 256
 
 #: Largest sample (bytes) that is stacked with the rest of its batch into one dense array.
 _STACK_BYTES = 1024
@@ -271,7 +273,12 @@ class BatchedSamples:
             self._last_good = good
         if not failed:
             return LoadedSamples(samples)
-        good = good if good is not None else self._last_good
+        if good is None:  # (a damaged part of the data: a row group, a shard's tail)
+            good = (
+                self._last_good
+                if self._last_good is not None
+                else self._stand_in(epoch, ids, raised)
+            )
         if good is None:
             raise RuntimeError(
                 f"every sample of the first batch failed to load "
@@ -284,6 +291,29 @@ class BatchedSamples:
             samples[row] = good
         skipped = tuple(dict.fromkeys(ids[row] for row in failed))
         return LoadedSamples(samples, tuple(failed), skipped, errors)
+
+    def _stand_in(self, epoch: int, ids: list[int], raised: set[int]) -> Any | None:
+        """A good sample to stand in a batch whose every sample failed under skip (all of them
+        in one damaged part: a row group, a shard cut short): the last good sample loaded, else
+        the first that loads of this shard's batches of ``epoch`` (it is still delivered in its
+        own batch; here its rows are flagged replaced). None when none loads."""
+        candidates = (int(i) for chunk, _pad in self.batches_for_epoch(epoch) for i in chunk)
+        tried = 0
+        for index in candidates:
+            if index in ids or index in raised or index in self._control.bad:
+                continue
+            tried += 1
+            try:
+                sample = self._load(index, epoch)
+                self._last_good = sample
+                return sample
+            except Exception as error:
+                if getattr(error, "_loader_fatal", False):
+                    raise
+                if tried >= _STAND_IN_TRIES:
+                    return None
+                raised.add(index)  # (its own batch finds it again: skipped there)
+        return None
 
     def __iter__(self) -> Iterator[Any]:
         """One epoch of batches; when the worker's feed state is ``continuous``, every epoch

@@ -20,6 +20,7 @@ May import: the standard library, numpy, :mod:`workers.spec`, and the wings belo
 (through their faces).
 """
 
+from ._listing import node_listing
 from ._members import INTEGER_EXTS, parse_ext
 from ._order import TarOrder, TarOrders
 from ._reader import REMOTE_WINDOW, TarLoader, open_tar_source
@@ -36,6 +37,7 @@ __all__ = [
     "TarOrders",
     "TarShards",
     "index_dataset",
+    "node_listing",
     "open_shards",
     "open_tar_source",
     "parse_ext",

@@ -1,0 +1,156 @@
+"""Parquet footers read once per node: a remote file's footer bytes kept in this node's cache
+(``$DALI_LOADER_CACHE_DIR/parquet-footer/``, never beside the data), keyed by the file's URL and
+identity (size, version), so that the workers and ranks of a node starting together read each
+footer once between them, and a later start reads none. Runs in the worker.
+
+The first process to start takes the node's lock for the set of files, reads the footers missing
+from the cache (one ranged read of each file's tail, in parallel) and keeps them; the others wait
+for it and find them there. Local files are read where they lie (a ``pread`` of their tail costs
+less than the cache). A file rewritten since has another identity, so another key: a footer kept
+is never taken for another file's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..storage import Identity, Storage, cache_dir, locked
+from ._arrow import pyarrow_modules
+
+__all__ = ["FOOTER_CACHE", "node_footers", "parse_footer", "read_footer_bytes"]
+
+logger = logging.getLogger("workers")
+
+#: The cache directory's folder that keeps footers.
+FOOTER_CACHE = "parquet-footer"
+#: Bytes of a file's tail read for its footer at first (most footers fit).
+TAIL = 64 << 10
+#: Footers read at once.
+_THREADS = 16
+_MAGIC = b"PAR1"
+
+
+def read_footer_bytes(storage: Storage, url: str, size: int) -> bytes:
+    """The footer (its Thrift bytes) of the Parquet file at ``url`` of ``size`` bytes, from one
+    ranged read of its tail (two when the footer is longer); ``ValueError`` naming the file when
+    it is not Parquet or its footer is cut."""
+    if size < 12:
+        raise ValueError(f"{url} is not a Parquet file: {size} bytes, shorter than any")
+    first = max(0, size - TAIL)
+    tail = storage.read(url, first, size).tobytes()
+    if tail[-4:] != _MAGIC:
+        raise ValueError(
+            f"{url} is not a Parquet file (it does not end with PAR1: not Parquet, or truncated)"
+        )
+    (length,) = struct.unpack("<I", tail[-8:-4])
+    if length + 12 > size:
+        raise ValueError(
+            f"{url}: its Parquet footer says it is {length} bytes long, more than the file "
+            f"({size} bytes): the file is truncated or damaged"
+        )
+    if length + 8 > len(tail):
+        head = storage.read(url, size - 8 - length, first).tobytes()
+        tail = head + tail
+    return tail[len(tail) - 8 - length : len(tail) - 8]
+
+
+def parse_footer(url: str, footer: bytes) -> Any:
+    """The ``pyarrow.parquet.FileMetaData`` of footer bytes; ``ValueError`` naming the file when
+    they cannot be read."""
+    pa, pq = pyarrow_modules()
+    try:
+        return pq.read_metadata(
+            pa.BufferReader(_MAGIC + footer + struct.pack("<I", len(footer)) + _MAGIC)
+        )
+    except Exception as error:
+        raise ValueError(
+            f"{url}: its Parquet footer cannot be read ({type(error).__name__}: {error}): "
+            "the file is damaged"
+        ) from None
+
+
+def _key(url: str, identity: Identity) -> str:
+    size, version = identity
+    text = f"{url}\0{size}\0{version}".encode("utf-8", "surrogateescape")
+    return hashlib.sha256(text).hexdigest()[:40]
+
+
+def _each(read: Callable[[int], bytes], numbers: Sequence[int]) -> dict[int, bytes]:
+    if len(numbers) <= 1:
+        return {number: read(number) for number in numbers}
+    with ThreadPoolExecutor(min(_THREADS, len(numbers)), "parquet-footer") as pool:
+        return dict(zip(numbers, pool.map(read, numbers), strict=True))
+
+
+def _cached(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _keep(path: Path, footer: bytes) -> None:
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    temporary.write_bytes(footer)
+    os.replace(temporary, path)
+
+
+def node_footers(
+    storage: Storage,
+    urls: Sequence[str],
+    identities: Sequence[Identity],
+    read: Callable[[int], bytes],
+) -> list[Any]:
+    """The footers of ``urls`` (``read(number)``: the footer bytes of file ``number``): read
+    here for local files, through this node's cache for remote ones (see the module
+    docstring). Each one's bytes that do not parse are read again from the store."""
+    numbers = list(range(len(urls)))
+    found = _each(read, numbers) if storage.local else _through_cache(urls, identities, read)
+    footers = []
+    for number in numbers:
+        try:
+            footers.append(parse_footer(urls[number], found[number]))
+        except ValueError:
+            if storage.local:
+                raise
+            footers.append(parse_footer(urls[number], read(number)))  # (a cache entry spoilt)
+    return footers
+
+
+def _through_cache(
+    urls: Sequence[str], identities: Sequence[Identity], read: Callable[[int], bytes]
+) -> dict[int, bytes]:
+    folder = cache_dir(FOOTER_CACHE)
+    keys = [_key(url, ident) for url, ident in zip(urls, identities, strict=True)]
+    paths = [folder / f"{key}.footer" for key in keys]
+    found: dict[int, bytes] = {}
+    for number, path in enumerate(paths):
+        data = _cached(path)
+        if data is not None:
+            found[number] = data
+    missing = [number for number in range(len(urls)) if number not in found]
+    if not missing:
+        return found
+    together = hashlib.sha256("\n".join(paths[n].name for n in missing).encode()).hexdigest()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with locked(folder / f"{together[:32]}.lock"):
+            for number in missing:  # (another process may have read them while this waited)
+                data = _cached(paths[number])
+                if data is not None:
+                    found[number] = data
+            still = [number for number in missing if number not in found]
+            for number, data in _each(read, still).items():
+                found[number] = data
+                _keep(paths[number], data)
+    except OSError as error:  # no cache directory: each process reads its own
+        logger.debug("cannot keep Parquet footers in %s (%s)", folder, error)
+        found.update(_each(read, [n for n in missing if n not in found]))
+    return found
