@@ -78,7 +78,7 @@ def index_one(
 ) -> Indexed:
     """Index one shard (run in a pool process): its ``.idx`` when it fits, else a scan."""
     storage = storage_for(url, options, retries)
-    indexer = Indexer(storage)
+    indexer = Indexer(storage, publish=True)
     try:
         found = indexer.get(
             url, identity, listed=listed, force=force, publish_cached=True, recheck=False
@@ -169,7 +169,7 @@ class _IndexJob:
             summary = self.summaries[directory]
             old: dict[str, ShardEntry] = {} if summary is None else summary[0]
             merged = updated(old, new, self.listed.listings[directory])
-            self.state.summaries.append(write_summary(self.storage, directory, merged))
+            self.state.summaries.append(write_summary(self.storage, directory, merged, beside=True))
 
     def submit(self, pool: ProcessPoolExecutor, k: int, force: bool) -> Future[Indexed]:
         listed = self.listed
