@@ -62,7 +62,7 @@ def test_a_summary_is_written_beside_the_shards_and_read_there(
 ) -> None:
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     storage = storage_for(str(tmp_path))
-    where = write_summary(storage, str(tmp_path), ENTRIES)
+    where = write_summary(storage, str(tmp_path), ENTRIES, beside=True)
     assert where == str(tmp_path / SUMMARY)
     found = read_summary(storage, str(tmp_path), None)
     assert found == (ENTRIES, where)
@@ -75,7 +75,7 @@ def test_a_summary_the_store_refuses_is_kept_in_this_nodes_cache(
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     (tmp_path / SUMMARY).mkdir()  # (its name taken: the store refuses the write, even to root)
     storage = storage_for(str(tmp_path))
-    where = write_summary(storage, str(tmp_path), ENTRIES)
+    where = write_summary(storage, str(tmp_path), ENTRIES, beside=True)
     assert where.startswith(str(tmp_path / "cache" / "tar-index"))
     assert read_summary(storage, str(tmp_path), None) == (ENTRIES, where)
 
