@@ -190,8 +190,11 @@ class Indexer:
         self.damaged[url] = index
 
     def _refuse(self, url: str, message: str) -> TarIndex | None:
-        """Log why the ``.idx`` of ``url`` is not used (once: it is not read again)."""
+        """Log why the ``.idx`` of ``url`` is not used (once: it is not read again), and the
+        command that mends it (a job writes no ``.idx`` unless asked)."""
         self._refused.add(url)
+        if not self.publish:
+            message += f" ({index_command(url, force=True)} mends {idx_url(url)})"
         self.warn(message)
         return None
 
