@@ -66,12 +66,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="keep the folder's order (classes one after another) instead of a seeded random one",
     )
-    index = commands.add_parser(
-        "index",
-        help="index every shard of a dataset once: .idx beside each, and the summary",
-        description="Index every shard (DALI's wds2idx .idx beside each) and write the "
-        "shards' summary beside them, so that workers start with a few requests on any node.",
+    _index_arguments(
+        commands.add_parser(
+            "index",
+            help="index every shard of a dataset once: .idx beside each, and the summary",
+            description="Index every shard (DALI's wds2idx .idx beside each) and write the "
+            "shards' summary beside them, so that workers start with a few requests on any node.",
+        )
     )
+    parsed = parser.parse_args(args)
+    if parsed.command == "index":
+        return _index(parsed)
+    return _write(parsed)
+
+
+def _index_arguments(index: argparse.ArgumentParser) -> None:
     index.add_argument(
         "urls",
         nargs="+",
@@ -97,10 +106,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     index.add_argument(
         "--force", action="store_true", help="scan every shard again, whatever exists"
     )
-    parsed = parser.parse_args(args)
-    if parsed.command == "index":
-        return _index(parsed)
-    return _write(parsed)
 
 
 def _write(args: argparse.Namespace) -> int:
