@@ -128,6 +128,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--remote-epoch", action="store_true", help="bytes served per epoch, per layout"
     )
     parser.add_argument(
+        "--index-scale",
+        action="store_true",
+        help="python -m loader.tars index over N remote shards: requests and seconds",
+    )
+    parser.add_argument(
+        "--index-args",
+        default="",
+        help="--index-scale: more arguments for the index command (e.g. '--threads 8')",
+    )
+    parser.add_argument(
         "--start-ratio", type=int, default=0, help="rounds of first batches, sizes side by side"
     )
 
@@ -138,10 +148,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    if args.start_ratio or args.remote_epoch or args.remote_scale:
+    if args.start_ratio or args.remote_epoch or args.remote_scale or args.index_scale:
         from bench import tars_remote
 
-        if args.start_ratio:
+        if args.index_scale:
+            sizes = [int(n) for n in (args.shards or "1000").split(",")]
+            tars_remote.index_scale(sizes, args.rounds, args.index_args.split())
+        elif args.start_ratio:
             sizes = [int(n) for n in (args.shards or "48,1024").split(",")]
             tars_remote.start_ratio(sizes, args.start_ratio)
         elif args.remote_epoch:

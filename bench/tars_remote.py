@@ -73,11 +73,11 @@ def first_batch(proxy: CountingProxy, urls: str, options: dict[str, Any]) -> tup
 
 
 def index_command(
-    proxy: CountingProxy, urls: str, options: dict[str, Any]
+    proxy: CountingProxy, urls: str, options: dict[str, Any], extra: list[str] | None = None
 ) -> tuple[int, int, float]:
     proxy.reset()
     started = time.monotonic()
-    command = [sys.executable, "-m", "loader.tars", "index", urls, "--workers", "2"]
+    command = [sys.executable, "-m", "loader.tars", "index", urls, *(extra or [])]
     subprocess.run(
         [*command, "--storage-options", json.dumps(options)],
         check=True,
@@ -119,6 +119,42 @@ def webdataset_first(
     del dataset
     requests, served = proxy.count()
     return requests, served, seconds
+
+
+def index_scale(sizes: list[int], rounds: int, extra: list[str]) -> None:
+    """``python -m loader.tars index`` (its defaults, and ``extra`` arguments) over N shards
+    never indexed, each run over a bucket of its own (a fresh copy of the same shards): the
+    requests the store served and the seconds, ``rounds`` runs per size."""
+    server = S3Server(threaded=False)
+    proxy = CountingProxy(server.endpoint)
+    options = server.options(proxy.endpoint)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            for count in sizes:
+                paths = write_shards(Path(directory) / str(count), count)
+                pattern = f"train-{{000000..{count - 1:06d}}}.tar"
+                for run in range(rounds):
+                    bucket = f"index-{count}-{run}"
+                    upload(server, bucket, paths)
+                    requests, _served, seconds = index_command(
+                        proxy, f"s3://{bucket}/{pattern}", options, extra
+                    )
+                    rows.append((count, run + 1, requests, seconds, count / seconds))
+    finally:
+        proxy.close()
+        server.close()
+    print(f"python -m loader.tars index {' '.join(extra)}".rstrip())
+    H.print_table(
+        [
+            H.Col("shards"),
+            H.Col("run"),
+            H.Col("requests"),
+            H.Col("seconds", ".1f"),
+            H.Col("shards/s", ".0f"),
+        ],
+        rows,
+    )
 
 
 def epoch_bytes(shards: int = 20, per_shard: int = 40, payload: int = 8000) -> None:
@@ -268,7 +304,8 @@ def _measure(sizes: list[int], no_scan_above: int) -> None:
                     rows.append((count, "no index", measured, size))
                 bucket = f"indexed-{count}"
                 upload(server, bucket, paths)
-                measured = index_command(proxy, f"s3://{bucket}/{pattern}", options)
+                extra = ["--workers", "2"]
+                measured = index_command(proxy, f"s3://{bucket}/{pattern}", options, extra)
                 rows.append((count, "index command", measured, size))
                 measured = first_batch(proxy, f"s3://{bucket}/{pattern}", options)
                 rows.append((count, "after index", measured, size))

@@ -6,10 +6,12 @@ order), each shard's index beside it (``train-000000.idx``, DALI's ``wds2idx`` f
 shards' summary (``OUT/loader-summary.json``). ``python -m loader.tars --from ...`` (no command)
 is the same.
 
-``python -m loader.tars index URLS... [--storage-options JSON] [--workers N] [--force]`` indexes
-every shard of a dataset (local paths or fsspec URLs, brace patterns allowed) with N processes:
-a shard whose ``.idx`` exists and fits it is read, any other is scanned once and its ``.idx``
-written beside it; then the summary is written beside the shards. Run it again to finish an
+``python -m loader.tars index URLS... [--storage-options JSON] [--threads N] [--workers N]
+[--force]`` indexes every shard of a dataset (local paths or fsspec URLs, brace patterns
+allowed), remote shards N threads at a time (default 32), local ones with N processes: a shard
+whose ``.idx`` exists and fits it is read, any other is scanned once and its ``.idx`` written
+beside it; then the summary is written beside the shards (a job writes neither there unless
+asked: ``publish_index=True``). Run it again to finish an
 interrupted run: what is done is not done again. After it, a worker's start costs a few requests
 whatever the number of shards, on every node.
 """
@@ -64,12 +66,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="keep the folder's order (classes one after another) instead of a seeded random one",
     )
-    index = commands.add_parser(
-        "index",
-        help="index every shard of a dataset once: .idx beside each, and the summary",
-        description="Index every shard (DALI's wds2idx .idx beside each) and write the "
-        "shards' summary beside them, so that workers start with a few requests on any node.",
+    _index_arguments(
+        commands.add_parser(
+            "index",
+            help="index every shard of a dataset once: .idx beside each, and the summary",
+            description="Index every shard (DALI's wds2idx .idx beside each) and write the "
+            "shards' summary beside them, so that workers start with a few requests on any node.",
+        )
     )
+    parsed = parser.parse_args(args)
+    if parsed.command == "index":
+        return _index(parsed)
+    return _write(parsed)
+
+
+def _index_arguments(index: argparse.ArgumentParser) -> None:
     index.add_argument(
         "urls",
         nargs="+",
@@ -84,15 +95,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--workers",
         type=int,
         default=None,
-        help="processes indexing at once (default: the CPUs this process may use)",
+        help="local shards: processes indexing at once (default: the CPUs this process may use)",
+    )
+    index.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="remote shards: shards indexed at once, by threads (default 32)",
     )
     index.add_argument(
         "--force", action="store_true", help="scan every shard again, whatever exists"
     )
-    parsed = parser.parse_args(args)
-    if parsed.command == "index":
-        return _index(parsed)
-    return _write(parsed)
 
 
 def _write(args: argparse.Namespace) -> int:
@@ -125,10 +138,13 @@ class _Shown:
     def __init__(self) -> None:
         self.tty = sys.stdout.isatty()
         self.last = 0.0
-        self.ended = False
+        self.ended = self.headed = False
 
     def __call__(self, state: IndexProgress) -> None:
         now = time.monotonic()
+        if not self.headed:  # (the first call: the shards are listed)
+            self.headed = True
+            print(f"{state.total} shards, {state.up_to_date} up to date; {state.pool}", flush=True)
         final = state.finished == state.total
         if self.ended or (not final and now - self.last < (0.5 if self.tty else 5.0)):
             return
@@ -163,9 +179,10 @@ def _index(args: argparse.Namespace) -> int:
         if not isinstance(options, dict):
             print("error: --storage-options must be a JSON object", file=sys.stderr)
             return 2
-    if args.workers is not None and args.workers < 1:
-        print("error: --workers must be >= 1", file=sys.stderr)
-        return 2
+    for name in ("workers", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            print(f"error: --{name} must be >= 1", file=sys.stderr)
+            return 2
     try:  # (said once, before any process starts)
         check_storage_libraries(args.urls)
     except StorageLibraryError as error:
@@ -173,10 +190,15 @@ def _index(args: argparse.Namespace) -> int:
         return 2
     urls = args.urls[0] if len(args.urls) == 1 else args.urls
     processes = args.workers or usable_cpus()
-    print(f"indexing {' '.join(args.urls)} with {processes} processes", flush=True)
+    print(f"indexing {' '.join(args.urls)}", flush=True)
     try:
         state = index_dataset(
-            urls, options, processes=processes, force=args.force, progress=_Shown()
+            urls,
+            options,
+            processes=processes,
+            threads=args.threads,
+            force=args.force,
+            progress=_Shown(),
         )
     except KeyboardInterrupt:
         print("\ninterrupted: run the same command again to finish", file=sys.stderr)

@@ -137,6 +137,10 @@ class TarsDataset(_Opened):
     _: KW_ONLY
     shuffle: bool = True
     drop_last: bool = False
+    #: write the indexes and the summary the workers make beside the shards (as ``python -m
+    #: loader.tars index`` does), not only in this node's cache: reading never writes where
+    #: the data lives unless asked
+    publish_index: bool = False
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from .tars import open_tar_source
@@ -154,6 +158,7 @@ class TarsDataset(_Opened):
             shuffle=shuffle,
             max_image_pixels=self.max_image_pixels,
             optional=self.optional,
+            publish_index=self.publish_index,
         )
 
 

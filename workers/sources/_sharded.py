@@ -101,6 +101,7 @@ def sharded_tars(
     ahead_bytes: int | None = AHEAD_BYTES,
     max_image_pixels: int | None = MAX_IMAGE_PIXELS,
     optional: Mapping[str, Any] | None = None,
+    publish_index: bool = False,
 ) -> Any:
     """Batches of WebDataset tar shards, one output per ``ext``, for ``source(shard)`` to
     return: a thin wrapper of :class:`TarsDataset` for a hand-written source (``batch_size``:
@@ -125,8 +126,10 @@ def sharded_tars(
     ``retries``: how many times a remote read that
     failed for a transient reason (a connection reset, a timeout, throttling) is tried again,
     with backoff, each logged (a missing object or denied access is raised at once);
-    ``max_image_pixels``: as for :func:`sharded_files`, of every member that is an image. The
-    same guarantees as :func:`sharded_source`.
+    ``max_image_pixels``: as for :func:`sharded_files`, of every member that is an image;
+    ``publish_index``: the indexes and summary the workers make of unindexed shards are written
+    beside the shards (as ``python -m loader.tars index`` does) instead of only into this
+    node's cache. The same guarantees as :func:`sharded_source`.
     """
     batching = Batching.pick(locals())
     dataset = TarsDataset(
@@ -137,8 +140,9 @@ def sharded_tars(
         ahead,
         retries,
         ahead_bytes,
-        max_image_pixels,
-        optional,
+        max_image_pixels=max_image_pixels,
+        optional=optional,
+        publish_index=publish_index,
     )
     return dataset._batched(shard, batching)
 

@@ -117,6 +117,12 @@ class Storage:
         """(size, version) of one object; ``FileNotFoundError`` naming it when it is missing."""
         raise NotImplementedError
 
+    def cache_name(self, path: str) -> str:
+        """What names ``path`` in this node's cache (the indexes and summaries a job keeps
+        there): a local file's real path; a remote object's URL with the endpoint that serves
+        it, so that one bucket name on two stores never shares an entry."""
+        return os.path.realpath(local_path(path) or ".")
+
     @staticmethod
     def dirname(path: str) -> str:
         return posixpath.dirname(local_path(path)) if is_url(path) else os.path.dirname(path)
@@ -251,6 +257,9 @@ class RemoteStorage(Storage):
             or (client.get("endpoint_url") if isinstance(client, dict) else None)
             or f"the default {protocol}:// endpoint"
         )
+
+    def cache_name(self, path: str) -> str:
+        return f"{self.endpoint}\0{path}"
 
     def retried(self, what: str, url: str, call: Callable[[], _T]) -> _T:
         """``call()``, tried again on transient errors (see the module docstring). ``what``

@@ -12,8 +12,10 @@ An index comes from one of three places (:mod:`workers.sources.tars._shards` dec
   is read once, front to back), which also checks that the shard is whole and well formed;
 * a ``.idx`` file beside the shard (:func:`workers.sources.tars._wds_idx.parse_idx`);
 * this node's cache (``$DALI_LOADER_CACHE_DIR/tar-index/``, :func:`load_cached`): a copy of an
-  index in a form workers map, named by a hash of the shard's URL (or real path) and valid for one
-  identity of the shard (its size, and ETag or mtime): a changed shard misses it.
+  index in a form workers map, named by a hash of the shard's URL and endpoint (or real path:
+  :meth:`Storage.cache_name`) and valid for one identity of the shard (its size, and ETag or
+  mtime): a changed shard misses it. What a job makes goes there (a job writes nothing beside
+  the data unless asked).
 
 Bad shards raise before any batch: a file that is not a tar or ends inside a member (``ValueError``
 with the URL and the offset), a member whose name has no extension, a key that appears twice
@@ -41,7 +43,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..storage import Identity, cache_dir, is_url, local_path, read_index_file, write_index_file
+from ..storage import Identity, Storage, cache_dir, read_index_file, write_index_file
 
 logger = logging.getLogger("workers")
 
@@ -425,24 +427,24 @@ def _before(
     return index
 
 
-def cache_path(url: str) -> Path:
-    """Where this node keeps its copy of the index of ``url``."""
-    name = url if is_url(url) else os.path.realpath(local_path(url))
+def cache_path(storage: Storage, url: str) -> Path:
+    """Where this node keeps its copy of the index of ``url`` (read through ``storage``)."""
+    name = storage.cache_name(url)
     digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:32]
     return cache_dir("tar-index") / f"{digest}.index"
 
 
-def lock_path(url: str) -> Path:
+def lock_path(storage: Storage, url: str) -> Path:
     """The lock that makes one process of this node index ``url`` while the others wait or
     do other work (created with its directory)."""
-    path = cache_path(url).with_suffix(".lock")
+    path = cache_path(storage, url).with_suffix(".lock")
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def load_cached(url: str, identity: Identity) -> TarIndex | None:
+def load_cached(storage: Storage, url: str, identity: Identity) -> TarIndex | None:
     """This node's copy of the index of ``url`` when it was made for this ``identity``."""
-    path = cache_path(url)
+    path = cache_path(storage, url)
     try:
         found = read_index_file(path, MAGIC)
     except (ValueError, KeyError, TypeError) as error:
@@ -481,9 +483,9 @@ def load_cached(url: str, identity: Identity) -> TarIndex | None:
         return None
 
 
-def keep_cached(index: TarIndex, identity: Identity) -> bool:
+def keep_cached(storage: Storage, index: TarIndex, identity: Identity) -> bool:
     """Keep a copy of ``index`` in this node's cache; False when the cache is not writable."""
-    path = cache_path(index.url)
+    path = cache_path(storage, index.url)
     header = {
         "format": FORMAT,
         "url": index.url,

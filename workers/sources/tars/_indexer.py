@@ -4,10 +4,11 @@ a scan. Runs in the worker (and in ``python -m loader.tars index``).
 :class:`Indexer` looks in the cheapest place first: this node's cached copy
 (:func:`sources.tars._index.load_cached`, valid for one identity of the shard), then the ``.idx``
 beside the shard (checked against it: :func:`sources.tars._wds_idx.fits` and the last member's
-header), then a scan under this node's lock for the shard, whose index is written beside the
-shard where the store allows it (once refused, not tried again by this indexer) and kept in the
-cache. An ``.idx`` whose entries no tar can hold (out of order, overlapping) is refused with a
-warning naming it; the tar loader checks the rest of it, member by member, as it reads.
+header), then a scan under this node's lock for the shard, whose index is kept in the cache (and
+written beside the shard only by an indexer made with ``publish=True``: the index command, a job
+asked to publish; once the store refuses it, not tried again by this indexer). An ``.idx``
+whose entries no tar can hold (out of order, overlapping) is refused with a warning naming it;
+the tar loader checks the rest of it, member by member, as it reads.
 :mod:`workers.sources.tars._shards` decides which shards need it.
 """
 
@@ -50,10 +51,15 @@ def index_command(urls: str | Iterable[str], *, force: bool = False) -> str:
 
 class Indexer:
     """Finds or makes the index of a shard: this node's cache, the ``.idx`` beside the shard, a
-    scan (whose index is then written beside the shard, where the store allows it)."""
+    scan (whose index is then kept in this node's cache; with ``publish``, also written beside
+    the shard, where the store allows it)."""
 
-    def __init__(self, storage: Storage, *, skip_damaged: bool = False) -> None:
+    def __init__(
+        self, storage: Storage, *, skip_damaged: bool = False, publish: bool = False
+    ) -> None:
         self.storage = storage
+        #: write the indexes it makes beside their shards (reading never does unless asked)
+        self.publish = publish
         #: a shard that is not whole gives the index of its samples before the damage (its
         #: ``damage`` says what is wrong; kept in this node's cache only) instead of raising
         #: (``on_error="skip"``)
@@ -90,9 +96,9 @@ class Indexer:
         is indexing the shard. ``force``: scan it whatever exists. ``probe``: check an ``.idx``
         against its shard's last member header (not needed where a summary vouches for it).
         ``publish_cached``: write an index found in this node's cache beside its shard when the
-        listing showed none there. ``recheck``: once the lock is held, look beside the shard
-        again (another node may have indexed it since the listing). ``scan=False``: None rather
-        than a scan when no index is found."""
+        listing showed none there (an indexer made with ``publish``). ``recheck``: once the lock
+        is held, look beside the shard again (another node may have indexed it since the
+        listing). ``scan=False``: None rather than a scan when no index is found."""
         found = None if force else self._found(url, identity, listed, probe)
         if found is None and not scan:
             return None
@@ -105,19 +111,19 @@ class Indexer:
                 if found is None:
                     index = self._scan(url, identity)
                     if index.damage:  # (kept in this node's cache only: nothing vouches for it)
-                        keep_cached(index, identity)
+                        keep_cached(self.storage, index, identity)
                         self._damaged(url, index)
                     else:
-                        self.publish(url, index, identity)
+                        self.keep(url, index, identity)
                     return index, "scan"
-        if publish_cached and found[1] == "cache" and listed is False:
-            self.publish(url, found[0], identity)
+        if publish_cached and self.publish and found[1] == "cache" and listed is False:
+            self.keep(url, found[0], identity)
         return found
 
     def _found(
         self, url: str, identity: Identity, listed: bool | None, probe: bool
     ) -> tuple[TarIndex, Source] | None:
-        index = load_cached(url, identity)
+        index = load_cached(self.storage, url, identity)
         if index is not None:
             if index.damage:  # (this node scanned it: it is not whole)
                 self._damaged(url, index)
@@ -127,7 +133,7 @@ class Indexer:
         index = self.beside(url, identity, probe=probe)
         if index is None:
             return None
-        keep_cached(index, identity)
+        keep_cached(self.storage, index, identity)
         return index, "idx"
 
     def beside(self, url: str, identity: Identity, *, probe: bool = True) -> TarIndex | None:
@@ -184,19 +190,22 @@ class Indexer:
         self.damaged[url] = index
 
     def _refuse(self, url: str, message: str) -> TarIndex | None:
-        """Log why the ``.idx`` of ``url`` is not used (once: it is not read again)."""
+        """Log why the ``.idx`` of ``url`` is not used (once: it is not read again), and the
+        command that mends it (a job writes no ``.idx`` unless asked)."""
         self._refused.add(url)
+        if not self.publish:
+            message += f" ({index_command(url, force=True)} mends {idx_url(url)})"
         self.warn(message)
         return None
 
-    def publish(self, url: str, index: TarIndex, identity: Identity) -> None:
-        """Write ``index`` beside its shard as ``.idx`` (where the store allows it) and keep a
-        copy in this node's cache."""
-        text = format_idx(index)
+    def keep(self, url: str, index: TarIndex, identity: Identity) -> None:
+        """Keep ``index`` in this node's cache and, with :attr:`publish`, write it beside its
+        shard as ``.idx`` (where the store allows it)."""
+        text = format_idx(index) if self.publish else None
         wrote = False
-        if text is None:
+        if self.publish and text is None:
             logger.info("%s has a member name with white space: its index stays in the cache", url)
-        elif self.writable:
+        elif text is not None and self.writable:
             where = idx_url(url)
             try:
                 self.storage.write(local_path(where), text)
@@ -211,18 +220,19 @@ class Indexer:
                     CACHE_DIR_ENV,
                     index_command(url),
                 )
-        if not keep_cached(index, identity) and not wrote:
+        if not keep_cached(self.storage, index, identity) and not wrote:
             logger.warning(
                 "no writable place for the index of %s: it is made again by every worker at "
-                "every start; set %s to a writable directory",
+                "every start; set %s to a writable directory, or index the dataset once (%s)",
                 url,
                 CACHE_DIR_ENV,
+                index_command(url),
             )
 
     @contextlib.contextmanager
     def _lock(self, url: str, wait: bool) -> Iterator[bool]:
         try:
-            path = lock_path(url)
+            path = lock_path(self.storage, url)
         except OSError:  # no cache directory: no lock (a shard may be scanned twice)
             yield True
             return

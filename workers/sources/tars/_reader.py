@@ -39,7 +39,7 @@ from ..storage import AHEAD_BYTES, Identity, IdentityChanged, StorageFailure, st
 from ._changed import changed_answer
 from ._fetch import Fetcher
 from ._index import TarIndex
-from ._indexer import Indexer
+from ._indexer import Indexer, index_command
 from ._members import Members, parse_ext
 from ._order import TarOrders
 from ._shards import TarShards, open_shards
@@ -89,7 +89,7 @@ class TarLoader:
         self.names = members.names
         #: members that are images decoding to more pixels raise (None: no limit)
         self.max_pixels = max_pixels
-        self._indexer = Indexer(shards.storage)
+        self._indexer = Indexer(shards.storage, publish=shards.publish)
         self._tables: OrderedDict[int, tuple[TarIndex, _Int64s, _Int64s]] = OrderedDict()
         self._making: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -281,7 +281,7 @@ class TarLoader:
                 return  # (another thread did it)
             self._indexer.warn(
                 f"{where} does not describe {url}: {why}. It is not used: the shard is indexed "
-                f"from its own bytes (and {where} written again where the store allows it)"
+                f"from its own bytes ({index_command(url, force=True)} mends {where})"
             )
             try:
                 found = self._indexer.get(url, self.shards.identities[shard], force=True)
@@ -419,6 +419,7 @@ class TarLoader:
 
 #: The shards this process opened last, and the arguments it opened them with.
 _last_opened: tuple[Any, TarShards] | None = None
+_How = tuple[int, bool]
 
 
 def _missing(url: str, table: TarIndex, sample: int, wanted: list[str], name: str) -> None:
@@ -433,9 +434,10 @@ def _missing(url: str, table: TarIndex, sample: int, wanted: list[str], name: st
 
 
 def _open_shards_once(
-    urls: str | Sequence[str], storage_options: dict[str, Any] | None, shard: Shard, retries: int
+    urls: str | Sequence[str], storage_options: dict[str, Any] | None, shard: Shard, how: _How
 ) -> TarShards:
-    """:func:`open_shards` for this worker's ``shard``, once per worker and arguments: the
+    """:func:`open_shards` for this worker's ``shard``, once per worker and arguments (``how``:
+    the retries, and whether to publish the indexes made beside the shards): the
     source built again with the same ones (a resume's seek to its saved position, an epoch left
     early) keeps the shards opened at the worker's start, the set the job's plan was made from,
     instead of reading the summary and expanding the names again (0.1-0.2 s at 10,000 shards).
@@ -443,7 +445,7 @@ def _open_shards_once(
     Outside a loader's worker (no :data:`STARTED_TOGETHER` token), and with options that do not
     serialize to JSON, the shards are opened every time."""
     global _last_opened
-    skip_damaged, pool = SKIP_DAMAGED.get(), STARTED_TOGETHER.get()
+    (retries, publish), skip_damaged, pool = how, SKIP_DAMAGED.get(), STARTED_TOGETHER.get()
     key: Any = None
     if pool:
         try:
@@ -452,7 +454,7 @@ def _open_shards_once(
             options = None
         if options is not None:
             names = urls if isinstance(urls, str) else tuple(urls)
-            key = (pool, names, options, shard.index, shard.count, retries, skip_damaged)
+            key = (pool, names, options, shard.index, shard.count, how, skip_damaged)
     last = _last_opened
     if key is not None and last is not None and last[0] == key:
         return last[1]
@@ -463,6 +465,7 @@ def _open_shards_once(
         retries,
         lead=shard.index == 0,
         skip_damaged=skip_damaged,
+        publish=publish,
     )
     _last_opened = None if key is None else (key, shards)
     return shards
@@ -482,6 +485,7 @@ def open_tar_source(
     ahead_bytes: int | None = AHEAD_BYTES,
     max_image_pixels: int | None = MAX_IMAGE_PIXELS,
     optional: Mapping[str, Any] | None = None,
+    publish_index: bool = False,
 ) -> OpenedSource:
     """Check the arguments, open (index) the shards and make the loader and epoch orders."""
     wanted = parse_ext(ext)
@@ -499,7 +503,7 @@ def open_tar_source(
         or shuffle_window < 1
     ):
         raise ValueError(f"shuffle_window must be None or an integer >= 1, got {shuffle_window!r}")
-    shards = _open_shards_once(urls, storage_options, shard, retries)
+    shards = _open_shards_once(urls, storage_options, shard, (retries, bool(publish_index)))
     window = shuffle_window
     if window is None:
         window = len(shards.urls) if shards.storage.local else REMOTE_WINDOW

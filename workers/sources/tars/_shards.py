@@ -15,10 +15,11 @@ Where a shard's facts come from, cheapest first:
 Opening a job's shards (:func:`open_shards`) reads the summary (and the listing, where it is
 needed), and only for the shards the summary does not cover (or covers stale) goes to 2 and 3;
 a worker fetches a shard's index only when it is about to read that shard (:meth:`Indexer.get`,
-from the tar loader). An index made by a scan is written beside its shard as ``.idx`` when the
-store can be written (else kept in this node's cache only), so a dataset is scanned once in its
-lifetime; the job's lead worker (shard 0) then writes the summary, so the next start costs one
-request.
+from the tar loader). Reading never writes where the data lives unless asked: an index made by
+a scan is kept in this node's cache, and the job's lead worker (shard 0) keeps the summary there
+too, so the node's next start scans nothing; ``publish=True`` (``publish_index=True`` of the
+dataset) writes both beside the shards instead, as ``python -m loader.tars index`` does, so
+that every node starts with a few requests.
 
 Many workers open the same shards at once. Each walks them from its own place (its shard's share
 of the list), so the shards without an index are scanned by all workers together: on one node a
@@ -87,6 +88,9 @@ class TarShards:
     #: per shard, the summary its sample count and keys come from (what the epochs are planned
     #: with); None: its index told them
     planned_from: list[str | None] = field(default_factory=list)
+    #: the indexes made while reading are written beside their shards (``publish_index=True``),
+    #: not only kept in this node's cache
+    publish: bool = False
 
     @property
     def total(self) -> int:
@@ -172,11 +176,16 @@ class TarShards:
                 "the job"
             )
         if told_by is not None:
+            mended = (
+                f"{told_by} was written again from the shard's bytes (where the store allows it)"
+                if self.publish
+                else f"The shard's index was made from its bytes (kept in this node's cache); "
+                f"{index_command(url, force=True)} writes {told_by} again"
+            )
             return StorageFailure(
                 f"{told_by} is wrong about {url}: it lists {planned}, the shard holds {holds}, "
-                f"and this job planned its epochs with it. {told_by} was written again from the "
-                "shard's bytes (where the store allows it): restart the job (a state saved "
-                "before may be refused over the shard)"
+                f"and this job planned its epochs with it. {mended}: restart the job (a state "
+                "saved before may be refused over the shard)"
             )
         return StorageFailure(
             f"{url} holds {holds}, not the {planned} this job planned with: the shard changed "
@@ -236,10 +245,12 @@ def open_shards(
     *,
     lead: bool = False,
     skip_damaged: bool = False,
+    publish: bool = False,
 ) -> TarShards:
     """Expand, check and open the shards (see the module docstring). Shards the summary does not
     cover are indexed walking from ``start_fraction`` of them. The ``lead`` worker (one per job)
-    names a stale summary, reports progress and writes the summary when it had to look past it.
+    names a stale summary, reports progress and keeps the summary in this node's cache when it
+    had to look past it (``publish``: writes it, and the indexes made, beside the shards).
     ``skip_damaged`` (``on_error="skip"``): a shard that is not whole gives its samples before
     the damage (the ``lead`` worker warns, naming it) instead of failing the start."""
     expanded = check_urls(urls, storage_options, retries)
@@ -263,12 +274,12 @@ def open_shards(
         rest.append(k)
     if lead:
         for where, entries in stale.items():
-            _report_stale(where, entries, expanded, listed, storage, urls)
+            _report_stale(where, entries, expanded, listed, storage, urls, publish)
     if not rest:
         shards = _opened(expanded, storage, counts, hashes, listed)
-        shards.planned_from = planned
+        shards.planned_from, shards.publish = planned, publish
         return shards
-    indexer = Indexer(storage, skip_damaged=skip_damaged)
+    indexer = Indexer(storage, skip_damaged=skip_damaged, publish=publish)
 
     def opened(k: int, index: TarIndex) -> None:
         counts[k], hashes[k] = index.samples, index.keys_hash
@@ -280,7 +291,7 @@ def open_shards(
     shards = _after_walk(
         urls, expanded, storage, counts, hashes, listed, summaries, rest, indexer, lead, started
     )
-    shards.planned_from = planned
+    shards.planned_from, shards.publish = planned, publish
     return shards
 
 
@@ -298,7 +309,7 @@ def _after_walk(
     started: float,
 ) -> TarShards:
     """The shards once the indexes of ``walked`` were found or made: the ``lead`` worker says
-    what the walk cost and which shards are damaged, and writes the summary."""
+    what the walk cost and which shards are damaged, and keeps (or publishes) the summary."""
     unindexed = sum(1 for k in walked if listed.listed_idx[k] is False)
     if lead and unindexed:
         logger.info(
@@ -317,7 +328,7 @@ def _after_walk(
         for k, index in sorted(damaged.items()):
             _warn_damaged(index, listed.identities[k][0])
         kept = [k for k in range(len(urls)) if k not in damaged]  # (no summary vouches for those)
-        _write_summaries(storage, urls, counts, hashes, listed, summaries, kept)
+        _write_summaries(storage, urls, counts, hashes, listed, summaries, kept, indexer.publish)
     shards = _opened(urls, storage, counts, hashes, listed)
     shards.damaged = damaged
     return shards
@@ -352,6 +363,7 @@ def _report_stale(
     listed: Listed,
     storage: Storage,
     given: str | Iterable[str],
+    publish: bool,
 ) -> None:
     """Name the shards a summary is stale for: a warning, unless only the kind of version
     differs (mtimes where the store now gives ETags: the shards were copied, not changed)."""
@@ -367,15 +379,22 @@ def _report_stale(
     if copied:
         logger.info(
             "the summary %s was written where the shards had other versions (%s): copied? "
-            "Their .idx files are checked once and the summary rewritten",
+            "Their .idx files are checked once and the summary %s (%s rewrites it beside them)",
             where,
             describe_stale(shards, 1),
+            "rewritten" if publish else "kept in this node's cache",
+            index_command(given),
         )
         return
+    kept = (
+        "the summary rewritten where the store allows it"
+        if publish
+        else "what they tell kept in this node's cache"
+    )
     warnings.warn(
         f"the summary {where} is stale: {len(shards)} shard(s) changed since it was written: "
-        f"{describe_stale(shards)}; their indexes are read (or made) instead and the summary "
-        f"rewritten where the store allows it ({index_command(given)} does it at once)",
+        f"{describe_stale(shards)}; their indexes are read (or made) instead and {kept} "
+        f"({index_command(given)} rewrites the summary beside the shards)",
         stacklevel=3,
     )
 
@@ -421,9 +440,11 @@ def _write_summaries(
     listed: Listed,
     summaries: dict[str, tuple[dict[str, ShardEntry], str] | None],
     kept: list[int],
+    beside: bool,
 ) -> None:
-    """Write the summary of each directory: the entries of shards ``kept`` over those the old
-    summary has of other shards still as listed."""
+    """Write the summary of each directory in this node's cache (``beside``: beside the shards,
+    where the store allows it): the entries of shards ``kept`` over those the old summary has of
+    other shards still as listed."""
     identities = [listed.identities[k] for k in kept]
     for directory, entries in shard_entries(
         storage, [urls[k] for k in kept], counts[kept], [hashes[k] for k in kept], identities
@@ -431,7 +452,7 @@ def _write_summaries(
         summary = summaries[directory]
         merged = updated({} if summary is None else summary[0], entries, listed.listings[directory])
         try:
-            where = write_summary(storage, directory, merged)
+            where = write_summary(storage, directory, merged, beside=beside)
         except OSError as error:
             logger.info("cannot keep a summary of %s anywhere (%s)", directory, error)
             continue

@@ -17,8 +17,10 @@ about to read that shard (:mod:`sources.tars._shards`)::
 An entry whose shard's size or version differs from the listing is *stale*: it is not used (the
 shard's index is read or made instead) and the shards that differ are named. Entries of shards a
 job does not ask for are kept untouched, so one summary serves ``train-*`` and ``val-*`` in one
-directory. Where the store cannot be written, the summary is kept in this node's cache instead
-(named by a hash of the directory's URL), checked the same way.
+directory. A job keeps the summary it makes in this node's cache (named by a hash of the
+directory's URL and endpoint), checked the same way, and read after the one beside the shards;
+only the index command (or a job asked to publish: ``publish_index=True``) writes it beside
+them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..storage import Identity, Storage, cache_dir, is_url
+from ..storage import Identity, Storage, cache_dir
 
 logger = logging.getLogger("workers")
 
@@ -97,9 +99,9 @@ def summary_url(directory: str) -> str:
     return Storage.join(directory, SUMMARY)
 
 
-def cached_summary_path(directory: str) -> Path:
-    """This node's copy of a directory's summary (kept where the store cannot be written)."""
-    name = directory if is_url(directory) else os.path.realpath(directory or ".")
+def cached_summary_path(storage: Storage, directory: str) -> Path:
+    """This node's copy of a directory's summary (what a job learns, kept off the data)."""
+    name = storage.cache_name(directory)
     digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:32]
     return cache_dir("tar-index") / f"{digest}.summary.json"
 
@@ -125,7 +127,7 @@ def read_summary(
             raise
         except (OSError, ValueError) as error:
             logger.warning("ignored the summary %s (%s)", url, error)
-    cached = cached_summary_path(directory)
+    cached = cached_summary_path(storage, directory)
     if cached.exists():
         try:
             found.append((decode(cached.read_bytes(), str(cached)), str(cached)))
@@ -156,17 +158,23 @@ def updated(
     return kept
 
 
-def write_summary(storage: Storage, directory: str, entries: Mapping[str, ShardEntry]) -> str:
-    """Write the summary beside the shards, else (the store refuses it) in this node's cache;
-    returns where it went. Raises ``OSError`` when neither can be written."""
+def write_summary(
+    storage: Storage, directory: str, entries: Mapping[str, ShardEntry], *, beside: bool
+) -> str:
+    """Write the summary in this node's cache, or with ``beside`` (the index command, a job
+    asked to publish) beside the shards, falling back to the cache where the store refuses it;
+    returns where it went. Raises ``OSError`` when it cannot be written anywhere."""
     data = encode(entries)
-    url = summary_url(directory)
-    try:
-        storage.write(url, data)
-        return url
-    except OSError as error:
-        logger.info("cannot write %s (%s): keeping the summary in this node's cache", url, error)
-    cached = cached_summary_path(directory)
+    if beside:
+        url = summary_url(directory)
+        try:
+            storage.write(url, data)
+            return url
+        except OSError as error:
+            logger.info(
+                "cannot write %s (%s): keeping the summary in this node's cache", url, error
+            )
+    cached = cached_summary_path(storage, directory)
     cached.parent.mkdir(parents=True, exist_ok=True)
     temporary = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
     temporary.write_bytes(data)

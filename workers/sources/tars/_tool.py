@@ -1,9 +1,13 @@
 """Indexing a whole dataset of tar shards at once: what ``python -m loader.tars index`` runs.
 
 :func:`index_dataset` lists the shards' directories, skips the shards that are up to date (an
-``.idx`` beside them and a fresh entry in the summary), and gives the others to a pool of
-processes (spawned: each its own filesystem client): each finds the shard's ``.idx`` (checked
-against the shard) or scans the shard and writes its ``.idx`` beside it. The summary is written
+``.idx`` beside them and a fresh entry in the summary), and gives the others to a pool: for
+remote shards, :data:`THREADS` threads of this process (the work is waiting on the store: one
+GET of each shard, one PUT of its ``.idx``; the filesystem client is shared), for local ones
+processes (spawned: reading a tar's headers from a local disk is the CPU's work). Each finds the
+shard's ``.idx`` (checked against the shard) or scans the shard and writes its ``.idx`` beside
+it (the index command publishes: it is the one place, with ``publish_index=True``, that writes
+beside the data). The summary is written
 every :data:`SAVE_EVERY` seconds and at the end, so an interrupted run leaves what it did usable,
 and a second run finishes the job (shards whose ``.idx`` exists are read, not scanned).
 Library code: progress goes to a callback (the CLI prints it), not to stdout.
@@ -14,7 +18,14 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Executor,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +41,8 @@ from ._summary import ShardEntry, read_summary, updated, write_summary
 
 #: Seconds between two saves of the summary while shards are indexed.
 SAVE_EVERY = 30.0
+#: Remote shards indexed at once, by default (threads of the index command's process).
+THREADS = 32
 
 
 @dataclass
@@ -61,6 +74,8 @@ class Progress:
     started: float = field(default_factory=time.monotonic)
     summaries: list[str] = field(default_factory=list)
     samples: int = 0
+    #: what indexes the shards (``32 threads``, ``2 processes``)
+    pool: str = ""
 
     @property
     def finished(self) -> int:
@@ -78,7 +93,7 @@ def index_one(
 ) -> Indexed:
     """Index one shard (run in a pool process): its ``.idx`` when it fits, else a scan."""
     storage = storage_for(url, options, retries)
-    indexer = Indexer(storage)
+    indexer = Indexer(storage, publish=True)
     try:
         found = indexer.get(
             url, identity, listed=listed, force=force, publish_cached=True, recheck=False
@@ -102,21 +117,40 @@ def index_dataset(
     storage_options: dict[str, Any] | None = None,
     *,
     processes: int | None = None,
+    threads: int | None = None,
     force: bool = False,
     retries: int = RETRIES,
     progress: Callable[[Progress], None] | None = None,
 ) -> Progress:
-    """Index every shard of ``urls`` and write the summary (see the module docstring)."""
+    """Index every shard of ``urls`` and write the summary (see the module docstring):
+    ``threads`` at once for remote shards (default :data:`THREADS`), ``processes`` for local
+    ones (default: the CPUs this process may use)."""
     job = _IndexJob(check_urls(urls, storage_options, retries), storage_options, retries)
     todo = job.plan(force)
+    pool, workers = pool_for(job.storage.local, len(todo), processes, threads)
+    kind = "processes" if job.storage.local else "threads"
+    job.state.pool = f"indexing {len(todo)} with {workers} {kind}"
     if progress is not None:
         progress(job.state)
-    workers = max(1, min(processes or usable_cpus(), len(todo) or 1))
-    job.run(todo, workers, force, progress)
+    job.run(todo, pool, workers, force, progress)
     job.state.samples = int(job.counts[job.done].sum())
     if progress is not None:
         progress(job.state)
     return job.state
+
+
+def pool_for(
+    local: bool, count: int, processes: int | None, threads: int | None
+) -> tuple[Executor, int]:
+    """The pool that indexes ``count`` shards, and its size: processes for local shards,
+    threads for remote ones."""
+    if local:
+        workers = max(1, min(processes or usable_cpus(), count or 1))
+        return ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn")
+        ), workers
+    workers = max(1, min(threads or THREADS, count or 1))
+    return ThreadPoolExecutor(workers, "tar-index"), workers
 
 
 class _IndexJob:
@@ -169,9 +203,9 @@ class _IndexJob:
             summary = self.summaries[directory]
             old: dict[str, ShardEntry] = {} if summary is None else summary[0]
             merged = updated(old, new, self.listed.listings[directory])
-            self.state.summaries.append(write_summary(self.storage, directory, merged))
+            self.state.summaries.append(write_summary(self.storage, directory, merged, beside=True))
 
-    def submit(self, pool: ProcessPoolExecutor, k: int, force: bool) -> Future[Indexed]:
+    def submit(self, pool: Executor, k: int, force: bool) -> Future[Indexed]:
         listed = self.listed
         return pool.submit(
             index_one,
@@ -187,26 +221,27 @@ class _IndexJob:
     def run(
         self,
         todo: list[int],
+        pool: Executor,
         workers: int,
         force: bool,
         progress: Callable[[Progress], None] | None,
     ) -> None:
-        """Index ``todo`` on ``workers`` processes, saving the summaries every
-        :data:`SAVE_EVERY` seconds and at the end (also when interrupted)."""
+        """Index ``todo`` on ``pool``, saving the summaries every :data:`SAVE_EVERY` seconds
+        and at the end (also when interrupted); ``progress`` is told at least every second."""
         saved = time.monotonic()
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        ahead = 4 * workers
+        with pool:
             pending: set[Future[Indexed]] = set()
             queue = iter(todo)
             try:
                 while True:
-                    for k in queue:  # keep the pool a little ahead of its processes
+                    for k in queue:  # keep the pool a little ahead of its workers
                         pending.add(self.submit(pool, k, force))
-                        if len(pending) >= 4 * workers:
+                        if len(pending) >= ahead:
                             break
                     if not pending:
                         break
-                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
                     for future in finished:
                         _record(
                             future.result(),

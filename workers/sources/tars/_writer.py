@@ -85,7 +85,8 @@ def _summarize(storage: Storage, paths: list[Path], counts: list[int], hashes: l
     identities = storage.identities(urls)
     entries = shard_entries(storage, urls, np.asarray(counts), hashes, identities)[directory]
     old = read_summary(storage, directory, listing)
-    write_summary(storage, directory, updated({} if old is None else old[0], entries, listing))
+    merged = updated({} if old is None else old[0], entries, listing)
+    write_summary(storage, directory, merged, beside=True)
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> int:

@@ -88,7 +88,7 @@ def test_with_a_summary_a_worker_reads_no_index_until_it_reads_a_shard(
     root, memory, _paths = _memory_shards(tmp_path, 30, 7)
     pattern = f"{root}/train-{{000..004}}.tar"
     try:
-        first = open_shards(pattern, None, 0.0, lead=True)  # scans, writes .idx and the summary
+        first = open_shards(pattern, None, 0.0, lead=True, publish=True)  # (.idx, summary beside)
         names = sorted(p.rsplit("/", 1)[1] for p in memory.ls(root.split(":/", 1)[1], detail=False))
         assert names == [SUMMARY] + [f"train-{k:03d}.{e}" for k in range(5) for e in ("idx", "tar")]
         monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "fresh-cache"))  # (another node)
@@ -116,7 +116,7 @@ def test_a_stale_summary_is_named_and_the_changed_shards_are_read_again(tmp_path
 
     paths = T.write_id_tars(tmp_path, 28, 7)
     pattern = str(tmp_path / "train-{000..003}.tar")
-    open_shards(pattern, None, 0.0, lead=True)
+    open_shards(pattern, None, 0.0, lead=True, publish=True)
     T.write_id_tars(tmp_path / "other", 10, 5)  # train-001 rewritten with 5 samples
     shutil.copy(tmp_path / "other" / "train-001.tar", paths[1])
     with pytest.warns(
@@ -124,7 +124,7 @@ def test_a_stale_summary_is_named_and_the_changed_shards_are_read_again(tmp_path
         match=rf"summary {tmp_path}/{SUMMARY} is stale: 1 shard.*"
         r"train-001\.tar \(size 10240 -> 10240\)|train-001\.tar \(mtime",
     ):
-        changed = open_shards(pattern, None, 0.0, lead=True)
+        changed = open_shards(pattern, None, 0.0, lead=True, publish=True)
     assert changed.counts.tolist() == [7, 5, 7, 7]
     entries = decode((tmp_path / SUMMARY).read_bytes(), SUMMARY)
     assert entries["train-001.tar"].samples == 5  # rewritten by the lead worker

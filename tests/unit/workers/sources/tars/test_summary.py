@@ -62,7 +62,7 @@ def test_a_summary_is_written_beside_the_shards_and_read_there(
 ) -> None:
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     storage = storage_for(str(tmp_path))
-    where = write_summary(storage, str(tmp_path), ENTRIES)
+    where = write_summary(storage, str(tmp_path), ENTRIES, beside=True)
     assert where == str(tmp_path / SUMMARY)
     found = read_summary(storage, str(tmp_path), None)
     assert found == (ENTRIES, where)
@@ -75,7 +75,7 @@ def test_a_summary_the_store_refuses_is_kept_in_this_nodes_cache(
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     (tmp_path / SUMMARY).mkdir()  # (its name taken: the store refuses the write, even to root)
     storage = storage_for(str(tmp_path))
-    where = write_summary(storage, str(tmp_path), ENTRIES)
+    where = write_summary(storage, str(tmp_path), ENTRIES, beside=True)
     assert where.startswith(str(tmp_path / "cache" / "tar-index"))
     assert read_summary(storage, str(tmp_path), None) == (ENTRIES, where)
 
@@ -87,3 +87,31 @@ def test_a_stale_entry_says_what_changed() -> None:
     stale = [(f"{k}.tar", "size 1 -> 2") for k in range(7)]
     said = describe_stale(stale, limit=2)
     assert said == "0.tar (size 1 -> 2), 1.tar (size 1 -> 2) and 5 more"
+
+
+def test_a_jobs_summary_goes_to_this_nodes_cache_and_is_read_after_the_one_beside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    storage = storage_for(str(tmp_path))
+    where = write_summary(storage, str(tmp_path), ENTRIES, beside=False)
+    assert where.startswith(str(tmp_path / "cache" / "tar-index"))
+    assert not (tmp_path / SUMMARY).exists()
+    assert read_summary(storage, str(tmp_path), None) == (ENTRIES, where)
+    beside = {"a.tar": ShardEntry(10, "mtime:9", 3, "k9")}
+    published = write_summary(storage, str(tmp_path), beside, beside=True)
+    assert read_summary(storage, str(tmp_path), None) == ({**ENTRIES, **beside}, published)
+
+
+def test_the_cache_names_a_remote_object_with_its_endpoint() -> None:
+    from workers.sources.storage._storage import RemoteStorage
+    from workers.sources.tars._index import cache_path
+    from workers.sources.tars._summary import cached_summary_path
+
+    # (only the endpoint names a remote object in the cache: no client is made here, whose
+    # event loop would outlive the test)
+    one, other = RemoteStorage.__new__(RemoteStorage), RemoteStorage.__new__(RemoteStorage)
+    one.endpoint, other.endpoint = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    assert cache_path(one, "s3://b/x.tar") != cache_path(other, "s3://b/x.tar")
+    assert cached_summary_path(one, "s3://b") != cached_summary_path(other, "s3://b")
+    assert cache_path(one, "s3://b/x.tar") != cache_path(one, "s3://b/y.tar")

@@ -61,7 +61,7 @@ def test_dali_reads_the_indexes_the_loader_writes(tmp_path: Path) -> None:
     from nvidia.dali import fn, pipeline_def
 
     paths = T.write_id_tars(tmp_path, 30, 7)
-    shards = open_shards([str(p) for p in paths], None, 0.0)  # (no index yet: scanned, written)
+    shards = open_shards([str(p) for p in paths], None, 0.0, publish=True)  # (scanned, written)
     indexes = [str(p.with_suffix(".idx")) for p in paths]
     assert all(Path(i).exists() for i in indexes)
 
@@ -119,7 +119,7 @@ def test_a_bad_idx_is_refused_naming_its_line_and_the_shard_is_scanned(
         parse_idx(str(path), "x.idx", bad.encode())
     (tmp_path / "train-000.idx").write_text(bad)
     caplog.set_level(logging.INFO, logger="workers")
-    shards = open_shards(str(path), None, 0.0)
+    shards = open_shards(str(path), None, 0.0, publish=True)  # (the .idx written again)
     assert shards.counts.tolist() == [7]
     assert [r for r in caplog.records if "ignored" in r.message and "train-000.idx" in r.message]
     assert [r for r in caplog.records if r.message.startswith("indexed ")]
