@@ -27,8 +27,8 @@ from loader import (
 from workers.sources.plan._sampling import BatchedSamples, Batching
 
 #: The public signatures, exactly as they were before the options were declared once (and
-#: ``sharded_tars``' ``ahead_bytes`` and ``optional`` (a directory or a path for ``urls``) and
-#: both file sources' ``max_image_pixels``, added since).
+#: ``sharded_tars``' ``ahead_bytes``, ``optional`` and ``publish_index`` (a directory or a
+#: path for ``urls``) and both file sources' ``max_image_pixels``, added since).
 PUBLIC: dict[Callable[..., Any], str] = {
     sharded_source: (
         "(shard: 'Shard', total: 'int', load: 'Callable[..., Any]', batch_size: 'int', *, "
@@ -48,7 +48,7 @@ PUBLIC: dict[Callable[..., Any], str] = {
         "storage_options: 'dict[str, Any] | None' = None, "
         "shuffle_window: 'int | None' = None, ahead: 'int' = 2, retries: 'int' = 4, "
         "ahead_bytes: 'int | None' = 268435456, max_image_pixels: 'int | None' = 89478485, "
-        "optional: 'Mapping[str, Any] | None' = None) -> 'Any'"
+        "optional: 'Mapping[str, Any] | None' = None, publish_index: 'bool' = False) -> 'Any'"
     ),
     sharded_mix: (
         "(shard: 'Shard', sources: 'Mapping[str, Dataset]', *, "
