@@ -205,7 +205,10 @@ def say_start(loader: Any, state: str) -> None:
     traced first step (its first ``dali`` span); seconds, in the order they began."""
     trace = loader.save_trace(f"{state}.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
-    os.unlink(trace)
+    if os.environ.get("BENCH_KEEP_TRACE"):
+        os.replace(trace, os.environ["BENCH_KEEP_TRACE"])
+    else:
+        os.unlink(trace)
     names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     phases: dict[str, list[float]] = {}
     firsts: dict[int, dict[str, Any]] = {}
