@@ -202,10 +202,14 @@ def run_loader(
 def say_start(loader: Any, state: str) -> None:
     """Where this loader's start went, from its trace (``save_trace``): the worker server's
     spans after the loader was made, then each worker's (the longest of the workers), and the
-    traced first step (its first ``dali`` span); seconds, in the order they began."""
+    traced first step (its first ``dali`` span); seconds, in the order they began. The trace
+    file is deleted, or kept at the path ``BENCH_KEEP_TRACE`` names (to read the whole start)."""
     trace = loader.save_trace(f"{state}.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
-    os.unlink(trace)
+    if os.environ.get("BENCH_KEEP_TRACE"):
+        os.replace(trace, os.environ["BENCH_KEEP_TRACE"])
+    else:
+        os.unlink(trace)
     names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     phases: dict[str, list[float]] = {}
     firsts: dict[int, dict[str, Any]] = {}
