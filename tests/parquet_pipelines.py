@@ -116,3 +116,32 @@ def saved_dataset(directory: Path, rows: int, shard_bytes: int = 20_000) -> Any:
 
     hf_dataset(range(rows)).save_to_disk(str(directory), max_shard_size=shard_bytes)
     return datasets.load_from_disk(str(directory))
+
+
+def write_captioned(directory: Path, rows: int, null_caption: frozenset[int]) -> Path:
+    """One file written by ``datasets``: ``image`` (an ``Image``), ``caption`` (a string; null at
+    the ids ``null_caption``) and ``id``, in row groups of 10 rows."""
+    import datasets
+
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "caption": datasets.Value("string"),
+            "id": datasets.Value("int64"),
+        }
+    )
+    table = {
+        "image": [{"bytes": jpeg(i), "path": None} for i in range(rows)],
+        "caption": [None if i in null_caption else f"a photo nº{i}" for i in range(rows)],
+        "id": list(range(rows)),
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "captioned.parquet"
+    datasets.Dataset.from_dict(table, features=features).to_parquet(str(path), batch_size=10)
+    return path
+
+
+def caption_step(jpegs: Any, caption: Any, ids: Any) -> dict[str, Any]:
+    """The images decoded; captions (UTF-8 bytes) and ids as they are."""
+    images = ndd.decoders.image(jpegs, device="cpu")
+    return {"image": images, "caption": caption, "id": ndd.cast(ids, dtype=ndd.int64)}

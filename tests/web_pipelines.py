@@ -100,3 +100,24 @@ def key_step(txt: Any, key: Any, url: Any) -> dict[str, Any]:
 def key_step_txt(txt: Any) -> dict[str, Any]:
     """The caption alone."""
     return {"txt": txt}
+
+
+#: a trainer script over :func:`write_web_shards`'s shards (argv: the folder, ``on_error``): one
+#: worker, the CLIP step; prints the rows it got
+TRAINER_SCRIPT = """
+import sys
+
+from loader import Loader, TarsDataset
+from tests import web_pipelines as W
+
+
+def main():
+    dataset = TarsDataset(sys.argv[1], ext=("jpg", "txt", "__key__"), optional={"txt": b""})
+    with Loader(dataset, W.clip_step, batch_size=16, num_workers=1, on_error=sys.argv[2]) as run:
+        rows = sum(len(batch["key"]) for batch in run)
+    print("rows", rows)
+
+
+if __name__ == "__main__":
+    main()
+"""

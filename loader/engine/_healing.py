@@ -33,7 +33,8 @@ REPLACEMENT_START = 60.0
 
 #: The kinds of failure that skip a sample, in the order the skip-limit error names them.
 _KINDS = ("member missing", "file undecodable", "exception in step", "load failed")
-_MISSING = re.compile(r"has no \.([\w.-]+)(?: or \.[\w.-]+)* member")
+#: a tar sample without a member, a Parquet row with a null in a column
+_MISSING = re.compile(r"has no \.([\w.-]+)(?: or \.[\w.-]+)* member|column '([^']+)' is null")
 _UNDECODABLE = re.compile(
     r"decod|jpeg|png|tiff|webp|image|marker|codec|ImageTooLarge|not a whole|truncated", re.I
 )
@@ -44,7 +45,7 @@ def _kind_of(inside: bool, reason: str) -> tuple[str, str]:
     there), else its ``load`` raised (or hung); ``reason``: the finder's words."""
     missing = _MISSING.search(reason)
     if missing is not None:
-        return "member missing", missing.group(1)
+        return "member missing", missing.group(1) or missing.group(2)
     if _UNDECODABLE.search(reason):
         return "file undecodable", ""
     return ("exception in step", "") if inside else ("load failed", "")
@@ -176,8 +177,9 @@ class Healing:
             example = ", ".join(f"{m!r}: b''" for m in sorted(members)) or "'txt': b''"
             lines.append(
                 "  member missing: if samples may lack it, make it optional "
-                f"(optional={{{example}}} on TarsDataset/sharded_tars): such a sample then "
-                "gets the default, counted in stats().defaulted, not skipped"
+                f"(optional={{{example}}} on TarsDataset/sharded_tars, or for a column on "
+                "ParquetDataset/sharded_parquet): such a sample then gets the default, "
+                "counted in stats().defaulted, not skipped"
             )
         if "file undecodable" in kinds:
             lines.append(

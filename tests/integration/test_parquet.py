@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("pyarrow")
 pytest.importorskip("datasets")
 
-from loader import Loader
+from loader import Loader, ParquetDataset, sharded_parquet, texts
 from tests import parquet_pipelines as P
 
 pytestmark = pytest.mark.timeout(240)
@@ -302,3 +302,42 @@ def test_an_undecodable_row_group_is_left_out_whole_under_skip_and_named_under_r
     assert sorted(set(seen)) == rows
     assert sorted(skipped) == list(range(100, 200))
     assert len(stats.skipped) == 100
+
+
+@pytest.mark.parametrize("form", ["dataset", "sharded"])
+def test_a_null_in_an_optional_column_gets_its_default_and_is_counted(
+    tmp_path: Path, form: str
+) -> None:
+    nulls = frozenset({3, 17, 18, 29})
+    path = P.write_captioned(tmp_path, 30, nulls)
+    columns = ("image", "caption", "id")
+    optional = {"caption": "(none)"}
+    if form == "dataset":
+        source: Any = ParquetDataset(str(path), columns, optional=optional)
+    else:
+        source = functools.partial(
+            sharded_parquet, urls=str(path), batch_size=4, columns=columns, optional=optional
+        )
+    with Loader(source, P.caption_step, batch_size=4, num_workers=2, copy=True) as run:
+        for epoch in range(2):
+            seen = {}
+            for batch in run:
+                assert not batch.info.skipped
+                ids = real(batch, "id")
+                seen.update(zip(ids, texts(batch["caption"])[: len(ids)], strict=True))
+            assert seen == {i: "(none)" if i in nulls else f"a photo nº{i}" for i in range(30)}
+            assert run.stats().defaulted == {"caption": len(nulls) * (epoch + 1)}
+        assert run.stats().skipped == ()
+
+
+def test_a_null_in_a_required_column_is_a_named_skip(tmp_path: Path) -> None:
+    path = P.write_captioned(tmp_path, 30, frozenset({17}))
+    dataset = ParquetDataset(str(path), ("image", "caption", "id"))
+    with Loader(
+        dataset, P.caption_step, batch_size=4, num_workers=1, copy=True, on_error="skip"
+    ) as run:
+        seen = {i for batch in run for i in real(batch, "id")}
+        skipped = [name for _id, name in run.stats().skipped]
+        assert run.stats().defaulted == {}
+    assert seen == set(range(30)) - {17}
+    assert len(skipped) == 1 and skipped[0].endswith("captioned.parquet, row group 1, row 7")

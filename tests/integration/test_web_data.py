@@ -6,6 +6,7 @@ skip-limit error, and the CLIP example."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -183,3 +184,44 @@ def test_the_clip_example_runs(web_root: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed" in done.stdout and "tokens (16, 32)" in done.stdout
     assert "none twice" in done.stdout
+
+
+def run_trainer(web_root: Path, tmp_path: Path, on_error: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "trainer.py"
+    script.write_text(W.TRAINER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(script), str(web_root), on_error],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        check=False,
+    )
+
+
+def native_log_lines(stderr: str) -> list[str]:
+    """The lines of ``stderr`` that are DALI's own log lines (``[ERROR] [jpeg_parser] ...``, in
+    colour or not)."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", stderr)
+    return [line for line in plain.splitlines() if re.match(r"\s*\[(ERROR|WARNING)\]\s*\[", line)]
+
+
+def test_dali_lines_of_a_skipped_sample_stay_out_of_stderr(web_root: Path, tmp_path: Path) -> None:
+    done = run_trainer(web_root, tmp_path, "skip")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"rows {W.TOTAL + 4}" in done.stdout  # (the last batch padded)
+    assert native_log_lines(done.stderr) == [], done.stderr
+    skip_lines = [line for line in done.stderr.splitlines() if line.startswith("skipped sample")]
+    assert len(skip_lines) == 1 and f"00003.tar:{TRUNCATED}" in skip_lines[0], done.stderr
+    assert "Invalid marker" in skip_lines[0]  # (what DALI printed, in the loader's line)
+
+
+def test_dali_lines_of_a_failing_sample_reach_the_user_under_raise(
+    web_root: Path, tmp_path: Path
+) -> None:
+    done = run_trainer(web_root, tmp_path, "raise")
+    assert done.returncode != 0
+    assert f"00003.tar:{TRUNCATED}" in done.stderr
+    assert native_log_lines(done.stderr) != [], done.stderr  # DALI's own line, unhidden
+    assert "[jpeg_parser] Invalid marker" in done.stderr.splitlines()[-1]  # and in the error

@@ -6,7 +6,8 @@ is doing and its epoch's state machine (:mod:`._phase`: :class:`Phase`), the cap
 (:mod:`._capture_loops`), building and probing one shard's source and feeders (:mod:`._sources`),
 the random generators each batch carries (:mod:`._random`), and the search of a failed batch for
 the samples that fail alone (:mod:`._isolation`, with what native code prints meanwhile:
-:mod:`._stderr`). Every call into DALI goes through :mod:`workers.dali`.
+:mod:`._stderr`), and DALI's log lines on the process's stderr, held until their batch's outcome
+is known (:mod:`._native_lines`). Every call into DALI goes through :mod:`workers.dali`.
 
 The command loop imports DALI: :class:`Worker`, :class:`Stop` and :class:`ShutdownRequested` are
 imported on first use, so that importing ``workers`` (the trainer does) imports no DALI.

@@ -11,7 +11,8 @@ message naming them first (DALI names only the operator; see
 Method: each sample of the batch is loaded and run through ``step`` alone, eagerly (a batch of
 one, in the worker's EvalContext): it costs one re-run of the batch's samples. What native code
 logs during the re-run repeats what the failed batch already printed: it is kept for the error,
-not printed again (:mod:`workers.capture._stderr`).
+not printed again (:mod:`workers.capture._stderr`); what the failed batch printed of them is
+held back and dropped when the samples are skipped (:mod:`workers.capture._native_lines`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class FailingSamples:
         self._ctx = ctx
         self._sampled = sampled
         self._worker = worker
+        #: what the failing samples printed when run alone (native log lines, each once)
+        self.printed: list[str] = []
 
     def outcome(self, error: BaseException, epoch: int, done: int) -> wire.SamplesFailed:
         """After batch ``done`` of ``epoch`` failed with ``error``: with ``on_error="skip"``
@@ -73,6 +76,7 @@ class FailingSamples:
             attach(error, message=every_sample_fails(error))
             raise error
         printed = list(dict.fromkeys(line for lines in failing.values() for line in lines))
+        self.printed = printed
         if self._spec.on_error != "skip" or not failing:
             if failing:
                 names = [sampled.describe(index) for index in failing]

@@ -48,6 +48,7 @@ from ..spec import Shard, WorkerSpec
 from ..transport import BatchClock, Publisher, Signature, failure, normalize_outputs
 from ._capture_loops import CaptureLoops
 from ._isolation import FailingSamples, can_isolate
+from ._native_lines import NativeLines
 from ._phase import STARTING_DOING, Activity, Phase
 from ._random import RandomGenerators
 from ._sources import Sources, build_sources, delivery_info
@@ -87,6 +88,9 @@ class Worker:
         self.random = RandomGenerators()
         #: the stage times of each batch (sent with it)
         self.clock = BatchClock()
+        #: DALI's native log lines on stderr, held until their batch's outcome is known (the
+        #: process setup opens and closes it: :mod:`._native_lines`)
+        self.native_lines = NativeLines()
 
     # ----------------------------------------------------------------------- start
     def start(self) -> None:
@@ -333,6 +337,7 @@ class Worker:
             self.clock,
             defaulted,
         )
+        self.native_lines.batch_done()
         return True
 
     def send_signature(self, signature: Signature) -> None:
@@ -350,7 +355,10 @@ class Worker:
         sources = self.sources
         assert sources is not None and sources.sampled is not None
         search = FailingSamples(self.spec, self.ctx, sources.sampled, self.shard.worker)
-        self.channel.send(search.outcome(error, epoch, done))  # (or raises error)
+        record = search.outcome(error, epoch, done)  # (or raises error)
+        self.native_lines.drop(search.printed, record.names)  # the trainer's line names them
+        self.native_lines.release()  # (the rest: this process ends)
+        self.channel.send(record)
         raise Stop
 
     def report_skipped(self, epoch: int, step: int, index: int, name: str, reason: str) -> None:
@@ -372,6 +380,7 @@ class Worker:
     def report(self, error: BaseException) -> None:
         """Send ``error``'s ``WorkerFailure`` record (:func:`workers.transport.failure`)."""
         activity = self.activity
+        self.native_lines.release()  # DALI's own lines of it, before the trainer raises
         with contextlib.suppress(ChannelClosed, OSError):
             self.channel.send(
                 failure(error, phase=activity.phase.value, epoch=activity.epoch, step=activity.step)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 #: a native library's log line: its level in brackets, in colour or not
-_NATIVE_LOG = re.compile(r"^\[(?:ERROR|WARNING|WARN|INFO|DEBUG|FATAL|TRACE)\]\s*(.*\S)\s*$")
+_NATIVE_LOG = re.compile(r"^\[(ERROR|WARNING|WARN|INFO|DEBUG|FATAL|TRACE)\]\s*(.*\S)\s*$")
 _COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -32,16 +32,23 @@ class Printed:
     native: list[str] = field(default_factory=list)
 
 
+def native_line(line: str) -> tuple[str, str] | None:
+    """``line`` as a native log line: its level and its text without the level or colours
+    (``("ERROR", "[jpeg_parser] Invalid marker")``); None when it is no such line."""
+    found = _NATIVE_LOG.match(_COLOURS.sub("", line).strip())
+    return None if found is None else (found.group(1), found.group(2))
+
+
 def split_native(text: str) -> tuple[list[str], str]:
     """``text`` as its native log lines (level and colours stripped, each once) and the rest."""
     native: list[str] = []
     rest: list[str] = []
     for line in text.splitlines(keepends=True):
-        found = _NATIVE_LOG.match(_COLOURS.sub("", line).strip())
+        found = native_line(line)
         if found is None:
             rest.append(line)
-        elif found.group(1) not in native:
-            native.append(found.group(1))
+        elif found[1] not in native:
+            native.append(found[1])
     return native, "".join(rest)
 
 

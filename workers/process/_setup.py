@@ -3,8 +3,9 @@
 
 Runs only in a worker process. :func:`serve` arms faulthandler (stacks for hangs and
 crashes go to the trainer's stack pipe), the parent-death signal and a thread that exits the
-process when the trainer's liveness pipe closes, routes logging and warnings to the trainer, and
-then serves the trainer's commands (:mod:`workers.capture._loop`).
+process when the trainer's liveness pipe closes, routes logging and warnings to the trainer,
+sends stderr through :class:`~workers.capture._native_lines.NativeLines`, and then serves the
+trainer's commands (:mod:`workers.capture._loop`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def serve(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connecti
     logging.getLogger().setLevel(spec.log_level)
     warnings.showwarning = functools.partial(_relay_warning, channel)
     code = 0
+    worker.native_lines.open()  # DALI's own log lines wait for their batch's outcome
     try:
         worker.start()
         worker.serve()
@@ -134,5 +136,6 @@ def serve(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connecti
             worker.close()
         sys.stdout.flush()
         sys.stderr.flush()
+        worker.native_lines.close()
     # Skip interpreter teardown: DALI's thread pools need not be joined in a process that ends.
     os._exit(code)

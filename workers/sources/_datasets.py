@@ -209,6 +209,7 @@ class ParquetDataset(_Opened):
     retries: int = RETRIES
     ahead_bytes: int | None = AHEAD_BYTES
     max_image_pixels: int | None = MAX_IMAGE_PIXELS
+    optional: Mapping[str, Any] | None = None
     _: KW_ONLY
     shuffle: bool = True
     drop_last: bool = False
@@ -234,6 +235,7 @@ class ParquetDataset(_Opened):
             seed=seed,
             shuffle=shuffle,
             max_image_pixels=self.max_image_pixels,
+            optional=self.optional,
         )
 
 

@@ -161,6 +161,7 @@ def sharded_parquet(
     retries: int = RETRIES,
     ahead_bytes: int | None = AHEAD_BYTES,
     max_image_pixels: int | None = MAX_IMAGE_PIXELS,
+    optional: Mapping[str, Any] | None = None,
 ) -> Any:
     """An ``ndd.ExternalSource`` root over Parquet files: one output per column of ``columns``.
 
@@ -177,7 +178,12 @@ def sharded_parquet(
     ``shuffle_window``: how many row groups' rows an epoch shuffles together (None: as many as
     take 64 MiB of the requested columns, at least one). The same guarantees as
     :func:`sharded_source`: exactly once per epoch, full batches, padding flagged, a position
-    resumed exactly on any layout. Needs pyarrow (``pip install 'dali-capture-loader[parquet]'``).
+    resumed exactly on any layout. ``optional``: columns some rows leave null, and the default
+    such a row gets (``{"caption": b""}``: bytes or a ``str`` for image, binary and string
+    columns, a number for numeric ones, a sequence for lists), counted per column in
+    ``stats().defaulted``, not skipped; a null in a column that is not optional fails the sample
+    (a skip, named, under ``on_error="skip"``). Needs pyarrow (``pip install
+    'dali-capture-loader[parquet]'``).
     """
     batching = Batching.pick(locals())
     dataset = ParquetDataset(
@@ -189,5 +195,6 @@ def sharded_parquet(
         retries,
         ahead_bytes,
         max_image_pixels,
+        optional,
     )
     return dataset._batched(shard, batching)

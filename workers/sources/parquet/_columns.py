@@ -15,7 +15,8 @@ where present (``datasets`` writes its ``Features`` there: an ``Image`` feature 
   float32, integers as int64).
 
 Anything else (nested structs, maps, lists of strings, dates...) is refused at the start,
-naming the column and its type.
+naming the column and its type. An optional column's default (``optional={"caption": b""}``) is
+made once, at the start, into the array a value of its kind gives (:func:`default_value`).
 
 The values of a read row group are held as numpy views of Arrow's buffers (:class:`Values`): a
 row's bytes are one slice of the data buffer between two offsets, never a ``to_pylist()``.
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ColumnKind", "Values", "column_kinds", "hf_features", "values_of"]
+__all__ = ["ColumnKind", "Values", "column_kinds", "default_value", "hf_features", "values_of"]
 
 #: The kinds a column may have (see the module docstring).
 KINDS = ("image", "binary", "int", "float", "string", "list")
@@ -206,3 +207,37 @@ class Values:
 def values_of(kinds: list[ColumnKind], table: Any) -> list[Values]:
     """The :class:`Values` of each requested column of a read row group (an Arrow table)."""
     return [Values(kind.kind, table.column(kind.name)) for kind in kinds]
+
+
+def default_value(kind: ColumnKind, value: Any) -> np.ndarray[Any, Any]:
+    """An optional column's default (what a null in it gives) as the array a value of the
+    column's kind gives: bytes or a ``str`` (UTF-8) for an image, binary or string column, an
+    int (or bool) for an integer one, a number for a float one, a sequence of numbers for a
+    list one. ``TypeError`` naming the column and what it takes otherwise."""
+    name, taken = kind.name, kind.kind
+    if taken in ("image", "binary", "string"):
+        if isinstance(value, str):
+            value = value.encode()
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return np.frombuffer(bytes(value), np.uint8).copy()
+        wants = "bytes or a str (stored as UTF-8)"
+    elif taken == "int":
+        if isinstance(value, (bool, int, np.integer, np.bool_)):
+            return np.array([int(value)], np.int64)
+        wants = "an int"
+    elif taken == "float":
+        if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+            return np.array([value], np.float32)
+        wants = "a number"
+    else:  # list
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError):
+            array = np.empty(0, object)
+        if array.ndim == 1 and (array.size == 0 or np.issubdtype(array.dtype, np.number)):
+            floats = any(word in kind.type for word in ("float", "double", "halffloat"))
+            return array.astype(np.float32 if floats else np.int64)
+        wants = "a sequence of numbers"
+    raise TypeError(
+        f"optional[{name!r}] must be {wants} (column {name!r} is {kind.type}), got {value!r}"
+    )

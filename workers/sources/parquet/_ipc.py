@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,8 +149,13 @@ class ArrowLoader(ParquetLoader):
     """``load(index)`` over a dataset's mapped Arrow files: a record batch's columns as views of
     the mapping (no read, no copy; nothing fetched ahead)."""
 
-    def __init__(self, plan: ArrowPlan, max_pixels: int | None = None) -> None:
-        super().__init__(plan, 0, None, max_pixels)
+    def __init__(
+        self,
+        plan: ArrowPlan,
+        max_pixels: int | None = None,
+        optional: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(plan, 0, None, max_pixels, optional)
         self.arrow_plan = plan
 
     def _read_unit(self, unit: int) -> Any:

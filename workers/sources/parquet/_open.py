@@ -15,7 +15,7 @@ re-reads at most one row group per worker (the one it was partly through).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,8 +66,10 @@ def open_parquet_source(
     seed: int = 0,
     shuffle: bool = True,
     max_image_pixels: int | None = MAX_IMAGE_PIXELS,
+    optional: Mapping[str, Any] | None = None,
 ) -> OpenedSource:
-    """The opened source of ``shard``'s part of the Parquet files ``urls``."""
+    """The opened source of ``shard``'s part of the Parquet files ``urls``; ``optional``: the
+    columns whose nulls give a default (column -> default), counted in ``stats().defaulted``."""
     names = checked_columns(columns)
     max_pixels = checked_limit(max_image_pixels)
     checked = [("retries", retries, 0), ("ahead", ahead, 0)]
@@ -81,10 +83,10 @@ def open_parquet_source(
     load: ParquetLoader
     if isinstance(urls, ArrowFiles):
         plan: ParquetPlan = ArrowPlan(urls, names)
-        load = ArrowLoader(plan, max_pixels)
+        load = ArrowLoader(plan, max_pixels, optional)
     else:
         plan = open_plan_once(urls, names, storage_options, retries)
-        load = ParquetLoader(plan, ahead, ahead_bytes, max_pixels)
+        load = ParquetLoader(plan, ahead, ahead_bytes, max_pixels, optional)
     units = len(plan.counts)
     if shuffle_window is not None:
         window = shuffle_window

@@ -20,19 +20,20 @@ import io
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ..files import ImageTooLargeError, over_limit
+from ..plan import Defaulted
 from ..storage import IdentityChanged, StorageFailure, is_url, storage_failure, storage_for
 from ._arrow import pyarrow_modules
-from ._columns import Values, values_of
+from ._columns import Values, default_value, values_of
 from ._plan import ParquetPlan
 
-__all__ = ["DamagedRowGroup", "ParquetLoader", "SparseFile"]
+__all__ = ["DamagedRowGroup", "ParquetLoader", "SparseFile", "optional_defaults"]
 
 #: Row groups read outside an epoch's plan (a ``load`` called on its own) that are kept.
 _KEPT = 2
@@ -83,6 +84,28 @@ class SparseFile(io.RawIOBase):
             f"{self.name}: bytes {self.position}-{self.position + want} were not read "
             "with the row group (its footer's offsets disagree with its pages)"
         )
+
+
+def optional_defaults(
+    kinds: Sequence[Any], optional: Mapping[str, Any] | None
+) -> list[np.ndarray[Any, Any] | None]:
+    """Per requested column (``kinds``: their :class:`~._columns.ColumnKind`), the default a
+    null in it gives, from ``optional`` (column -> default); None for a required column.
+    ``ValueError`` when ``optional`` names a column not requested."""
+    optional = dict(optional or {})
+    if not all(isinstance(name, str) for name in optional):
+        raise TypeError("optional must be a dict of column -> default, e.g. {'caption': b''}")
+    names = [kind.name for kind in kinds]
+    unknown = [name for name in optional if name not in names]
+    if unknown:
+        raise ValueError(
+            f"optional names {unknown[0]!r}, which is not among columns={tuple(names)}; "
+            "name one of those"
+        )
+    return [
+        default_value(kind, optional[kind.name]) if kind.name in optional else None
+        for kind in kinds
+    ]
 
 
 class _Ahead:
@@ -160,9 +183,12 @@ class ParquetLoader:
         ahead: int = 2,
         ahead_bytes: int | None = None,
         max_pixels: int | None = None,
+        optional: Mapping[str, Any] | None = None,
     ) -> None:
         self.plan, self.max_pixels = plan, max_pixels
         self.names = [kind.name for kind in plan.kinds]
+        #: per column, the default a null gives (None: a null fails the sample)
+        self.defaults = optional_defaults(plan.kinds, optional)
         self._lock = threading.Lock()
         self._kept: OrderedDict[int, list[Values]] = OrderedDict()
         self._ahead = _Ahead(self._read_unit, ahead, ahead_bytes, plan.ends - plan.begins)
@@ -246,12 +272,17 @@ class ParquetLoader:
     def __call__(self, index: int) -> tuple[np.ndarray[Any, Any], ...]:
         unit, row = self.plan.unit_of(index)
         columns = self._values(unit)
-        outputs = []
-        for name, values in zip(self.names, columns, strict=True):
+        outputs, defaulted = [], []
+        for name, values, default in zip(self.names, columns, self.defaults, strict=True):
             value = values.row(row)
+            if value is None and default is not None:
+                outputs.append(default)
+                defaulted.append(name)
+                continue
             if value is None:
                 raise ValueError(
-                    f"{self.describe(index)}: column {name!r} is null; filter such rows out "
+                    f"{self.describe(index)}: column {name!r} is null; if rows may lack it, "
+                    f"make it optional (optional={{{name!r}: default}}), filter such rows out "
                     'of the dataset, or pass on_error="skip" to skip them'
                 )
             if isinstance(value, str):
@@ -259,7 +290,7 @@ class ParquetLoader:
             if values.kind == "image":
                 self._check_pixels(value, index, name)
             outputs.append(value)
-        return tuple(outputs)
+        return Defaulted(outputs, defaulted) if defaulted else tuple(outputs)
 
     def _image_file(self, unit: int, path: str) -> np.ndarray[Any, Any]:
         """The bytes of an image kept as a file (an ``Image`` row with ``path`` and no

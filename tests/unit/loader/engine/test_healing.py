@@ -164,6 +164,12 @@ def test_the_skip_limit_error_names_each_skip_by_its_kind_and_what_to_do() -> No
             False,
         ),
         (4, "7", "step raised KeyError: 'x'", True),
+        (
+            5,
+            "a.parquet, row group 0, row 3",
+            "load raised ValueError: a.parquet, row group 0, row 3: column 'caption' is null",
+            False,
+        ),
     ]
     for index, name, reason, inside in reasons:
         message = wire.SamplesFailed(0, index, (index,), (name,), reason, exits=inside)
@@ -173,15 +179,19 @@ def test_the_skip_limit_error_names_each_skip_by_its_kind_and_what_to_do() -> No
         is None
     )
     error = healing.delivered(
-        batch(1, skipped=(3, 4), skipped_names=reasons_names(reasons, 2, 4)), 220
+        batch(1, skipped=(3, 4, 5), skipped_names=reasons_names(reasons, 2, 5)), 220
     )
     assert isinstance(error, SkipLimitError)
     text = str(error)
-    assert text.startswith("4 samples were skipped in epoch 0, more than max_skipped=2:")
-    assert "2 member missing: s/00000.tar:000000005, s/00002.tar:000020011" in text
+    assert text.startswith("5 samples were skipped in epoch 0, more than max_skipped=2:")
+    assert (
+        "3 member missing: s/00000.tar:000000005, s/00002.tar:000020011, "
+        "a.parquet, row group 0, row 3" in text
+    )
+    assert "optional={'caption': b'', 'txt': b''}" in text and "ParquetDataset" in text
     assert "1 file undecodable: s/00003.tar:000030007" in text
     assert "1 exception in step: 7" in text
-    assert "optional={'txt': b''}" in text and "fix step()" in text
+    assert "fix step()" in text
     assert "replace or remove it" in text and "raise max_skipped=" in text
     assert "pipeline bug" not in text
 

@@ -7,7 +7,13 @@ import pytest
 
 pa = pytest.importorskip("pyarrow")
 
-from workers.sources.parquet._columns import Values, column_kinds, hf_features  # noqa: E402
+from workers.sources.parquet._columns import (  # noqa: E402
+    ColumnKind,
+    Values,
+    column_kinds,
+    default_value,
+    hf_features,
+)
 
 
 def test_kinds_of_the_types_it_reads_and_the_hf_metadata() -> None:
@@ -58,3 +64,21 @@ def test_values_are_views_of_the_buffers_and_nulls_are_none() -> None:
     lists = Values("list", pa.array([[1.0, 2.0], [], [3.0]], pa.list_(pa.float64())))
     assert lists.row(0).tolist() == [1.0, 2.0] and lists.row(2).dtype == np.float32
     assert Values("string", pa.array(["héllo"])).row(0).tobytes() == "héllo".encode()
+
+
+def test_an_optional_default_is_the_array_a_value_of_its_column_gives() -> None:
+    def made(kind: str, type_: str, value: object) -> np.ndarray:
+        return default_value(ColumnKind("c", kind, type_), value)
+
+    assert made("string", "string", "café").tobytes() == "café".encode()
+    assert made("binary", "binary", b"").dtype == np.uint8 and made("image", "x", b"").size == 0
+    assert made("int", "int8", 7).tolist() == [7] and made("int", "int8", 7).dtype == np.int64
+    assert made("float", "double", 0.5).dtype == np.float32
+    assert made("list", "list<item: float>", []).dtype == np.float32
+    assert made("list", "list<item: int32>", [1, 2]).tolist() == [1, 2]
+    with pytest.raises(TypeError, match=r"optional\['c'\] must be an int \(column 'c' is int8\)"):
+        made("int", "int8", "seven")
+    with pytest.raises(TypeError, match=r"must be bytes or a str"):
+        made("string", "string", 3)
+    with pytest.raises(TypeError, match=r"must be a number"):
+        made("float", "float", True)

@@ -13,6 +13,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from workers.sources.parquet._plan import open_plan  # noqa: E402
 from workers.sources.parquet._reader import ParquetLoader, SparseFile  # noqa: E402
+from workers.sources.plan import Defaulted  # noqa: E402
 
 
 def test_rows_come_from_one_read_per_row_group_of_the_requested_columns(tmp_path: Path) -> None:
@@ -52,3 +53,19 @@ def test_a_sparse_file_names_a_read_outside_what_it_holds() -> None:
     sparse.seek(50)
     with pytest.raises(OSError, match=r"f\.parquet: bytes 50-52 were not read"):
         sparse.read(2)
+
+
+def test_a_null_in_an_optional_column_gives_its_default_and_says_so(tmp_path: Path) -> None:
+    captions = ["a", None, "c", None]
+    table = pa.table({"caption": captions, "score": [1.0, 2.0, None, 4.0]})
+    pq.write_table(table, tmp_path / "a.parquet")
+    plan = open_plan(str(tmp_path / "a.parquet"), ("caption", "score"))
+    load = ParquetLoader(plan, optional={"caption": "-"})
+    first, second = load(0), load(1)
+    assert not isinstance(first, Defaulted) and first[0].tobytes() == b"a"
+    assert isinstance(second, Defaulted) and second.members == ("caption",)
+    assert second[0].tobytes() == b"-" and second[1].tolist() == [2.0]
+    with pytest.raises(ValueError, match=r"row 2: column 'score' is null; .*optional=\{'score'"):
+        load(2)  # (a required column)
+    with pytest.raises(ValueError, match=r"optional names 'text', which is not among columns="):
+        ParquetLoader(plan, optional={"text": b""})
