@@ -40,6 +40,12 @@ _UNDECODABLE = re.compile(
 )
 
 
+#: a sample of a tar shard cut short since it was indexed (found by a read, on a store whose
+#: start made no listing): data known lost, accounted like a shard's ``left_out`` samples, so
+#: not counted against ``max_skipped`` (local shards, listed at the start, never plan them)
+_LEFT_OUT = re.compile(r"is left out: the shard was truncated since it was indexed")
+
+
 def _kind_of(inside: bool, reason: str) -> tuple[str, str]:
     """(kind, the missing member) of a skip: ``inside`` DALI or ``step`` (its batch failed
     there), else its ``load`` raised (or hung); ``reason``: the finder's words."""
@@ -133,13 +139,19 @@ class Healing:
 
     def delivered(self, info: wire.BatchReady, total: int) -> SkipLimitError | None:
         """Count a delivered batch's skipped samples; more than ``max_skipped`` in an epoch is
-        the error to raise, naming each of them by the kind of failure that made it a skip."""
+        the error to raise, naming each of them by the kind of failure that made it a skip.
+        Samples left out of a shard found truncated since it was indexed are not counted (the
+        warning that named the shard accounts for them, as for a shard listed damaged)."""
         for index, name in zip(info.skipped, info.skipped_names, strict=True):
             self.skipped.setdefault(index, name)
         epoch, skips = self._epoch_skips
         if epoch != info.epoch:
             skips = []
-        skips.extend(zip(info.skipped, info.skipped_names, strict=True))
+        skips.extend(
+            (index, name)
+            for index, name in zip(info.skipped, info.skipped_names, strict=True)
+            if not _LEFT_OUT.search(self.reasons.get(index, (False, ""))[1])
+        )
         self._epoch_skips = (info.epoch, skips)
         limit = self.max_skipped
         default = limit is None

@@ -196,6 +196,31 @@ def test_the_skip_limit_error_names_each_skip_by_its_kind_and_what_to_do() -> No
     assert "pipeline bug" not in text
 
 
+def test_samples_left_out_of_a_shard_truncated_since_indexed_do_not_count() -> None:
+    """A shard found cut short by a read (S3 after the index command: no listing at the start)
+    leaves its planned samples past the damage out, each skipped where it was planned: known
+    lost data, as a damaged shard listed at the start is, so not against ``max_skipped``."""
+    healing = _healing(on_error="skip", max_skipped=2)
+    snapshot = view(1, Running(0), epoch=0)
+    lost = tuple(range(10, 22))
+    for index in lost:
+        reason = (
+            f"load raised ValueError: s3://b/t-000002.tar: sample 's{index}' is left out: the "
+            "shard was truncated since it was indexed (its first 4 samples are whole)"
+        )
+        healing.samples_failed(
+            snapshot, wire.SamplesFailed(0, 0, (index,), (f"t-2:{index}",), reason, exits=False)
+        )
+    names = tuple(f"t-2:{index}" for index in lost)
+    assert healing.delivered(batch(0, skipped=lost, skipped_names=names), 100) is None
+    assert set(lost) <= set(healing.skipped)  # (still named as skipped)
+    other = wire.SamplesFailed(0, 1, (30, 31, 32), ("a", "b", "c"), "load raised OSError", False)
+    healing.samples_failed(snapshot, other)
+    error = healing.delivered(batch(1, skipped=(30, 31, 32), skipped_names=("a", "b", "c")), 100)
+    assert isinstance(error, SkipLimitError)
+    assert str(error).startswith("3 samples were skipped in epoch 0, more than max_skipped=2:")
+
+
 def reasons_names(
     reasons: list[tuple[int, str, str, bool]], first: int, last: int
 ) -> tuple[str, ...]:
