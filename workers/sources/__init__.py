@@ -38,6 +38,7 @@ from ._datasets import Definition, FilesDataset, ParquetDataset, SamplesDataset,
 from ._mix import MixDataset, sharded_mix
 from ._sharded import sharded_files, sharded_parquet, sharded_source, sharded_tars
 from .files import MAX_IMAGE_PIXELS, ImageTooLargeError, list_files
+from .parquet import ParquetProgress, index_parquet, names_parquet
 from .plan import (
     REPORT_PROGRESS,
     SKIP_DAMAGED,
@@ -72,6 +73,7 @@ __all__ = [
     "IndexProgress",
     "MixDataset",
     "ParquetDataset",
+    "ParquetProgress",
     "SampleControl",
     "SamplesDataset",
     "StorageFailure",
@@ -82,7 +84,9 @@ __all__ = [
     "describe_difference",
     "every_shard_steps",
     "index_dataset",
+    "index_parquet",
     "list_files",
+    "names_parquet",
     "plan_epoch",
     "shard_batches",
     "shard_indices",
