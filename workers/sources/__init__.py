@@ -56,7 +56,7 @@ from .plan import (
     steps_left,
     steps_per_epoch,
 )
-from .storage import StorageFailure, StorageLibraryError, check_storage_libraries
+from .storage import StorageFailure, StorageLibraryError, check_storage_libraries, reads_so_far
 from .tars import Progress as IndexProgress
 from .tars import index_dataset, write_tars
 
@@ -88,6 +88,7 @@ __all__ = [
     "list_files",
     "names_parquet",
     "plan_epoch",
+    "reads_so_far",
     "shard_batches",
     "shard_indices",
     "shard_steps",

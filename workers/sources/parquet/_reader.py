@@ -27,7 +27,14 @@ from typing import Any
 import numpy as np
 
 from ..files import ImageTooLargeError, over_limit
-from ..storage import IdentityChanged, StorageFailure, is_url, storage_failure, storage_for
+from ..storage import (
+    IdentityChanged,
+    StorageFailure,
+    count_read,
+    is_url,
+    storage_failure,
+    storage_for,
+)
 from ._arrow import pyarrow_modules
 from ._columns import Values, values_of
 from ._footers import read_footer_bytes
@@ -203,6 +210,7 @@ class ParquetLoader:
         with self._lock:
             self.requests += 1
             self.bytes_read += end - start
+        count_read(1, 1, end - start)
         return data
 
     def _read_unit(self, unit: int) -> list[Values]:
@@ -310,6 +318,7 @@ class ParquetLoader:
         with self._lock:
             self.requests += 1
             self.bytes_read += len(data)
+        count_read(0, 1, len(data))
         return np.frombuffer(data, np.uint8)
 
     def _check_pixels(self, value: np.ndarray[Any, Any], index: int, column: str) -> None:
