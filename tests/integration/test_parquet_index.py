@@ -164,7 +164,8 @@ def test_a_local_summary_that_lies_is_named_with_the_command_that_mends_it(
     assert [len(row[4]) for row in document["files"]] == [2, 2]
     document["files"][1][4][0][0] = 11  # (a row group's rows, edited)
     summary.write_text(json.dumps(document))
-    with pytest.raises(Exception, match=r"summary .* is wrong about .*train-00001\.parquet.*--force"):
+    lies = r"summary .* is wrong about .*train-00001\.parquet.*--force"
+    with pytest.raises(Exception, match=lies):
         with local_loader(directory) as loader:
             next(iter(loader))
     assert cli(["index", str(directory), "--force"]) == 0
@@ -187,3 +188,45 @@ def test_a_local_file_rewritten_after_the_index_is_named_and_read_as_it_is(
     assert seen == list(range(20)) + list(range(20, 50))
     told = [str(w.message) for w in caught if "stale" in str(w.message)]
     assert told and "train-00001.parquet" in told[0] and "python -m loader index" in told[0]
+
+
+def test_stats_count_the_row_groups_requests_and_bytes_of_an_epoch(tmp_path: Path) -> None:
+    """Over an epoch on S3 (the second: the first also holds the start's reads), ``stats()``
+    counts every row group once, one request each, and the bytes of the requested columns'
+    chunks (within 5%)."""
+    import pyarrow.parquet as pq
+
+    store = Store()
+    try:
+        paths = P.write_parquet(tmp_path / "data", [30, 20, 25], 10)
+        store.upload(paths)
+        groups = chunks = 0  # (8 row groups)
+        for path in paths:
+            meta = pq.ParquetFile(path).metadata
+            for k in range(meta.num_row_groups):
+                groups += 1
+                row_group = meta.row_group(k)
+                for c in range(row_group.num_columns):
+                    column = row_group.column(c)
+                    if column.path_in_schema in ("label", "id"):
+                        chunks += column.total_compressed_size
+        source = functools.partial(P.id_parquet, urls=store.url, storage_options=store.options)
+        with Loader(source, P.label_id_step, batch_size=4, num_workers=1, copy=True) as loader:
+            assert sorted(i for batch in loader for i in ids(batch)) == list(range(75))
+            first = loader.stats()
+            assert first.row_groups_read >= groups and first.bytes_read >= chunks
+            store.proxy.reset()
+            assert sorted(i for batch in loader for i in ids(batch)) == list(range(75))
+            second = loader.stats()
+            served = [s for s in store.proxy.records() if s.method == "GET"]
+        units = second.row_groups_read - first.row_groups_read
+        requests = second.read_requests - first.read_requests
+        nbytes = second.bytes_read - first.bytes_read
+        # (the next epoch's first row groups may be fetched ahead before this one's last batch)
+        assert groups <= units <= groups + 2, (units, groups)
+        assert requests == units <= len(served), served
+        largest = max(s.bytes for s in served)
+        assert 0.95 * chunks <= nbytes <= 1.05 * chunks + (units - groups) * largest
+        assert second.workers[0].row_groups_read == second.row_groups_read
+    finally:
+        store.close()
