@@ -178,17 +178,24 @@ class _Shown:
             print(flush=True)
 
 
+def _storage_options(args: argparse.Namespace) -> dict | str | None:
+    """``--storage-options`` parsed, or the error to print."""
+    if not args.storage_options:
+        return None
+    try:
+        options = json.loads(args.storage_options)
+    except json.JSONDecodeError as error:
+        return f"error: --storage-options is not JSON: {error}"
+    if not isinstance(options, dict):
+        return "error: --storage-options must be a JSON object"
+    return options
+
+
 def _index(args: argparse.Namespace) -> int:
-    options = None
-    if args.storage_options:
-        try:
-            options = json.loads(args.storage_options)
-        except json.JSONDecodeError as error:
-            print(f"error: --storage-options is not JSON: {error}", file=sys.stderr)
-            return 2
-        if not isinstance(options, dict):
-            print("error: --storage-options must be a JSON object", file=sys.stderr)
-            return 2
+    options = _storage_options(args)
+    if isinstance(options, str):
+        print(options, file=sys.stderr)
+        return 2
     for name in ("workers", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             print(f"error: --{name} must be >= 1", file=sys.stderr)

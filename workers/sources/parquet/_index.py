@@ -120,36 +120,8 @@ def index_parquet(
     if progress is not None:
         progress(state)
 
-    def read(number: int) -> tuple[int, FileEntry | str]:
-        url, identity = files[number], identities[number]
-        try:
-            data = read_footer_bytes(storage, url, identity[0])
-            return number, entry_of(identity, data, parse_footer(url, data))
-        except (OSError, ValueError, EOFError) as error:
-            return number, f"{url}: {type(error).__name__}: {error}"
-
     try:
-        with ThreadPoolExecutor(workers, "parquet-index") as pool:
-            pending: set[Future[tuple[int, FileEntry | str]]] = set()
-            queue = iter(todo)
-            while True:
-                for number in queue:
-                    pending.add(pool.submit(read, number))
-                    if len(pending) >= 4 * workers:
-                        break
-                if not pending:
-                    break
-                finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    number, found = future.result()
-                    state.done += 1
-                    if isinstance(found, str):
-                        state.failed.append(found)
-                        continue
-                    entries[number] = found
-                    state.read_bytes += len(found.footer)
-                if progress is not None:
-                    progress(state)
+        _read_footers(storage, files, identities, todo, workers, entries, state, progress)
     finally:
         if entries:
             _save(storage, files, identities, entries, old, listings, state)
@@ -158,6 +130,49 @@ def index_parquet(
     if progress is not None:
         progress(state)
     return state
+
+
+def _read_footers(
+    storage: Storage,
+    files: list[str],
+    identities: list[Any],
+    todo: list[int],
+    workers: int,
+    entries: dict[int, FileEntry],
+    state: ParquetProgress,
+    progress: Callable[[ParquetProgress], None] | None,
+) -> None:
+    """Read the footers of files ``todo``, ``workers`` at once, into ``entries``."""
+
+    def read(number: int) -> tuple[int, FileEntry | str]:
+        url, identity = files[number], identities[number]
+        try:
+            data = read_footer_bytes(storage, url, identity[0])
+            return number, entry_of(identity, data, parse_footer(url, data))
+        except (OSError, ValueError, EOFError) as error:
+            return number, f"{url}: {type(error).__name__}: {error}"
+
+    with ThreadPoolExecutor(workers, "parquet-index") as pool:
+        pending: set[Future[tuple[int, FileEntry | str]]] = set()
+        queue = iter(todo)
+        while True:
+            for number in queue:
+                pending.add(pool.submit(read, number))
+                if len(pending) >= 4 * workers:
+                    break
+            if not pending:
+                break
+            finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            for future in finished:
+                number, found = future.result()
+                state.done += 1
+                if isinstance(found, str):
+                    state.failed.append(found)
+                    continue
+                entries[number] = found
+                state.read_bytes += len(found.footer)
+            if progress is not None:
+                progress(state)
 
 
 def _save(

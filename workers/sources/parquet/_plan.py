@@ -323,19 +323,7 @@ def open_plan(
     listings, summaries = Listings(storage), Summaries(storage)
     files = list_parquet(urls, storage, listings, summaries)
     entries = [summaries.entry(url) for url in files]
-    try:
-        if storage.local:
-            identities = listings.identities(files)
-        else:
-            missing = [url for url, entry in zip(files, entries, strict=True) if entry is None]
-            listed = iter(listings.identities(missing))
-            identities = [
-                entry[0].identity if entry is not None else next(listed) for entry in entries
-            ]
-    except StorageFailure:
-        raise
-    except FileNotFoundError as error:
-        raise FileNotFoundError(f"{error.strerror or error}") from None
+    identities = _identities(storage, listings, files, entries)
     stale = [
         (url, entry[0], identity)
         for url, entry, identity in zip(files, entries, identities, strict=True)
@@ -376,6 +364,23 @@ def open_plan(
     plan.summary_footers = {number: entry.footer for number, (entry, _w) in fresh.items()}
     plan.vouched = [fresh[n][1] if n in fresh else None for n in range(len(files))]
     return plan
+
+
+def _identities(
+    storage: Storage, listings: Listings, files: list[str], entries: list[Any]
+) -> list[Identity]:
+    """Each file's (size, version): a local one's from the disk, a remote one's from the
+    summary's entry (checked by the reads) or else from its directory's listing."""
+    try:
+        if storage.local:
+            return listings.identities(files)
+        missing = [url for url, entry in zip(files, entries, strict=True) if entry is None]
+        listed = iter(listings.identities(missing))
+        return [entry[0].identity if entry is not None else next(listed) for entry in entries]
+    except StorageFailure:
+        raise
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{error.strerror or error}") from None
 
 
 def _summarised(url: str, entry: FileEntry, where: str, given: Any) -> Any:
