@@ -405,6 +405,9 @@ class BatchReady:
     timing: StageTimes = NO_STAGE_TIMES  # where the worker's time went around this batch
     #: (member, rows) of the optional members this batch's real rows hold the default of
     defaulted: tuple[tuple[str, int], ...] = ()
+    #: what the worker's sources have read since it started: (units -- Parquet row groups --,
+    #: ranged requests, bytes)
+    reads: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -584,9 +587,9 @@ FRAME_PICKLED = 0  #: payload: a pickled record
 FRAME_BATCH = 1
 FRAME_RELEASE = 2  #: payload: ``(slot, generation)`` pairs as little-endian int64
 
-#: epoch, step, arena_id, slot, generation, nbytes, padded, blocked_ns, busy_ns, layout bytes,
-#: random state bytes
-_BATCH = struct.Struct("<qqiiqqiqqIH")
+#: epoch, step, arena_id, slot, generation, nbytes, padded, blocked_ns, busy_ns, the reads (units,
+#: requests, bytes), layout bytes, random state bytes
+_BATCH = struct.Struct("<qqiiqqiqqqqqIH")
 #: a batch's StageTimes, its fields in order (an int64 each)
 TIMING = struct.Struct(f"<{len(TIME_FIELDS)}q")
 #: per output: offset, nbytes, dense, ndim, samples, then the byte lengths of name, dtype, layout
@@ -630,6 +633,7 @@ class BatchCodec:
                     message.padded,
                     message.blocked_ns,
                     message.busy_ns,
+                    *message.reads,
                     len(layout),
                     len(random),
                 )
@@ -647,9 +651,22 @@ class BatchCodec:
         """The record of a binary frame whose payload is ``buffer[start:end]``."""
         try:
             if kind == FRAME_BATCH:
-                epoch, step, arena, slot, generation, nbytes, padded, blocked, busy, size, extra = (
-                    _BATCH.unpack_from(buffer, start)
-                )
+                (
+                    epoch,
+                    step,
+                    arena,
+                    slot,
+                    generation,
+                    nbytes,
+                    padded,
+                    blocked,
+                    busy,
+                    units,
+                    requests,
+                    read_bytes,
+                    size,
+                    extra,
+                ) = _BATCH.unpack_from(buffer, start)
                 timing = StageTimes._make(TIMING.unpack_from(buffer, start + _BATCH.size))
                 layout_start = start + _BATCH.size + TIMING.size
                 layout_end = layout_start + size
@@ -670,6 +687,7 @@ class BatchCodec:
                     busy,
                     random=random,
                     timing=timing,
+                    reads=(units, requests, read_bytes),
                 )
             if kind == FRAME_RELEASE:
                 count = (end - start) // 8

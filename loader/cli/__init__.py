@@ -1,8 +1,9 @@
-"""The command line: ``python -m loader`` (the main job, :mod:`._job`) and ``python -m loader
-doctor`` (:mod:`._doctor`), over the job's flags they share (:mod:`._flags`). The only layer that
-prints.
+"""The command line: ``python -m loader`` (the main job, :mod:`._job`), ``python -m loader
+doctor`` (:mod:`._doctor`), over the job's flags they share (:mod:`._flags`), and ``python -m
+loader index`` (a dataset's summary written beside it, tar shards or Parquet files: the command
+of :mod:`loader.tars`). The only layer that prints.
 
-May import: the public face (``loader``, ``loader.sample``), observation
+May import: the public face (``loader``, ``loader.sample``, ``loader.tars``), observation
 (``loader.observe``) and configuration (``loader.config``); nothing imports it but
 ``loader.__main__``.
 """
@@ -18,8 +19,12 @@ __all__ = ["doctor", "main", "run_job"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m loader [doctor] ...``: the exit status."""
+    """``python -m loader [doctor | index] ...``: the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["doctor"]:
         return doctor(argv[1:])
+    if argv[:1] == ["index"]:
+        from loader.tars import main as tars_main
+
+        return tars_main(argv, prog="python -m loader")
     return run_job(argv)

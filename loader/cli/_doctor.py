@@ -318,7 +318,12 @@ def _doctor(args: argparse.Namespace, rank: int, world: int) -> int:
     recent = stats.recent_trainer
     rate = recent.batches / recent.loop if recent.loop > 0 else 0.0
     alone = measure_headspace(kept, train_step, max(1, recent.batches)) if kept else None
-    mine = {"rate": rate, "batches": batches, "alone": alone}
+    mine = {
+        "rate": rate,
+        "batches": batches,
+        "alone": alone,
+        "reads": (stats.row_groups_read, stats.read_requests, stats.bytes_read),
+    }
     gathered = distributed.gather(mine) or [mine]
     if rank == 0:
         no_step = args.headspace > 0 and not _headspace_batches(args)
@@ -343,6 +348,12 @@ def _print_report(
         who = f"rank {index}: " if len(ranks) > 1 else ""
         rate = figures["rate"]
         print(f"  {who}with the loader: {rate:.1f} batches/s ({figures['batches']} batches)")
+        units, requests, nbytes = figures.get("reads", (0, 0, 0))
+        if requests:
+            print(
+                f"  {who}read: {units} row groups in {requests} requests, "
+                f"{nbytes / 1e6:,.1f} MB (stats().row_groups_read, read_requests, bytes_read)"
+            )
         alone = figures["alone"]
         if alone is not None:
             print(

@@ -130,6 +130,15 @@ class WorkerCounters:
     rebuilds: int = 0
     trace_seconds: list[float] = field(default_factory=list)
     restarts: int = 0
+    #: what the worker's sources read (units, requests, bytes): the latest batch's report of
+    #: its process, over ``reads_before`` (the processes it replaced)
+    reads: tuple[int, int, int] = (0, 0, 0)
+    reads_before: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def total_reads(self) -> tuple[int, int, int]:
+        a, b = self.reads, self.reads_before
+        return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +268,8 @@ class WorkerSession:
     def count_restart(self) -> None:
         """A replacement of this worker counts against ``max_restarts`` (``stats()`` shows it)."""
         self._counters.restarts += 1
+        self._counters.reads_before = self._counters.total_reads
+        self._counters.reads = (0, 0, 0)
 
     def close(self) -> None:
         """The pool closes: queued batches and slot regions go, a live worker is stopped."""
@@ -464,6 +475,7 @@ class WorkerSession:
         counters.bytes += message.nbytes
         counters.blocked_ns += message.blocked_ns
         counters.busy_ns += message.busy_ns
+        counters.reads = message.reads
         return True
 
     def on_signature(self, message: wire.Signature) -> None:

@@ -113,6 +113,11 @@ class WorkerStats:
     bytes: int
     restarts: int = 0  # times this worker's process was replaced
     stages: Stages = _NO_STAGES  # since the start
+    #: what its sources read for their samples since the start (Parquet: row groups read, the
+    #: ranged requests and their bytes; footers and listings not counted)
+    row_groups_read: int = 0
+    read_requests: int = 0
+    bytes_read: int = 0
     recent: Stages = _NO_STAGES  # over the last LoaderStats.window_seconds
 
 
@@ -152,6 +157,11 @@ class LoaderStats:
     #: optional members (``optional=`` of tars) given their default, by member: the real rows
     #: handed out so far that lacked it (a sample delivered in two epochs counts twice)
     defaulted: Mapping[str, int] = field(default_factory=dict)
+    #: what the workers' sources read for their samples, all workers together (Parquet: row
+    #: groups read, ranged requests and their bytes; see :class:`WorkerStats`)
+    row_groups_read: int = 0
+    read_requests: int = 0
+    bytes_read: int = 0
 
     @property
     def samples_per_second(self) -> float:
@@ -473,6 +483,9 @@ def worker_stats(
         batches_per_second=counters.steps / busy if busy > 0 else 0.0,
         bytes=counters.bytes,
         restarts=counters.restarts,
+        row_groups_read=counters.total_reads[0],
+        read_requests=counters.total_reads[1],
+        bytes_read=counters.total_reads[2],
         stages=Stages() if track is None else track.total(),
         recent=Stages() if track is None else track.window(*span),
     )
@@ -517,4 +530,7 @@ def snapshot(
         cpus=cpus,
         limits=read_limits(),
         defaulted=dict(trainer.defaulted),
+        row_groups_read=sum(w.row_groups_read for w in workers),
+        read_requests=sum(w.read_requests for w in workers),
+        bytes_read=sum(w.bytes_read for w in workers),
     )

@@ -14,6 +14,11 @@ beside it; then the summary is written beside the shards (a job writes neither t
 asked: ``publish_index=True``). Run it again to finish an
 interrupted run: what is done is not done again. After it, a worker's start costs a few requests
 whatever the number of shards, on every node.
+
+The same command indexes a Parquet dataset (the URLs name ``*.parquet`` files, a glob of them, or
+a directory holding them): it reads every file's footer (``--threads`` at once, local files
+too) and writes the files' summary, ``loader-parquet-summary.json``, beside them, so that a
+job's start reads no footer and no listing. ``python -m loader index`` is the same command.
 """
 
 from __future__ import annotations
@@ -27,21 +32,24 @@ from collections.abc import Sequence
 from ipc.limits import usable_cpus
 from workers import (
     IndexProgress,
+    ParquetProgress,
     StorageLibraryError,
     check_storage_libraries,
     index_dataset,
+    index_parquet,
+    names_parquet,
     write_tars,
 )
 
 _COMMANDS = ("write", "index")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m loader.tars") -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in (*_COMMANDS, "-h", "--help"):
         args.insert(0, "write")  # (the form without a command writes, as it always did)
     parser = argparse.ArgumentParser(
-        prog="python -m loader.tars",
+        prog=prog,
         description="Write WebDataset tar shards, or index a dataset of them once.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
@@ -69,9 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _index_arguments(
         commands.add_parser(
             "index",
-            help="index every shard of a dataset once: .idx beside each, and the summary",
+            help="index a dataset once (tar shards or Parquet files): its summary beside it",
             description="Index every shard (DALI's wds2idx .idx beside each) and write the "
-            "shards' summary beside them, so that workers start with a few requests on any node.",
+            "shards' summary beside them, or read every Parquet file's footer and write the "
+            "files' summary beside them, so that workers start with a few requests on any node.",
         )
     )
     parsed = parser.parse_args(args)
@@ -84,7 +93,8 @@ def _index_arguments(index: argparse.ArgumentParser) -> None:
     index.add_argument(
         "urls",
         nargs="+",
-        help="shard paths or URLs; brace patterns like 's3://b/train-{000000..001023}.tar'",
+        help="shard paths or URLs; brace patterns like 's3://b/train-{000000..001023}.tar'; "
+        "or Parquet files: paths, a directory, a glob, URLs",
     )
     index.add_argument(
         "--storage-options",
@@ -101,7 +111,7 @@ def _index_arguments(index: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="remote shards: shards indexed at once, by threads (default 32)",
+        help="remote shards, and Parquet files: indexed at once, by threads (default 32)",
     )
     index.add_argument(
         "--force", action="store_true", help="scan every shard again, whatever exists"
@@ -168,17 +178,24 @@ class _Shown:
             print(flush=True)
 
 
+def _storage_options(args: argparse.Namespace) -> dict | str | None:
+    """``--storage-options`` parsed, or the error to print."""
+    if not args.storage_options:
+        return None
+    try:
+        options = json.loads(args.storage_options)
+    except json.JSONDecodeError as error:
+        return f"error: --storage-options is not JSON: {error}"
+    if not isinstance(options, dict):
+        return "error: --storage-options must be a JSON object"
+    return options
+
+
 def _index(args: argparse.Namespace) -> int:
-    options = None
-    if args.storage_options:
-        try:
-            options = json.loads(args.storage_options)
-        except json.JSONDecodeError as error:
-            print(f"error: --storage-options is not JSON: {error}", file=sys.stderr)
-            return 2
-        if not isinstance(options, dict):
-            print("error: --storage-options must be a JSON object", file=sys.stderr)
-            return 2
+    options = _storage_options(args)
+    if isinstance(options, str):
+        print(options, file=sys.stderr)
+        return 2
     for name in ("workers", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             print(f"error: --{name} must be >= 1", file=sys.stderr)
@@ -189,6 +206,13 @@ def _index(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     urls = args.urls[0] if len(args.urls) == 1 else args.urls
+    try:
+        parquet = names_parquet(urls, options)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if parquet:
+        return _index_parquet(args, urls, options)
     processes = args.workers or usable_cpus()
     print(f"indexing {' '.join(args.urls)}", flush=True)
     try:
@@ -226,3 +250,65 @@ def _index(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 1 if state.failed or state.not_beside else 0
+
+
+class _ShownParquet:
+    """Prints a Parquet index run's progress: one line every few seconds."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self.last = 0.0
+        self.ended = self.headed = False
+
+    def __call__(self, state: ParquetProgress) -> None:
+        now = time.monotonic()
+        if not self.headed:
+            self.headed = True
+            print(f"{state.total} files, {state.up_to_date} up to date; {state.pool}", flush=True)
+        final = state.finished == state.total
+        if self.ended or (not final and now - self.last < (0.5 if self.tty else 5.0)):
+            return
+        self.ended = final
+        self.last = now
+        elapsed = now - state.started
+        left = state.total - state.finished
+        eta = elapsed / state.done * left if state.done else 0.0
+        line = (
+            f"[{state.finished:>{len(str(state.total))}}/{state.total}] "
+            f"{100 * state.finished / max(1, state.total):5.1f}%  read {state.done} footers "
+            f"({state.read_bytes / 1e6:,.1f} MB), {state.up_to_date} up to date"
+            + (f", {len(state.failed)} failed" if state.failed else "")
+            + (f"  eta {eta:,.0f} s" if left and state.done else "")
+        )
+        print(("\r" + line + ("\n" if final else "")) if self.tty else line, end="", flush=True)
+        if not self.tty:
+            print(flush=True)
+
+
+def _index_parquet(args: argparse.Namespace, urls: str | list[str], options: dict | None) -> int:
+    print(f"indexing the Parquet files of {' '.join(args.urls)}", flush=True)
+    started = time.monotonic()
+    try:
+        state = index_parquet(
+            urls, options, threads=args.threads, force=args.force, progress=_ShownParquet()
+        )
+    except KeyboardInterrupt:
+        print("\ninterrupted: run the same command again to finish", file=sys.stderr)
+        return 130
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for failure in state.failed:
+        print(f"failed: {failure}", file=sys.stderr)
+    print(
+        f"{state.total - len(state.failed)} of {state.total} files indexed "
+        f"({state.rows:,} rows in {state.row_groups:,} row groups) in "
+        f"{time.monotonic() - started:.1f} s; summary: {', '.join(state.summaries) or 'none'}"
+    )
+    if state.failed:
+        print(
+            f"error: {len(state.failed)} file(s) could not be indexed: rewrite or drop them, "
+            "then run this again",
+            file=sys.stderr,
+        )
+    return 1 if state.failed else 0

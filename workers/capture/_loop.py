@@ -43,7 +43,7 @@ from ipc import ChannelClosed, ControlChannel, wire
 from ipc.wire import Position
 
 from .. import dali, startup
-from ..sources import REPORT_PROGRESS, SampleControl
+from ..sources import REPORT_PROGRESS, SampleControl, reads_so_far
 from ..spec import Shard, WorkerSpec
 from ..transport import BatchClock, Publisher, Signature, failure, normalize_outputs
 from ._capture_loops import CaptureLoops
@@ -336,6 +336,7 @@ class Worker:
             random,
             self.clock,
             defaulted,
+            reads_so_far(),
         )
         self.native_lines.batch_done()
         return True

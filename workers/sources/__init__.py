@@ -38,6 +38,7 @@ from ._datasets import Definition, FilesDataset, ParquetDataset, SamplesDataset,
 from ._mix import MixDataset, sharded_mix
 from ._sharded import sharded_files, sharded_parquet, sharded_source, sharded_tars
 from .files import MAX_IMAGE_PIXELS, ImageTooLargeError, list_files
+from .parquet import ParquetProgress, index_parquet, names_parquet
 from .plan import (
     REPORT_PROGRESS,
     SKIP_DAMAGED,
@@ -55,7 +56,7 @@ from .plan import (
     steps_left,
     steps_per_epoch,
 )
-from .storage import StorageFailure, StorageLibraryError, check_storage_libraries
+from .storage import StorageFailure, StorageLibraryError, check_storage_libraries, reads_so_far
 from .tars import Progress as IndexProgress
 from .tars import index_dataset, write_tars
 
@@ -72,6 +73,7 @@ __all__ = [
     "IndexProgress",
     "MixDataset",
     "ParquetDataset",
+    "ParquetProgress",
     "SampleControl",
     "SamplesDataset",
     "StorageFailure",
@@ -82,8 +84,11 @@ __all__ = [
     "describe_difference",
     "every_shard_steps",
     "index_dataset",
+    "index_parquet",
     "list_files",
+    "names_parquet",
     "plan_epoch",
+    "reads_so_far",
     "shard_batches",
     "shard_indices",
     "shard_steps",

@@ -81,6 +81,7 @@ class Publisher:
         random: wire.RandomStates = b"",
         clock: BatchClock | None = None,
         defaulted: tuple[tuple[str, int], ...] = (),
+        reads: tuple[int, int, int] = (0, 0, 0),
     ) -> None:
         """Copy one batch into a free slot, one packed copy per output, then send its
         descriptor (with ``random``, the random generators' states after its step, and the
@@ -111,6 +112,7 @@ class Publisher:
                 random=random,
                 timing=timing,
                 defaulted=defaulted,
+                reads=reads,
             )
         )
 

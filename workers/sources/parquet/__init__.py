@@ -10,6 +10,10 @@ worker.
   the unit an epoch's order deals, each with the byte range of the requested columns.
 * ``_footers``: footers read once per node (remote ones kept in the node's cache).
 * ``_reader``: ``load(index)``: a row group read with one ranged read, ahead of its need.
+* ``_summary``: the summary of a directory of Parquet files (``loader-parquet-summary.json``),
+  read at a start in place of the listing and the footers.
+* ``_index``: what the index command runs for Parquet files: footers read on threads, the
+  summary written beside them.
 * ``_ipc``: a ``datasets.Dataset``'s memory-mapped Arrow files, read where they lie.
 
 :func:`open_parquet_source` opens one for a shard: the plan, the loader and the epoch orders
@@ -23,6 +27,7 @@ Never DALI, never ``loader``.
 """
 
 from ._arrow import EXTRA_HINT
+from ._index import ParquetProgress, index_parquet, names_parquet
 from ._ipc import ArrowFiles, arrow_files_of
 from ._open import WINDOW_BYTES, open_parquet_source
 
@@ -30,6 +35,9 @@ __all__ = [
     "EXTRA_HINT",
     "WINDOW_BYTES",
     "ArrowFiles",
+    "ParquetProgress",
     "arrow_files_of",
+    "index_parquet",
+    "names_parquet",
     "open_parquet_source",
 ]

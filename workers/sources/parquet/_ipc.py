@@ -88,6 +88,8 @@ class ArrowPlan(ParquetPlan):
         self.kinds = checked_schemas(urls, schemas, columns)
         self.storage = storage_for(urls[0])
         self.identities = self.storage.identities(urls)
+        self.vouched = [None] * len(urls)
+        self.summary_footers = {}
         self.footers: list[Any] = []
         self.damaged: list[str] = []
         names = [kind.name for kind in self.kinds]

@@ -17,6 +17,12 @@ A row group whose chunks lie outside its file (a truncated or rewritten file) is
 error naming the file, the row group and the byte range; under ``on_error="skip"`` it is left out
 of every epoch and listed in ``stats().left_out``.
 
+With the directory's summary (:mod:`._summary`, written by ``python -m loader index``), the
+plan reads neither the listing of a remote directory nor any footer: one request (once per node)
+for every file the summary covers, each file's identity then checked by the reads of its bytes.
+A local file's identity is asked of the disk (free): an entry that no longer fits its file is
+named and the file's footer read instead.
+
 Nothing is written anywhere: reading a dataset never writes beside it.
 """
 
@@ -43,10 +49,11 @@ from ..storage import (
     storage_failure,
     storage_for,
 )
-from ..tars import node_listing
+from ..tars import node_listing, node_read
 from ._arrow import pyarrow_modules
 from ._columns import ColumnKind, column_kinds
 from ._footers import node_footers, parse_footer, read_footer_bytes
+from ._summary import FileEntry, chunk_range, groups_of, index_command, read_summary, summary_url
 
 __all__ = ["ParquetPlan", "checked_schemas", "list_parquet", "open_plan", "read_footer"]
 
@@ -80,13 +87,45 @@ class Listings:
         return found
 
 
+class Summaries:
+    """Each directory's summary read once (a remote one once per node: :func:`node_read`)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._read: dict[str, tuple[dict[str, FileEntry], str] | None] = {}
+
+    def __call__(self, directory: str) -> tuple[dict[str, FileEntry], str] | None:
+        if directory not in self._read:
+            storage, url = self.storage, summary_url(self.storage, directory)
+            if storage.local:
+                try:
+                    stored: bytes | None = storage.read_all(url)
+                except FileNotFoundError:
+                    stored = None
+            else:
+                stored = node_read(storage, url)
+            self._read[directory] = read_summary(storage, directory, stored)
+        return self._read[directory]
+
+    def entry(self, url: str) -> tuple[FileEntry, str] | None:
+        """The summary's entry of the file ``url`` and the summary's place; None if none."""
+        storage = self.storage
+        found = self(storage.dirname(url))
+        if found is None:
+            return None
+        entry = found[0].get(storage.basename(url))
+        return None if entry is None else (entry, found[1])
+
+
 def list_parquet(
     urls: str | os.PathLike[str] | Sequence[str],
     storage: Storage,
     listings: Listings | None = None,
+    summaries: Summaries | None = None,
 ) -> list[str]:
     """The files ``urls`` names, in order: a directory gives its ``*.parquet`` files sorted by
-    name, a glob its matches sorted, a file itself."""
+    name (a remote one with a summary: the files the summary names, no listing), a glob its
+    matches sorted, a file itself."""
     found: list[str] = []
     listing = listings if listings is not None else storage.listing
     for item in expand_urls(urls):
@@ -98,6 +137,13 @@ def list_parquet(
                 found.extend(m if "://" in m else f"{protocol}://{m}" for m in matches)
                 if not matches:
                     raise FileNotFoundError(f"no file matches {item}")
+                continue
+            summary = None
+            if summaries is not None and not item.endswith(".parquet"):
+                summary = summaries(item.rstrip("/"))
+            if summary is not None and summary[0]:
+                names = sorted(n for n in summary[0] if n.endswith(".parquet"))
+                found.extend(storage.join(item.rstrip("/"), name) for name in names)
                 continue
             listed = listing(item)
             names = sorted(n for n in (listed or {}) if n.endswith(".parquet"))
@@ -132,13 +178,7 @@ def read_footer(storage: Storage, url: str, size: int) -> Any:
     return parse_footer(url, read_footer_bytes(storage, url, size))
 
 
-def _chunk_range(column: Any) -> tuple[int, int]:
-    """[start, end) of one column chunk's pages in its file."""
-    start = column.data_page_offset
-    dictionary = column.dictionary_page_offset
-    if column.has_dictionary_page and dictionary is not None and 0 < dictionary < start:
-        start = dictionary
-    return int(start), int(start + column.total_compressed_size)
+_chunk_range = chunk_range
 
 
 class ParquetPlan:
@@ -157,6 +197,11 @@ class ParquetPlan:
     ) -> None:
         self.urls, self.identities, self.footers = urls, identities, footers
         self.kinds, self.storage = kinds, storage
+        #: per file, the summary its identity and footer come from (not yet confirmed by the
+        #: store: a read checks it), or None where the store told them
+        self.vouched: list[str | None] = [None] * len(urls)
+        #: the footers' bytes the summary gave, by file (to tell a summary that lies)
+        self.summary_footers: dict[int, bytes] = {}
         wanted = {kind.name for kind in kinds}
         files, groups, rows, begins, ends = [], [], [], [], []
         self.damaged: list[str] = []
@@ -275,14 +320,22 @@ def open_plan(
             raise ValueError("no Parquet files: the list of paths/URLs is empty")
         first = listed_urls[0]
     storage = storage_for(first, storage_options, retries)
-    listings = Listings(storage)
-    files = list_parquet(urls, storage, listings)
-    try:
-        identities = listings.identities(files)
-    except StorageFailure:
-        raise
-    except FileNotFoundError as error:
-        raise FileNotFoundError(f"{error.strerror or error}") from None
+    listings, summaries = Listings(storage), Summaries(storage)
+    files = list_parquet(urls, storage, listings, summaries)
+    entries = [summaries.entry(url) for url in files]
+    identities = _identities(storage, listings, files, entries)
+    stale = [
+        (url, entry[0], identity)
+        for url, entry, identity in zip(files, entries, identities, strict=True)
+        if entry is not None and entry[0].identity != identity
+    ]
+    if stale:
+        _warn_stale(stale, entries, urls)
+    fresh = {
+        number: entry
+        for number, entry in enumerate(entries)
+        if entry is not None and entry[0].identity == identities[number]
+    }
 
     def footer(number: int) -> bytes:
         url = files[number]
@@ -293,10 +346,88 @@ def open_plan(
         except (OSError, EOFError) as error:
             raise storage_failure(url, error) from error
 
-    footers = node_footers(storage, files, identities, footer)
+    unread = [n for n in range(len(files)) if n not in fresh]
+    read = node_footers(
+        storage,
+        [files[n] for n in unread],
+        [identities[n] for n in unread],
+        lambda k: footer(unread[k]),
+    )
+    footers: list[Any] = [None] * len(files)
+    for number, parsed in zip(unread, read, strict=True):
+        footers[number] = parsed
+    for number, (entry, where) in fresh.items():
+        footers[number] = _summarised(files[number], entry, where, urls)
     schemas = [footer.schema.to_arrow_schema() for footer in footers]
     kinds = checked_schemas(files, schemas, columns)
-    return ParquetPlan(files, identities, footers, kinds, storage, skip_damaged)
+    plan = ParquetPlan(files, identities, footers, kinds, storage, skip_damaged)
+    plan.summary_footers = {number: entry.footer for number, (entry, _w) in fresh.items()}
+    plan.vouched = [fresh[n][1] if n in fresh else None for n in range(len(files))]
+    return plan
+
+
+def _identities(
+    storage: Storage, listings: Listings, files: list[str], entries: list[Any]
+) -> list[Identity]:
+    """Each file's (size, version): a local one's from the disk, a remote one's from the
+    summary's entry (checked by the reads) or else from its directory's listing."""
+    try:
+        if storage.local:
+            return listings.identities(files)
+        missing = [url for url, entry in zip(files, entries, strict=True) if entry is None]
+        listed = iter(listings.identities(missing))
+        return [entry[0].identity if entry is not None else next(listed) for entry in entries]
+    except StorageFailure:
+        raise
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{error.strerror or error}") from None
+
+
+def _summarised(url: str, entry: FileEntry, where: str, given: Any) -> Any:
+    """The footer of ``url`` kept in the summary ``where``: ``ValueError`` naming the summary
+    and the command that mends it when the entry's row groups are not its footer's."""
+    try:
+        footer = parse_footer(url, entry.footer)
+    except ValueError as error:
+        raise ValueError(
+            f"the summary {where} is wrong about {url}: {error}. Run "
+            f"{index_command(_shown(given), force=True)} (it reads the file's footer again and "
+            "rewrites its entry), then restart the job"
+        ) from None
+    if groups_of(footer) != entry.groups or int(footer.num_rows) != entry.rows:
+        raise ValueError(
+            f"the summary {where} is wrong about {url}: its row groups or rows are not those "
+            "of the footer it keeps for the file (the summary was edited, or written for other "
+            f"data). Run {index_command(_shown(given), force=True)} (it reads the file's footer "
+            "again and rewrites its entry), then restart the job"
+        )
+    return footer
+
+
+def _shown(given: Any) -> str | list[str]:
+    return os.fspath(given) if isinstance(given, (str, os.PathLike)) else [str(u) for u in given]
+
+
+def _warn_stale(
+    stale: list[tuple[str, FileEntry, Identity]], entries: Sequence[Any], given: Any
+) -> None:
+    """Name the files a summary is stale for (their footers are read instead)."""
+    import warnings
+
+    shown = ", ".join(
+        f"{posixpath.basename(url)} (size {entry.size} -> {identity[0]})"
+        if entry.size != identity[0]
+        else f"{posixpath.basename(url)} ({entry.version or 'no version'} -> "
+        f"{identity[1] or 'no version'})"
+        for url, entry, identity in stale[:5]
+    ) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+    where = next(entry[1] for entry in entries if entry is not None)
+    warnings.warn(
+        f"the summary {where} is stale: {len(stale)} file(s) changed since it was written: "
+        f"{shown}; their footers are read instead ({index_command(_shown(given))} rewrites "
+        "the summary)",
+        stacklevel=3,
+    )
 
 
 #: The plan this process opened last, and the arguments it opened it with.

@@ -28,10 +28,19 @@ import numpy as np
 
 from ..files import ImageTooLargeError, over_limit
 from ..plan import Defaulted
-from ..storage import IdentityChanged, StorageFailure, is_url, storage_failure, storage_for
+from ..storage import (
+    IdentityChanged,
+    StorageFailure,
+    count_read,
+    is_url,
+    storage_failure,
+    storage_for,
+)
 from ._arrow import pyarrow_modules
 from ._columns import Values, default_value, values_of
+from ._footers import read_footer_bytes
 from ._plan import ParquetPlan
+from ._summary import index_command
 
 __all__ = ["DamagedRowGroup", "ParquetLoader", "SparseFile", "optional_defaults"]
 
@@ -208,6 +217,14 @@ class ParquetLoader:
         try:
             data = storage.read(url, start, end, expect=identity if check else None)
         except IdentityChanged as error:
+            where = plan.vouched[file]
+            if where is not None:
+                raise StorageFailure(
+                    f"{url} changed since it was indexed ({error.expected} -> {error.found}): "
+                    f"the summary {where} that this job planned its epochs with is stale for "
+                    f"it. Run {index_command(plan.storage.dirname(url))} (it reads the changed "
+                    "file's footer and rewrites the summary), then restart the job"
+                ) from error
             raise StorageFailure(
                 f"{url} changed since the job planned its epochs ({error.expected} -> "
                 f"{error.found}): restart the job over the files as they are now"
@@ -219,6 +236,7 @@ class ParquetLoader:
         with self._lock:
             self.requests += 1
             self.bytes_read += end - start
+        count_read(1, 1, end - start)
         return data
 
     def _read_unit(self, unit: int) -> list[Values]:
@@ -235,6 +253,7 @@ class ParquetLoader:
             table = reader.read_row_group(group, columns=self.names, use_threads=False)
             return values_of(plan.kinds, table)
         except Exception as error:
+            self._check_summary(file)
             damaged = DamagedRowGroup(
                 f"{url}: row group {group} (bytes {begin}-{end}) cannot be read "
                 f"({type(error).__name__}: {error}); its {int(plan.counts[unit])} rows are "
@@ -243,6 +262,28 @@ class ParquetLoader:
             with self._lock:
                 self._damaged[unit] = damaged
             raise damaged from None
+
+    def _check_summary(self, file: int) -> None:
+        """A row group of ``file`` did not decode: when its footer came from a summary, read the
+        file's own footer; ``StorageFailure`` naming the summary (and the command that mends
+        it) when the two differ -- the summary lies, the file is not damaged."""
+        plan = self.plan
+        where = plan.vouched[file]
+        if where is None:
+            return
+        url = plan.urls[file]
+        try:
+            own = read_footer_bytes(plan.storage, url, plan.identities[file][0])
+        except (OSError, ValueError):
+            return
+        kept = plan.summary_footers.get(file)
+        if kept is not None and kept != own:
+            raise StorageFailure(
+                f"the summary {where} is wrong about {url}: the footer it keeps for the file "
+                "is not the file's (the summary was edited, or written for other data). Run "
+                f"{index_command(plan.storage.dirname(url), force=True)} (it reads the file's "
+                "footer again and rewrites its entry), then restart the job"
+            )
 
     def _values(self, unit: int) -> list[Values]:
         damaged = self._damaged.get(unit)
@@ -308,6 +349,7 @@ class ParquetLoader:
         with self._lock:
             self.requests += 1
             self.bytes_read += len(data)
+        count_read(0, 1, len(data))
         return np.frombuffer(data, np.uint8)
 
     def _check_pixels(self, value: np.ndarray[Any, Any], index: int, column: str) -> None:

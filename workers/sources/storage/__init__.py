@@ -20,6 +20,7 @@ from ._index_file import locked
 from ._index_file import read as read_index_file
 from ._index_file import write as write_index_file
 from ._libraries import StorageLibraryError, check_storage_libraries
+from ._reads import count_read, reads_so_far
 from ._storage import (
     AHEAD_BYTES,
     RETRIES,
@@ -41,11 +42,13 @@ __all__ = [
     "StorageLibraryError",
     "cache_dir",
     "check_storage_libraries",
+    "count_read",
     "expand_urls",
     "is_url",
     "local_path",
     "locked",
     "read_index_file",
+    "reads_so_far",
     "storage_failure",
     "storage_for",
     "write_index_file",

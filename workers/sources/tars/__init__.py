@@ -20,7 +20,7 @@ May import: the standard library, numpy, :mod:`workers.spec`, and the wings belo
 (through their faces).
 """
 
-from ._listing import node_listing
+from ._listing import node_listing, node_read
 from ._members import INTEGER_EXTS, parse_ext
 from ._order import TarOrder, TarOrders
 from ._reader import REMOTE_WINDOW, TarLoader, open_tar_source
@@ -38,6 +38,7 @@ __all__ = [
     "TarShards",
     "index_dataset",
     "node_listing",
+    "node_read",
     "open_shards",
     "open_tar_source",
     "parse_ext",

@@ -253,3 +253,24 @@ def _keep(path: Path, directory: str, value: Any) -> None:
                 if time.time() - old.stat().st_mtime > 2 * LISTING_FRESH:
                     old.unlink()
                     old.with_suffix(".lock").unlink()
+
+
+def node_read(storage: Storage, url: str) -> bytes | None:
+    """The bytes of the small object ``url`` (a summary), read once by the workers started
+    together and shared like :func:`node_listing`'s; None when there is none."""
+
+    def stored() -> bytes | None:
+        try:
+            return storage.read_all(url)
+        except FileNotFoundError:
+            return None
+
+    return _node_shared(
+        storage,
+        url,
+        "read-summary",
+        stored,
+        lambda data: data.decode("latin-1"),
+        lambda text: str(text).encode("latin-1"),
+        absent=True,
+    )

@@ -1,0 +1,237 @@
+"""The index command over Parquet files (``python -m loader index``): the summary it writes beside
+them makes a job's start cost the same requests at 3 and at 30 files (a real S3-protocol server,
+moto's on 127.0.0.1, behind a counting proxy; real s3fs in the workers); a file changed since is
+named; a summary that lies is named with the command that mends it; without a summary, a start
+reads the footers as before."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("datasets")
+pytest.importorskip("boto3")
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+from loader import Loader
+from loader.cli import main as cli
+from tests import parquet_pipelines as P
+
+pytestmark = pytest.mark.timeout(300)
+
+SUMMARY = "loader-parquet-summary.json"
+
+
+def ids(batch: Any) -> list[int]:
+    values = [int(v) for v in np.asarray(batch["id"]).ravel()]
+    return values[: len(values) - batch.info.padded]
+
+
+class Store:
+    """A bucket of its own on an S3-protocol server, behind a counting proxy."""
+
+    def __init__(self) -> None:
+        from bench._s3 import CountingProxy, S3Server
+
+        self.server = S3Server(threaded=True)
+        self.proxy = CountingProxy(self.server.endpoint)
+        self.bucket = f"pq-index-{uuid.uuid4().hex[:12]}"
+        self.server.bucket(self.bucket)
+        self.options = self.server.options(self.proxy.endpoint)
+        self.url = f"s3://{self.bucket}"
+
+    def upload(self, paths: list[Path]) -> None:
+        client = self.server.client()
+        try:
+            for path in paths:
+                client.upload_file(str(path), self.bucket, path.name)
+        finally:
+            client.close()
+
+    def index(self) -> int:
+        """``python -m loader index`` straight to the server (not counted)."""
+        options = json.dumps(self.server.options())
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", "index", self.url, "--storage-options", options],
+            capture_output=True,
+            text=True,
+        )
+        assert "files indexed" in done.stdout, done.stdout + done.stderr
+        return done.returncode
+
+    def loader(self) -> Loader:
+        source = functools.partial(P.id_parquet, urls=self.url, storage_options=self.options)
+        return Loader(source, P.label_id_step, batch_size=4, num_workers=1, copy=True)
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.server.close()
+
+
+def start_requests(tmp_path: Path, files: int) -> tuple[int, list[int]]:
+    """The requests a start makes before its first batch over ``files`` indexed files, and the
+    epoch's ids."""
+    store = Store()
+    try:
+        store.upload(P.write_parquet(tmp_path / f"data{files}", [20] * files, 10))
+        assert store.index() == 0
+        store.proxy.reset()
+        with store.loader() as loader:
+            iterator = iter(loader)
+            seen = ids(next(iterator))
+            before = store.proxy.records()
+            seen += [i for batch in iterator for i in ids(batch)]
+        # no listing and no footer: the summary (once), then row groups
+        assert not [s for s in before if s.method == "GET" and "list-type" in s.query], before
+        assert len([s for s in before if s.name == SUMMARY]) == 1, before
+        return len(before), seen
+    finally:
+        store.close()
+
+
+def test_after_the_index_command_a_start_costs_the_same_at_3_and_at_30_files(
+    tmp_path: Path,
+) -> None:
+    few, seen_few = start_requests(tmp_path, 3)
+    many, seen_many = start_requests(tmp_path, 30)
+    assert sorted(seen_few) == list(range(60))
+    assert sorted(seen_many) == list(range(600))
+    assert few == many, (few, many)
+
+
+def test_a_file_changed_since_the_index_is_named_with_the_command(tmp_path: Path) -> None:
+    store = Store()
+    try:
+        paths = P.write_parquet(tmp_path / "data", [20, 20], 10)
+        store.upload(paths)
+        assert store.index() == 0
+        other = P.write_parquet(tmp_path / "other", [30], 10, prefix="train")
+        other[0].rename(paths[1])  # (another file, written in its place)
+        store.upload([paths[1]])
+        with pytest.raises(Exception, match=r"train-00001\.parquet changed since it was indexed"):
+            with store.loader() as loader:
+                for _ in loader:
+                    pass
+        with pytest.raises(Exception, match=r"python -m loader index"):
+            with store.loader() as loader:
+                for _ in loader:
+                    pass
+        assert store.index() == 0  # (the command mends it)
+        with store.loader() as loader:
+            assert len([i for batch in loader for i in ids(batch)]) == 50
+    finally:
+        store.close()
+
+
+def test_without_a_summary_a_start_reads_the_footers(tmp_path: Path) -> None:
+    store = Store()
+    try:
+        store.upload(P.write_parquet(tmp_path / "data", [20, 20, 20], 10))
+        with store.loader() as loader:
+            assert sorted(i for batch in loader for i in ids(batch)) == list(range(60))
+        footers = [s for s in store.proxy.records() if s.range.endswith("-") or "bytes=" in s.range]
+        assert footers  # (footers and row groups read by ranges)
+        assert not [s for s in store.proxy.records() if s.method == "PUT"]  # nothing written
+    finally:
+        store.close()
+
+
+def local_loader(directory: Path) -> Loader:
+    source = functools.partial(P.id_parquet, urls=str(directory))
+    return Loader(source, P.label_id_step, batch_size=4, num_workers=1, copy=True)
+
+
+def test_a_local_summary_that_lies_is_named_with_the_command_that_mends_it(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "data"
+    P.write_parquet(directory, [20, 20], 10)
+    assert cli(["index", str(directory)]) == 0
+    summary = directory / SUMMARY
+    document = json.loads(summary.read_text())
+    assert document["huggingface"]["info"]["features"]["label"]["_type"] == "ClassLabel"
+    assert [len(row[4]) for row in document["files"]] == [2, 2]
+    document["files"][1][4][0][0] = 11  # (a row group's rows, edited)
+    summary.write_text(json.dumps(document))
+    lies = r"summary .* is wrong about .*train-00001\.parquet.*--force"
+    with pytest.raises(Exception, match=lies):
+        with local_loader(directory) as loader:
+            next(iter(loader))
+    assert cli(["index", str(directory), "--force"]) == 0
+    with local_loader(directory) as loader:
+        assert sorted(i for batch in loader for i in ids(batch)) == list(range(40))
+
+
+def test_a_local_file_rewritten_after_the_index_is_named_and_read_as_it_is(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "data"
+    paths = P.write_parquet(directory, [20, 20], 10)
+    assert cli(["index", str(directory)]) == 0
+    other = P.write_parquet(tmp_path / "other", [20, 30], 10)
+    other[1].rename(paths[1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with local_loader(directory) as loader:
+            seen = sorted(i for batch in loader for i in ids(batch))
+    assert seen == list(range(20)) + list(range(20, 50))
+    told = [str(w.message) for w in caught if "stale" in str(w.message)]
+    assert told and "train-00001.parquet" in told[0] and "python -m loader index" in told[0]
+
+
+def test_stats_count_the_row_groups_requests_and_bytes_of_an_epoch(tmp_path: Path) -> None:
+    """Over an epoch on S3 (the second: the first also holds the start's reads), ``stats()``
+    counts every row group once, one request each, and the bytes of the requested columns'
+    chunks (within 5%)."""
+    import pyarrow.parquet as pq
+
+    store = Store()
+    try:
+        paths = P.write_parquet(tmp_path / "data", [30, 20, 25], 10)
+        store.upload(paths)
+        groups = chunks = largest = 0  # (8 row groups)
+        for path in paths:
+            meta = pq.ParquetFile(path).metadata
+            for k in range(meta.num_row_groups):
+                groups += 1
+                row_group = meta.row_group(k)
+                wanted = [
+                    row_group.column(c)
+                    for c in range(row_group.num_columns)
+                    if row_group.column(c).path_in_schema in ("label", "id")
+                ]
+                group_bytes = sum(column.total_compressed_size for column in wanted)
+                chunks += group_bytes
+                largest = max(largest, group_bytes)
+        source = functools.partial(P.id_parquet, urls=store.url, storage_options=store.options)
+        with Loader(source, P.label_id_step, batch_size=4, num_workers=1, copy=True) as loader:
+            assert sorted(i for batch in loader for i in ids(batch)) == list(range(75))
+            first = loader.stats()
+            assert first.row_groups_read >= groups and first.bytes_read >= chunks
+            assert sorted(i for batch in loader for i in ids(batch)) == list(range(75))
+            second = loader.stats()
+        units = second.row_groups_read - first.row_groups_read
+        requests = second.read_requests - first.read_requests
+        nbytes = second.bytes_read - first.bytes_read
+        # (an epoch's first row groups -- at most ``ahead``, 2 -- may be fetched ahead before the
+        # last batch of the epoch before it, and counted with that one)
+        assert abs(units - groups) <= 2, (units, groups)
+        assert requests == units
+        assert abs(nbytes - chunks) <= 0.05 * chunks + abs(units - groups) * largest, (
+            nbytes,
+            chunks,
+        )
+        assert second.workers[0].row_groups_read == second.row_groups_read
+    finally:
+        store.close()

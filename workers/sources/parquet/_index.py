@@ -1,0 +1,214 @@
+"""Indexing a Parquet dataset at once: what ``python -m loader index`` (and ``python -m loader.tars
+index``) runs when the URLs name Parquet files. Runs in the index command's process.
+
+:func:`index_parquet` lists the files (each directory once), keeps the entries of the summary
+already beside them that still fit their files (identity unchanged; all are read again with
+``force``), reads the other files' footers -- one ranged read of each file's tail, many at once
+on threads (the work is waiting on the store or the disk) -- and writes each directory's summary
+beside its files (:mod:`._summary`; in this node's cache where the store refuses it). A file
+that is not Parquet, or whose footer is damaged, is named and left out of the summary (a job
+then reads its footer itself, and fails naming it). Library code: progress goes to a callback.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..storage import RETRIES, Storage, expand_urls, is_url, storage_for
+from ._arrow import pyarrow_modules
+from ._footers import parse_footer, read_footer_bytes
+from ._plan import Listings, list_parquet
+from ._summary import SUMMARY, FileEntry, entry_of, read_summary, summary_url, write_summary
+
+__all__ = ["ParquetProgress", "index_parquet", "names_parquet"]
+
+#: Footers read at once by default (threads: the work is waiting on the store).
+THREADS = 32
+
+
+@dataclass
+class ParquetProgress:
+    """Where an :func:`index_parquet` run stands (given to its ``progress`` callback)."""
+
+    total: int
+    up_to_date: int = 0
+    done: int = 0
+    read_bytes: int = 0
+    rows: int = 0
+    row_groups: int = 0
+    failed: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    summaries: list[str] = field(default_factory=list)
+    #: what reads the footers (``32 threads``)
+    pool: str = ""
+
+    @property
+    def finished(self) -> int:
+        return self.up_to_date + self.done
+
+
+def names_parquet(
+    urls: str | os.PathLike[str] | Sequence[str], storage_options: dict[str, Any] | None = None
+) -> bool:
+    """Whether ``urls`` name Parquet files (not tar shards): a name ending in ``.parquet``, a
+    glob of them, or a directory holding ``*.parquet`` files and no ``*.tar`` (a remote one
+    listed once)."""
+    items = expand_urls(urls)
+    if any(item.rstrip("/").endswith(".parquet") for item in items):
+        return True
+    if any(item.endswith(".tar") or "{" in item or "*" in item for item in items):
+        return False
+    for item in items:
+        if is_url(item) and not item.startswith("file://"):
+            storage = storage_for(item, storage_options, RETRIES)
+            names = list(storage.listing(item.rstrip("/")) or {})
+        else:
+            path = item[len("file://") :] if item.startswith("file://") else item
+            names = os.listdir(path) if os.path.isdir(path) else []
+        if any(n.endswith(".tar") for n in names):
+            return False
+        if any(n.endswith(".parquet") or n == SUMMARY for n in names):
+            return True
+    return False
+
+
+def index_parquet(
+    urls: str | os.PathLike[str] | Sequence[str],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    threads: int | None = None,
+    force: bool = False,
+    retries: int = RETRIES,
+    progress: Callable[[ParquetProgress], None] | None = None,
+) -> ParquetProgress:
+    """Read the footers of the Parquet files ``urls`` names and write their summary beside them
+    (see the module docstring); ``threads`` footers at once (default :data:`THREADS`)."""
+    pyarrow_modules()
+    items = expand_urls(urls)
+    if not items:
+        raise ValueError("no Parquet files: the list of paths/URLs is empty")
+    storage = storage_for(items[0], storage_options, retries)
+    listings = Listings(storage)
+    files = list_parquet(urls, storage, listings)
+    identities = listings.identities(files)
+    directories = sorted({storage.dirname(url) for url in files})
+    old: dict[str, dict[str, FileEntry]] = {}
+    for directory in directories:
+        try:
+            stored: bytes | None = storage.read_all(summary_url(storage, directory))
+        except FileNotFoundError:
+            stored = None
+        found = read_summary(storage, directory, stored)
+        old[directory] = {} if found is None else found[0]
+    state = ParquetProgress(len(files))
+    entries: dict[int, FileEntry] = {}
+    todo = []
+    for number, url in enumerate(files):
+        entry = old[storage.dirname(url)].get(storage.basename(url))
+        if entry is not None and entry.identity == identities[number] and not force:
+            entries[number] = entry
+            state.up_to_date += 1
+        else:
+            todo.append(number)
+    workers = max(1, min(threads or THREADS, len(todo) or 1))
+    state.pool = f"reading {len(todo)} footers with {workers} threads"
+    if progress is not None:
+        progress(state)
+
+    try:
+        _read_footers(storage, files, identities, todo, workers, entries, state, progress)
+    finally:
+        if entries:
+            _save(storage, files, identities, entries, old, listings, state)
+    state.rows = sum(entry.rows for entry in entries.values())
+    state.row_groups = sum(len(entry.groups) for entry in entries.values())
+    if progress is not None:
+        progress(state)
+    return state
+
+
+def _read_footers(
+    storage: Storage,
+    files: list[str],
+    identities: list[Any],
+    todo: list[int],
+    workers: int,
+    entries: dict[int, FileEntry],
+    state: ParquetProgress,
+    progress: Callable[[ParquetProgress], None] | None,
+) -> None:
+    """Read the footers of files ``todo``, ``workers`` at once, into ``entries``."""
+
+    def read(number: int) -> tuple[int, FileEntry | str]:
+        url, identity = files[number], identities[number]
+        try:
+            data = read_footer_bytes(storage, url, identity[0])
+            return number, entry_of(identity, data, parse_footer(url, data))
+        except (OSError, ValueError, EOFError) as error:
+            return number, f"{url}: {type(error).__name__}: {error}"
+
+    with ThreadPoolExecutor(workers, "parquet-index") as pool:
+        pending: set[Future[tuple[int, FileEntry | str]]] = set()
+        queue = iter(todo)
+        while True:
+            for number in queue:
+                pending.add(pool.submit(read, number))
+                if len(pending) >= 4 * workers:
+                    break
+            if not pending:
+                break
+            finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            for future in finished:
+                number, found = future.result()
+                state.done += 1
+                if isinstance(found, str):
+                    state.failed.append(found)
+                    continue
+                entries[number] = found
+                state.read_bytes += len(found.footer)
+            if progress is not None:
+                progress(state)
+
+
+def _save(
+    storage: Storage,
+    files: list[str],
+    identities: list[Any],
+    entries: dict[int, FileEntry],
+    old: dict[str, dict[str, FileEntry]],
+    listings: Listings,
+    state: ParquetProgress,
+) -> None:
+    """Write each directory's summary: the entries made or kept now, over the old summary's
+    entries of other files still there as they were."""
+    by_directory: dict[str, dict[str, FileEntry]] = {}
+    for number, entry in entries.items():
+        url = files[number]
+        by_directory.setdefault(storage.dirname(url), {})[storage.basename(url)] = entry
+    asked = {files[n] for n in range(len(files))}
+    state.summaries = []
+    for directory, new in sorted(by_directory.items()):
+        listing = None if storage.local else listings(directory)
+        kept = {}
+        for name, entry in old.get(directory, {}).items():
+            url = storage.join(directory, name)
+            if url in asked:
+                continue
+            if storage.local:
+                try:
+                    still = storage.identity(url)
+                except OSError:
+                    continue
+            else:
+                still = None if listing is None else listing.get(name)
+            if still == entry.identity:
+                kept[name] = entry
+        kept.update(new)
+        first = min(new)
+        footer = parse_footer(storage.join(directory, first), new[first].footer)
+        state.summaries.append(write_summary(storage, directory, kept, footer))

@@ -1,0 +1,231 @@
+"""The summary of a directory of Parquet files: one small object beside them, written by the index
+command (``python -m loader index``, the one that indexes tars). Runs in the worker and in the
+index command.
+
+``loader-parquet-summary.json`` beside the files lists, for each file it covers, what a worker
+needs to plan an epoch without reading the file's footer: its identity when it was indexed (its
+size, and its ETag or mtime), its rows, its row groups (each one's rows and the byte range of
+every column chunk, in the order of the schema's leaves) and its footer itself (zlib-compressed,
+base64: what pyarrow decodes a row group with); and, for the first file, its Arrow schema and
+its ``huggingface`` metadata (the features), for a reader to see::
+
+    {"format": "dali-capture-loader parquet summary", "version": 1,
+     "columns": ["name", "size", "version", "rows", "row_groups", "footer"],
+     "leaves": ["image.bytes", "image.path", "label"],
+     "schema": "image: struct<bytes: binary, path: string> ...", "huggingface": {...},
+     "files": [["train-00000.parquet", 48213311, "ETag:9b2c...", 4357,
+                [[100, [[4, 1093722], [1093722, 1093901], [1093901, 1094312]]], ...],
+                "eJzt..."], ...],
+     "rows": 1281167}
+
+A job's start reads it once per node (one request) in place of the directory's listing and of
+every footer: a start then costs a constant number of requests whatever the number of files.
+Each file's identity is checked when its bytes are read (on S3 by the GET itself): a file that
+changed since it was indexed is named, with the command that mends the summary. An entry whose
+row groups disagree with its own footer (the summary was edited) is refused at the start, named
+with the same command. Entries of files a job does not ask for are kept by the command, so one
+summary serves ``train-*`` and ``validation-*`` in one directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..storage import Identity, Storage, cache_dir
+
+__all__ = [
+    "SUMMARY",
+    "FileEntry",
+    "decode",
+    "encode",
+    "entry_of",
+    "index_command",
+    "read_summary",
+    "write_summary",
+]
+
+logger = logging.getLogger("workers")
+
+SUMMARY = "loader-parquet-summary.json"
+FORMAT = "dali-capture-loader parquet summary"
+VERSION = 1
+_COLUMNS = ["name", "size", "version", "rows", "row_groups", "footer"]
+
+
+def index_command(urls: str | Iterable[str], *, force: bool = False) -> str:
+    """The command that writes (or mends) the summary of these files."""
+    shown = urls if isinstance(urls, str) else " ".join(list(urls)[:3]) + " ..."
+    return f"python -m loader index '{shown}'" + (" --force" if force else "")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file in a summary: its identity when indexed, rows, row groups and footer bytes."""
+
+    size: int
+    version: str
+    rows: int
+    #: per row group: its rows and each column chunk's [start, end)
+    groups: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+    footer: bytes
+
+    @property
+    def identity(self) -> Identity:
+        return (self.size, self.version)
+
+
+def chunk_range(column: Any) -> tuple[int, int]:
+    """[start, end) of one column chunk's pages in its file."""
+    start = column.data_page_offset
+    dictionary = column.dictionary_page_offset
+    if column.has_dictionary_page and dictionary is not None and 0 < dictionary < start:
+        start = dictionary
+    return int(start), int(start + column.total_compressed_size)
+
+
+def groups_of(footer: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+    """Each row group's rows and column chunks' byte ranges, from a parsed footer."""
+    found = []
+    for group in range(footer.num_row_groups):
+        meta = footer.row_group(group)
+        chunks = tuple(chunk_range(meta.column(k)) for k in range(meta.num_columns))
+        found.append((int(meta.num_rows), chunks))
+    return tuple(found)
+
+
+def entry_of(identity: Identity, footer_bytes: bytes, footer: Any) -> FileEntry:
+    """The entry of a file whose footer (its bytes and parsed) was just read."""
+    return FileEntry(
+        identity[0], identity[1], int(footer.num_rows), groups_of(footer), footer_bytes
+    )
+
+
+def described(footer: Any) -> tuple[list[str], str, Any]:
+    """The leaves' paths, the Arrow schema as text, and the ``huggingface`` metadata (parsed) of
+    a parsed footer."""
+    leaves = [footer.schema.column(k).path for k in range(footer.num_columns)]
+    schema = footer.schema.to_arrow_schema()
+    metadata = schema.metadata or {}
+    huggingface = None
+    if b"huggingface" in metadata:
+        try:
+            huggingface = json.loads(metadata[b"huggingface"])
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            huggingface = None
+    return leaves, schema.remove_metadata().to_string(show_field_metadata=False), huggingface
+
+
+def encode(entries: Mapping[str, FileEntry], first: Any | None = None) -> bytes:
+    """The summary's bytes (files sorted by name); ``first``: a parsed footer whose schema and
+    metadata describe the files."""
+    rows = [
+        [
+            name,
+            entry.size,
+            entry.version,
+            entry.rows,
+            [[rows, [list(chunk) for chunk in chunks]] for rows, chunks in entry.groups],
+            base64.b64encode(zlib.compress(entry.footer, 6)).decode("ascii"),
+        ]
+        for name, entry in sorted(entries.items())
+    ]
+    document: dict[str, Any] = {"format": FORMAT, "version": VERSION, "columns": _COLUMNS}
+    if first is not None:
+        leaves, schema, huggingface = described(first)
+        document.update(leaves=leaves, schema=schema, huggingface=huggingface)
+    document["files"] = rows
+    document["rows"] = sum(entry.rows for entry in entries.values())
+    return (json.dumps(document, separators=(",", ":")) + "\n").encode()
+
+
+def decode(data: bytes, where: str) -> dict[str, FileEntry]:
+    """The entries of a summary; ``ValueError`` naming ``where`` when it is not one."""
+    try:
+        document = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{where} is not JSON ({error})") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise ValueError(f"{where} is not a {FORMAT}")
+    if document.get("version") != VERSION or document.get("columns") != _COLUMNS:
+        raise ValueError(
+            f"{where} is a summary of version {document.get('version')!r}; this loader reads "
+            f"version {VERSION}: run python -m loader index again"
+        )
+    entries = {}
+    try:
+        for name, size, version, rows, groups, footer in document["files"]:
+            entries[str(name)] = FileEntry(
+                int(size),
+                str(version),
+                int(rows),
+                tuple(
+                    (int(count), tuple((int(s), int(e)) for s, e in chunks))
+                    for count, chunks in groups
+                ),
+                zlib.decompress(base64.b64decode(footer)),
+            )
+    except (KeyError, TypeError, ValueError, zlib.error) as error:
+        raise ValueError(f"{where} has a malformed file entry ({error})") from None
+    return entries
+
+
+def summary_url(storage: Storage, directory: str) -> str:
+    return storage.join(directory, SUMMARY)
+
+
+def cached_summary_path(storage: Storage, directory: str) -> Path:
+    """This node's copy of a directory's summary (where the index command could not write it
+    beside the files: a read-only store)."""
+    name = storage.cache_name(directory)
+    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return cache_dir("parquet-summary") / f"{digest}.json"
+
+
+def read_summary(
+    storage: Storage, directory: str, stored: bytes | None
+) -> tuple[dict[str, FileEntry], str] | None:
+    """The summary of ``directory`` (``stored``: the bytes of the one beside the files, None
+    when there is none) and where it was read; else this node's copy; None when there is none
+    or it cannot be read (logged)."""
+    url = summary_url(storage, directory)
+    if stored is not None:
+        try:
+            return decode(stored, url), url
+        except ValueError as error:
+            logger.warning("ignored the summary %s (%s)", url, error)
+    cached = cached_summary_path(storage, directory)
+    if cached.exists():
+        try:
+            return decode(cached.read_bytes(), str(cached)), str(cached)
+        except (OSError, ValueError) as error:
+            logger.warning("ignored the summary %s (%s)", cached, error)
+    return None
+
+
+def write_summary(
+    storage: Storage, directory: str, entries: Mapping[str, FileEntry], first: Any | None
+) -> str:
+    """Write the summary beside the files, else (the store refuses it) in this node's cache;
+    returns where it went. Raises ``OSError`` when it cannot be written anywhere."""
+    data = encode(entries, first)
+    url = summary_url(storage, directory)
+    try:
+        storage.write(url, data)
+        return url
+    except OSError as error:
+        logger.info("cannot write %s (%s): keeping the summary in this node's cache", url, error)
+    cached = cached_summary_path(storage, directory)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    temporary = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, cached)
+    return str(cached)
