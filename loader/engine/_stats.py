@@ -113,12 +113,12 @@ class WorkerStats:
     bytes: int
     restarts: int = 0  # times this worker's process was replaced
     stages: Stages = _NO_STAGES  # since the start
+    recent: Stages = _NO_STAGES  # over the last LoaderStats.window_seconds
     #: what its sources read for their samples since the start (Parquet: row groups read, the
     #: ranged requests and their bytes; footers and listings not counted)
     row_groups_read: int = 0
     read_requests: int = 0
     bytes_read: int = 0
-    recent: Stages = _NO_STAGES  # over the last LoaderStats.window_seconds
 
 
 @dataclass(frozen=True)
