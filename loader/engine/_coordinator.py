@@ -342,6 +342,7 @@ class Coordinator:
             wait_ns=self.wait_ns,
             skipped=healing.skipped,
             restarts=healing.restarts,
+            found_left_out=tuple(healing.left_out.values()),
             timeline=self.timeline,
             window=window,
             cpus=cpus,

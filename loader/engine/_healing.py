@@ -43,7 +43,10 @@ _UNDECODABLE = re.compile(
 #: a sample of a tar shard cut short since it was indexed (found by a read, on a store whose
 #: start made no listing): data known lost, accounted like a shard's ``left_out`` samples, so
 #: not counted against ``max_skipped`` (local shards, listed at the start, never plan them)
-_LEFT_OUT = re.compile(r"is left out: the shard was truncated since it was indexed")
+_LEFT_OUT = re.compile(
+    r"(?P<shard>\S+): sample '[^']*' is left out: the shard was truncated since it was indexed "
+    r"\(its first (?P<whole>\d+) samples are whole\)"
+)
 
 
 def _kind_of(inside: bool, reason: str) -> tuple[str, str]:
@@ -99,6 +102,9 @@ class Healing:
         #: sample id -> (whether it failed inside DALI or step, why), as its finder reported it
         self.reasons: dict[int, tuple[bool, str]] = {}
         self._epoch_skips: tuple[int, list[tuple[int, str]]] = (0, [])  # (epoch, its skips)
+        #: shard -> its line in ``stats().left_out``: shards found cut short by a read (where a
+        #: start's listing would have found them: the line a worker's hello gives then)
+        self.left_out: dict[str, str] = {}
         self._exiting: set[int] = set()  # workers that said they exit (SamplesFailed)
         #: worker -> its replacement process, and the traces counted before it started
         self._replacements: dict[int, tuple[WorkerHandle, int]] = {}
@@ -132,6 +138,13 @@ class Healing:
             )
         for index in message.ids:
             self.reasons.setdefault(index, (message.exits, message.reason))
+        lost = _LEFT_OUT.search(message.reason)
+        if lost is not None:
+            self.left_out.setdefault(
+                lost["shard"],
+                f"{lost['shard']} was truncated since it was indexed: its first "
+                f"{lost['whole']} samples are read; the rest of it is left out",
+            )
         self.bad_samples.update(message.ids)
         if message.exits:
             self._exiting.add(view.index)

@@ -499,6 +499,7 @@ def snapshot(
     wait_ns: int,
     skipped: dict[int, str],
     restarts: int,
+    found_left_out: tuple[str, ...] = (),
     timeline: Timeline | None = None,
     window: float = 10.0,
     cpus: int = 1,
@@ -518,7 +519,10 @@ def snapshot(
         slots_in_use=sum(v.slots_held for v in views),
         skipped=tuple(skipped.items()),
         left_out=tuple(
-            sorted({line for v in views if v.hello is not None for line in v.hello.left_out})
+            sorted(
+                {line for v in views if v.hello is not None for line in v.hello.left_out}
+                | set(found_left_out)
+            )
         ),
         restarts=restarts,
         startup_seconds=ready - trainer.created,

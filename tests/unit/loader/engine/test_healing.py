@@ -213,6 +213,10 @@ def test_samples_left_out_of_a_shard_truncated_since_indexed_do_not_count() -> N
         )
     names = tuple(f"t-2:{index}" for index in lost)
     assert healing.delivered(batch(0, skipped=lost, skipped_names=names), 100) is None
+    assert healing.left_out == {  # (one line for the shard, in stats().left_out)
+        "s3://b/t-000002.tar": "s3://b/t-000002.tar was truncated since it was indexed: its "
+        "first 4 samples are read; the rest of it is left out"
+    }
     assert set(lost) <= set(healing.skipped)  # (still named as skipped)
     other = wire.SamplesFailed(0, 1, (30, 31, 32), ("a", "b", "c"), "load raised OSError", False)
     healing.samples_failed(snapshot, other)
