@@ -115,7 +115,8 @@ class WorkerStats:
     stages: Stages = _NO_STAGES  # since the start
     recent: Stages = _NO_STAGES  # over the last LoaderStats.window_seconds
     #: what its sources read for their samples since the start (Parquet: row groups read, the
-    #: ranged requests and their bytes; footers and listings not counted)
+    #: ranged requests and their bytes; footers and listings not counted), through the epoch of
+    #: its latest batch (the next epoch's read-ahead counts with that epoch)
     row_groups_read: int = 0
     read_requests: int = 0
     bytes_read: int = 0

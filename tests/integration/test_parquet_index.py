@@ -190,48 +190,65 @@ def test_a_local_file_rewritten_after_the_index_is_named_and_read_as_it_is(
     assert told and "train-00001.parquet" in told[0] and "python -m loader index" in told[0]
 
 
-def test_stats_count_the_row_groups_requests_and_bytes_of_an_epoch(tmp_path: Path) -> None:
-    """Over an epoch on S3 (the second: the first also holds the start's reads), ``stats()``
-    counts every row group once, one request each, and the bytes of the requested columns'
-    chunks (within 5%)."""
+def requested_chunks(paths: list[Path]) -> tuple[int, int]:
+    """Row groups of ``paths``, and the bytes of their requested columns' chunks."""
     import pyarrow.parquet as pq
 
+    groups = chunks = 0
+    for path in paths:
+        meta = pq.ParquetFile(path).metadata
+        for k in range(meta.num_row_groups):
+            groups += 1
+            row_group = meta.row_group(k)
+            chunks += sum(
+                row_group.column(c).total_compressed_size
+                for c in range(row_group.num_columns)
+                if row_group.column(c).path_in_schema in ("label", "id")
+            )
+    return groups, chunks
+
+
+def epoch_reads(source: Any, epochs: int) -> list[tuple[int, int, int]]:
+    """(row groups, requests, bytes) that ``stats()`` counts for each of ``epochs`` epochs of
+    the 75 ids (one worker)."""
+    counts, before = [], (0, 0, 0)
+    with Loader(source, P.label_id_step, batch_size=4, num_workers=1, copy=True) as loader:
+        for _ in range(epochs):
+            assert sorted(i for batch in loader for i in ids(batch)) == list(range(75))
+            stats = loader.stats()
+            now = (stats.row_groups_read, stats.read_requests, stats.bytes_read)
+            counts.append((now[0] - before[0], now[1] - before[1], now[2] - before[2]))
+            before = now
+            assert stats.workers[0].row_groups_read == stats.row_groups_read
+    return counts
+
+
+def check_epoch_reads(counts: list[tuple[int, int, int]], groups: int, chunks: int) -> None:
+    """Every epoch -- the first too -- reads each row group once, with one request, and the
+    bytes of the requested columns' chunks (within 5%); the next epoch's read-ahead is counted
+    with that epoch, not with the one before it."""
+    for epoch, (units, requests, nbytes) in enumerate(counts):
+        assert units == groups, (epoch, counts, groups)
+        assert requests == units, (epoch, counts)
+        assert chunks <= nbytes <= 1.05 * chunks, (epoch, counts, chunks)
+
+
+def test_stats_count_the_row_groups_requests_and_bytes_of_an_epoch(tmp_path: Path) -> None:
+    """Over epochs on S3, ``stats()`` counts every row group once per epoch (the first too),
+    one request each, and the bytes of the requested columns' chunks (within 5%)."""
     store = Store()
     try:
-        paths = P.write_parquet(tmp_path / "data", [30, 20, 25], 10)
+        paths = P.write_parquet(tmp_path / "data", [30, 20, 25], 10)  # (8 row groups)
         store.upload(paths)
-        groups = chunks = largest = 0  # (8 row groups)
-        for path in paths:
-            meta = pq.ParquetFile(path).metadata
-            for k in range(meta.num_row_groups):
-                groups += 1
-                row_group = meta.row_group(k)
-                wanted = [
-                    row_group.column(c)
-                    for c in range(row_group.num_columns)
-                    if row_group.column(c).path_in_schema in ("label", "id")
-                ]
-                group_bytes = sum(column.total_compressed_size for column in wanted)
-                chunks += group_bytes
-                largest = max(largest, group_bytes)
         source = functools.partial(P.id_parquet, urls=store.url, storage_options=store.options)
-        with Loader(source, P.label_id_step, batch_size=4, num_workers=1, copy=True) as loader:
-            assert sorted(i for batch in loader for i in ids(batch)) == list(range(75))
-            first = loader.stats()
-            assert first.row_groups_read >= groups and first.bytes_read >= chunks
-            assert sorted(i for batch in loader for i in ids(batch)) == list(range(75))
-            second = loader.stats()
-        units = second.row_groups_read - first.row_groups_read
-        requests = second.read_requests - first.read_requests
-        nbytes = second.bytes_read - first.bytes_read
-        # (an epoch's first row groups -- at most ``ahead``, 2 -- may be fetched ahead before the
-        # last batch of the epoch before it, and counted with that one)
-        assert abs(units - groups) <= 2, (units, groups)
-        assert requests == units
-        assert abs(nbytes - chunks) <= 0.05 * chunks + abs(units - groups) * largest, (
-            nbytes,
-            chunks,
-        )
-        assert second.workers[0].row_groups_read == second.row_groups_read
+        check_epoch_reads(epoch_reads(source, 3), *requested_chunks(paths))
     finally:
         store.close()
+
+
+def test_local_files_are_read_once_per_epoch_the_first_too(tmp_path: Path) -> None:
+    """Local files (the default window: every row group, so the next epoch's first batches need
+    them all and read them all ahead): each epoch counts each row group once."""
+    paths = P.write_parquet(tmp_path / "data", [30, 20, 25], 10)
+    source = functools.partial(P.id_parquet, urls=str(tmp_path / "data"))
+    check_epoch_reads(epoch_reads(source, 3), *requested_chunks(paths))

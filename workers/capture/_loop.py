@@ -336,7 +336,7 @@ class Worker:
             random,
             self.clock,
             defaulted,
-            reads_so_far(),
+            reads_so_far(epoch),
         )
         self.native_lines.batch_done()
         return True

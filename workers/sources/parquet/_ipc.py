@@ -160,7 +160,7 @@ class ArrowLoader(ParquetLoader):
         super().__init__(plan, 0, None, max_pixels, optional)
         self.arrow_plan = plan
 
-    def _read_unit(self, unit: int) -> Any:
+    def _read_unit(self, unit: int, epoch: int | None) -> Any:
         pa, _pq = pyarrow_modules()
         plan = self.arrow_plan
         batch = plan.batches[int(plan.files[unit])][int(plan.groups[unit])]

@@ -119,7 +119,8 @@ def optional_defaults(
 
 class _Ahead:
     """Reads row groups on background threads as an epoch's batches come near them (see the
-    module docstring): ``plan`` per epoch, ``passed`` per batch, ``get`` per load."""
+    module docstring): ``plan`` per epoch, ``passed`` per batch, ``get`` per load. ``read(unit,
+    epoch)``: a row group read for ``epoch`` (what the read counts go under)."""
 
     def __init__(self, read: Any, ahead: int, ahead_bytes: int | None, sizes: Any) -> None:
         self.read, self.ahead, self.ahead_bytes, self.sizes = read, ahead, ahead_bytes, sizes
@@ -128,8 +129,10 @@ class _Ahead:
         self._held: dict[int, Future[list[Values]]] = {}
         self._needs: list[tuple[int, int, int]] = []  # unit, first step, last step
         self._next, self._step = 0, -1
+        #: the epoch planned last (None before the first)
+        self.epoch: int | None = None
 
-    def plan(self, needs: list[tuple[int, int, int]]) -> None:
+    def plan(self, epoch: int, needs: list[tuple[int, int, int]]) -> None:
         with self._lock:
             wanted = {unit for unit, _f, _l in needs}
             kept = {u: f for u, f in self._held.items() if u in wanted}
@@ -138,6 +141,7 @@ class _Ahead:
                     future.cancel()
             self._held = kept
             self._needs, self._next, self._step = needs, 0, -1
+            self.epoch = epoch
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(_THREADS, "parquet-read")
             self._schedule()
@@ -159,7 +163,7 @@ class _Ahead:
             if unit not in self._held:
                 if first > loading and not self._may_read_ahead(first, loading, unit):
                     return
-                self._held[unit] = self._pool.submit(self.read, unit)
+                self._held[unit] = self._pool.submit(self.read, unit, self.epoch)
             self._next += 1
 
     def _may_read_ahead(self, first: int, loading: int, unit: int) -> bool:
@@ -209,7 +213,9 @@ class ParquetLoader:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _read_bytes(self, file: int, start: int, end: int) -> np.ndarray[Any, Any]:
+    def _read_bytes(
+        self, file: int, start: int, end: int, epoch: int | None
+    ) -> np.ndarray[Any, Any]:
         plan = self.plan
         url, identity = plan.urls[file], plan.identities[file]
         storage = plan.storage
@@ -236,17 +242,18 @@ class ParquetLoader:
         with self._lock:
             self.requests += 1
             self.bytes_read += end - start
-        count_read(1, 1, end - start)
+        count_read(1, 1, end - start, epoch)
         return data
 
-    def _read_unit(self, unit: int) -> list[Values]:
-        """Read and decode row group ``unit`` (on a background thread, or on the loading one)."""
+    def _read_unit(self, unit: int, epoch: int | None) -> list[Values]:
+        """Read and decode row group ``unit`` for ``epoch`` (on a background thread, or on the
+        loading one)."""
         pa, pq = pyarrow_modules()
         plan = self.plan
         file, group = int(plan.files[unit]), int(plan.groups[unit])
         begin, end = int(plan.begins[unit]), int(plan.ends[unit])
         url = plan.urls[file]
-        data = self._read_bytes(file, begin, end)
+        data = self._read_bytes(file, begin, end, epoch)
         sparse = SparseFile(url, plan.identities[file][0], {begin: data})
         try:
             reader = pq.ParquetFile(pa.PythonFile(sparse, mode="r"), metadata=plan.footers[file])
@@ -296,7 +303,7 @@ class ParquetLoader:
             kept = self._kept.get(unit)
         if kept is not None:
             return kept
-        values = self._read_unit(unit)
+        values = self._read_unit(unit, self._ahead.epoch)
         with self._lock:
             self._kept[unit] = values
             while len(self._kept) > _KEPT:
@@ -349,7 +356,7 @@ class ParquetLoader:
         with self._lock:
             self.requests += 1
             self.bytes_read += len(data)
-        count_read(0, 1, len(data))
+        count_read(0, 1, len(data), self._ahead.epoch)
         return np.frombuffer(data, np.uint8)
 
     def _check_pixels(self, value: np.ndarray[Any, Any], index: int, column: str) -> None:
@@ -374,7 +381,7 @@ class ParquetLoader:
         needs = [
             (int(found[k]), int(steps[first_at[k]]), int(last_step[k])) for k in order.tolist()
         ]
-        self._ahead.plan(needs)
+        self._ahead.plan(epoch, needs)
 
     def passed(self, epoch: int, step: int) -> None:
         self._ahead.passed(step)

@@ -14,6 +14,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 from workers.sources.parquet._plan import open_plan  # noqa: E402
 from workers.sources.parquet._reader import ParquetLoader, SparseFile  # noqa: E402
 from workers.sources.plan import Defaulted  # noqa: E402
+from workers.sources.storage import reads_so_far  # noqa: E402
 
 
 def test_rows_come_from_one_read_per_row_group_of_the_requested_columns(tmp_path: Path) -> None:
@@ -44,6 +45,29 @@ def test_expected_batches_are_read_ahead_and_dropped_once_passed(tmp_path: Path)
         assert [int(load(int(i))[0][0]) for i in batch] == batch.tolist()
         load.passed(0, step)
     assert load.requests == 4
+
+
+def test_reads_ahead_for_the_next_epoch_are_counted_with_that_epoch(tmp_path: Path) -> None:
+    """A batch of epoch e reports the reads made for epochs up to e (``reads_so_far(e)``): the
+    next epoch's row groups read ahead are not counted as the epoch before reading them again."""
+    pq.write_table(pa.table({"id": list(range(40))}), tmp_path / "a.parquet", row_group_size=10)
+    plan = open_plan(str(tmp_path / "a.parquet"), ("id",))
+    load = ParquetLoader(plan, ahead=4)
+    size = int((plan.ends - plan.begins).sum())
+    batches = [np.array([0, 11]), np.array([22, 33])]
+    start = reads_so_far()
+    for epoch in (0, 1):
+        load.expect(epoch, batches)
+        for step, batch in enumerate(batches):
+            assert [int(load(int(i))[0][0]) for i in batch] == batch.tolist()
+            load.passed(epoch, step)
+        assert load.requests == 4 * (epoch + 1)  # (every row group read, once per epoch)
+    # (epoch 1's reads were made while epoch 0's batches were still being delivered)
+    units, requests, nbytes = reads_so_far(0)
+    assert (units - start[0], requests - start[1], nbytes - start[2]) == (4, 4, size)
+    units, requests, _nbytes = reads_so_far(1)
+    assert (units - start[0], requests - start[1]) == (8, 8)
+    assert reads_so_far(0)[0] - start[0] == 8  # (never fewer than reported before)
 
 
 def test_a_sparse_file_names_a_read_outside_what_it_holds() -> None:
