@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import glob as globbing
 import hashlib
-import json
 import os
 import posixpath
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ..plan import SKIP_DAMAGED, STARTED_TOGETHER, encode_parts
+from ..plan import SKIP_DAMAGED, OpenedOnce, encode_parts
 from ..storage import (
     RETRIES,
     Identity,
@@ -430,8 +429,8 @@ def _warn_stale(
     )
 
 
-#: The plan this process opened last, and the arguments it opened it with.
-_last_opened: tuple[Any, ParquetPlan] | None = None
+#: The plan this process opened last, with the arguments it opened it with.
+_opened: OpenedOnce[ParquetPlan] = OpenedOnce()
 
 
 def open_plan_once(
@@ -440,23 +439,13 @@ def open_plan_once(
     storage_options: dict[str, Any] | None,
     retries: int,
 ) -> ParquetPlan:
-    """:func:`open_plan`, once per worker and arguments: a source built again (a resume's seek)
-    keeps the plan made at the worker's start (the files are checked again as they are read:
-    their identities). Outside a loader's worker, opened every time."""
-    global _last_opened
-    skip, pool = SKIP_DAMAGED.get(), STARTED_TOGETHER.get()
-    key: Any = None
-    if pool:
-        try:
-            options = json.dumps(storage_options, sort_keys=True)
-        except (TypeError, ValueError):
-            options = None
-        if options is not None:
-            names = os.fspath(urls) if isinstance(urls, (str, os.PathLike)) else tuple(urls)
-            key = (pool, names, columns, options, retries, skip)
-    last = _last_opened
-    if key is not None and last is not None and last[0] == key:
-        return last[1]
-    plan = open_plan(urls, columns, storage_options, retries, skip)
-    _last_opened = None if key is None else (key, plan)
-    return plan
+    """:func:`open_plan`, once per worker and arguments (see
+    :class:`~workers.sources.plan.OpenedOnce`): a source built again (a resume's seek) keeps the
+    plan made at the worker's start (the files are checked again as they are read: their
+    identities)."""
+    names = os.fspath(urls) if isinstance(urls, (str, os.PathLike)) else tuple(urls)
+    return _opened.get(
+        (names, columns, retries),
+        storage_options,
+        lambda: open_plan(urls, columns, storage_options, retries, SKIP_DAMAGED.get()),
+    )

@@ -21,6 +21,7 @@ from ._control import (
     STARTED_TOGETHER,
     FedBatch,
     FeedState,
+    OpenedOnce,
     SampleControl,
 )
 from ._epoch_order import EpochOrder, orders_at
@@ -51,6 +52,7 @@ __all__ = [
     "EpochOrder",
     "FedBatch",
     "FeedState",
+    "OpenedOnce",
     "OpenedSource",
     "Order",
     "Orders",

@@ -9,6 +9,8 @@ hands them to the source with ``BatchedSamples.bind``:
   sources): ``on_error``, the sample ids known to fail, and where a failed ``load`` is reported.
 * :class:`FeedState` -- one per built source (``Sources.feed``): a :class:`FedBatch` record per
   batch handed to DALI and not yet delivered, and whether one iteration runs every epoch in turn.
+* :class:`OpenedOnce` -- what a source opened at the worker's start (tar shards, a Parquet
+  plan), kept for the source built again with the same arguments.
 
 Threads: a source loads samples on its prefetch thread; everything else runs on the worker's main
 thread (DALI pulls the source there, and the control channel is read there). Both objects are
@@ -18,11 +20,15 @@ frozenset that each write replaces whole (never changes in place), so no lock is
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+_T = TypeVar("_T")
 
 #: While the worker calls ``source(shard)``: whether the loader skips what it cannot read
 #: (``on_error="skip"``), so that a source may leave out a damaged part of its data (a tar shard
@@ -129,3 +135,40 @@ class FeedState:
     def find(self, epoch: int, step: int) -> FedBatch | None:
         """The record of batch ``step`` of ``epoch``, while it is in flight."""
         return next((f for f in self._fed if (f.epoch, f.step) == (epoch, step)), None)
+
+
+class OpenedOnce(Generic[_T]):
+    """What a source opened, once per worker and arguments: the source built again with the
+    same ones (a resume's seek to its saved position, an epoch left early) keeps what was opened
+    at the worker's start (tar shards, a Parquet plan: the set the job's plan was made from),
+    instead of reading the summary and listing again. What changed since is still named when it
+    is read (identities are checked then). Outside a loader's worker (no
+    :data:`STARTED_TOGETHER` token), and with storage options that do not serialize to JSON,
+    it is opened every time. Holds the last one only."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Hashable, _T] | None = None
+
+    def get(
+        self,
+        arguments: tuple[Hashable, ...],
+        storage_options: Mapping[str, Any] | None,
+        open_it: Callable[[], _T],
+    ) -> _T:
+        """``open_it()``'s result for these ``arguments`` (and ``storage_options``, the
+        worker's pool and ``on_error``): the one opened last when they are the same."""
+        key: Hashable = None
+        pool = STARTED_TOGETHER.get()
+        if pool:
+            try:
+                options = json.dumps(storage_options, sort_keys=True)
+            except (TypeError, ValueError):
+                options = None
+            if options is not None:
+                key = (pool, options, SKIP_DAMAGED.get(), arguments)
+        last = self._last
+        if key is not None and last is not None and last[0] == key:
+            return last[1]
+        opened = open_it()
+        self._last = None if key is None else (key, opened)
+        return opened

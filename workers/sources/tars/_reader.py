@@ -23,7 +23,6 @@ has.
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -34,7 +33,7 @@ import numpy as np
 
 from ...spec import Shard
 from ..files import MAX_IMAGE_PIXELS, ImageTooLargeError, checked_limit, over_limit
-from ..plan import SKIP_DAMAGED, STARTED_TOGETHER, Defaulted, OpenedSource
+from ..plan import SKIP_DAMAGED, Defaulted, OpenedOnce, OpenedSource
 from ..storage import AHEAD_BYTES, Identity, IdentityChanged, StorageFailure, storage_failure
 from ._changed import changed_answer
 from ._fetch import Fetcher
@@ -417,8 +416,8 @@ class TarLoader:
             fetcher.close()
 
 
-#: The shards this process opened last, and the arguments it opened them with.
-_last_opened: tuple[Any, TarShards] | None = None
+#: The shards this process opened last, with the arguments it opened them with.
+_opened: OpenedOnce[TarShards] = OpenedOnce()
 _How = tuple[int, bool]
 
 
@@ -437,38 +436,25 @@ def _open_shards_once(
     urls: str | Sequence[str], storage_options: dict[str, Any] | None, shard: Shard, how: _How
 ) -> TarShards:
     """:func:`open_shards` for this worker's ``shard``, once per worker and arguments (``how``:
-    the retries, and whether to publish the indexes made beside the shards): the
-    source built again with the same ones (a resume's seek to its saved position, an epoch left
-    early) keeps the shards opened at the worker's start, the set the job's plan was made from,
-    instead of reading the summary and expanding the names again (0.1-0.2 s at 10,000 shards).
-    A shard changed since is still named when it is read (its identity is checked then).
-    Outside a loader's worker (no :data:`STARTED_TOGETHER` token), and with options that do not
-    serialize to JSON, the shards are opened every time."""
-    global _last_opened
-    (retries, publish), skip_damaged, pool = how, SKIP_DAMAGED.get(), STARTED_TOGETHER.get()
-    key: Any = None
-    if pool:
-        try:
-            options = json.dumps(storage_options, sort_keys=True)
-        except (TypeError, ValueError):
-            options = None
-        if options is not None:
-            names = urls if isinstance(urls, str) else tuple(urls)
-            key = (pool, names, options, shard.index, shard.count, how, skip_damaged)
-    last = _last_opened
-    if key is not None and last is not None and last[0] == key:
-        return last[1]
-    shards = open_shards(
-        urls,
+    the retries, and whether to publish the indexes made beside the shards; see
+    :class:`~workers.sources.plan.OpenedOnce`): a source built again keeps the shards opened at
+    the worker's start, instead of reading the summary and expanding the names again (0.1-0.2 s
+    at 10,000 shards)."""
+    retries, publish = how
+    names = urls if isinstance(urls, str) else tuple(urls)
+    return _opened.get(
+        (names, shard.index, shard.count, how),
         storage_options,
-        shard.index / max(1, shard.count),
-        retries,
-        lead=shard.index == 0,
-        skip_damaged=skip_damaged,
-        publish=publish,
+        lambda: open_shards(
+            urls,
+            storage_options,
+            shard.index / max(1, shard.count),
+            retries,
+            lead=shard.index == 0,
+            skip_damaged=SKIP_DAMAGED.get(),
+            publish=publish,
+        ),
     )
-    _last_opened = None if key is None else (key, shards)
-    return shards
 
 
 def open_tar_source(

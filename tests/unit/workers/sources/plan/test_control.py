@@ -7,7 +7,14 @@ import threading
 
 import pytest
 
-from workers.sources.plan import FedBatch, FeedState, SampleControl
+from workers.sources.plan import (
+    SKIP_DAMAGED,
+    STARTED_TOGETHER,
+    FedBatch,
+    FeedState,
+    OpenedOnce,
+    SampleControl,
+)
 
 
 def test_bad_samples_grow_as_snapshots_written_by_one_thread() -> None:
@@ -49,3 +56,32 @@ def test_a_fed_batch_is_a_frozen_record() -> None:
     batch = FedBatch(0, 4, padded=2, replaced=(1,), skipped=(9,))
     with pytest.raises(AttributeError):
         batch.step = 5  # type: ignore[misc]
+
+
+def test_what_a_worker_opened_is_kept_for_the_same_arguments_only() -> None:
+    opened: list[int] = []
+
+    def open_it() -> int:
+        opened.append(len(opened))
+        return opened[-1]
+
+    once: OpenedOnce[int] = OpenedOnce()
+    assert once.get(("a",), {}, open_it) == 0  # outside a worker: opened every time
+    assert once.get(("a",), {}, open_it) == 1
+    token = STARTED_TOGETHER.set("pool-1")
+    try:
+        first = once.get(("a",), {"anon": True}, open_it)
+        assert once.get(("a",), {"anon": True}, open_it) == first  # kept
+        assert once.get(("b",), {"anon": True}, open_it) == first + 1  # other arguments
+        assert once.get(("b",), {"anon": False}, open_it) == first + 2  # other options
+        assert once.get(("b",), {"x": object()}, open_it) == first + 3  # not JSON: every time
+        assert once.get(("b",), {"x": object()}, open_it) == first + 4
+        skipping = SKIP_DAMAGED.set(True)
+        try:
+            assert once.get(("a",), {}, open_it) == first + 5
+            assert once.get(("a",), {}, open_it) == first + 5
+        finally:
+            SKIP_DAMAGED.reset(skipping)
+        assert once.get(("a",), {}, open_it) == first + 6  # on_error differs: opened again
+    finally:
+        STARTED_TOGETHER.reset(token)
