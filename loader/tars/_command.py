@@ -27,7 +27,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from ipc.limits import usable_cpus
 from workers import (
@@ -40,6 +41,13 @@ from workers import (
     names_parquet,
     write_tars,
 )
+
+
+class _Failures(Protocol):
+    failed: Any  # the shards or files that could not be indexed
+
+
+_State = TypeVar("_State", bound=_Failures)
 
 _COMMANDS = ("write", "index")
 
@@ -178,7 +186,7 @@ class _Shown:
             print(flush=True)
 
 
-def _storage_options(args: argparse.Namespace) -> dict | str | None:
+def _storage_options(args: argparse.Namespace) -> dict[str, Any] | str | None:
     """``--storage-options`` parsed, or the error to print."""
     if not args.storage_options:
         return None
@@ -215,8 +223,8 @@ def _index(args: argparse.Namespace) -> int:
         return _index_parquet(args, urls, options)
     processes = args.workers or usable_cpus()
     print(f"indexing {' '.join(args.urls)}", flush=True)
-    try:
-        state = index_dataset(
+    state = _ran(
+        lambda: index_dataset(
             urls,
             options,
             processes=processes,
@@ -224,14 +232,9 @@ def _index(args: argparse.Namespace) -> int:
             force=args.force,
             progress=_Shown(),
         )
-    except KeyboardInterrupt:
-        print("\ninterrupted: run the same command again to finish", file=sys.stderr)
-        return 130
-    except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    for failure in state.failed:
-        print(f"failed: {failure}", file=sys.stderr)
+    )
+    if isinstance(state, int):
+        return state
     print(
         f"{state.total - len(state.failed)} of {state.total} shards indexed "
         f"({state.samples:,} samples) in {time.monotonic() - state.started:.1f} s; "
@@ -285,21 +288,18 @@ class _ShownParquet:
             print(flush=True)
 
 
-def _index_parquet(args: argparse.Namespace, urls: str | list[str], options: dict | None) -> int:
+def _index_parquet(
+    args: argparse.Namespace, urls: str | list[str], options: dict[str, Any] | None
+) -> int:
     print(f"indexing the Parquet files of {' '.join(args.urls)}", flush=True)
     started = time.monotonic()
-    try:
-        state = index_parquet(
+    state = _ran(
+        lambda: index_parquet(
             urls, options, threads=args.threads, force=args.force, progress=_ShownParquet()
         )
-    except KeyboardInterrupt:
-        print("\ninterrupted: run the same command again to finish", file=sys.stderr)
-        return 130
-    except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    for failure in state.failed:
-        print(f"failed: {failure}", file=sys.stderr)
+    )
+    if isinstance(state, int):
+        return state
     print(
         f"{state.total - len(state.failed)} of {state.total} files indexed "
         f"({state.rows:,} rows in {state.row_groups:,} row groups) in "
@@ -312,3 +312,19 @@ def _index_parquet(args: argparse.Namespace, urls: str | list[str], options: dic
             file=sys.stderr,
         )
     return 1 if state.failed else 0
+
+
+def _ran(index: Callable[[], _State]) -> _State | int:
+    """``index()`` (the failures it lists said on stderr), or the exit status of an
+    interruption (130) or of what it refused (2, the reason said)."""
+    try:
+        state = index()
+    except KeyboardInterrupt:
+        print("\ninterrupted: run the same command again to finish", file=sys.stderr)
+        return 130
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for failure in state.failed:
+        print(f"failed: {failure}", file=sys.stderr)
+    return state

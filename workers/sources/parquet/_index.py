@@ -199,6 +199,7 @@ def _save(
             url = storage.join(directory, name)
             if url in asked:
                 continue
+            still: tuple[int, str] | None
             if storage.local:
                 try:
                     still = storage.identity(url)

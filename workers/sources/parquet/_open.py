@@ -82,8 +82,9 @@ def open_parquet_source(
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     load: ParquetLoader
     if isinstance(urls, ArrowFiles):
-        plan: ParquetPlan = ArrowPlan(urls, names)
-        load = ArrowLoader(plan, max_pixels, optional)
+        arrow = ArrowPlan(urls, names)
+        plan: ParquetPlan = arrow
+        load = ArrowLoader(arrow, max_pixels, optional)
     else:
         plan = open_plan_once(urls, names, storage_options, retries)
         load = ParquetLoader(plan, ahead, ahead_bytes, max_pixels, optional)

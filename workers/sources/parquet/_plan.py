@@ -314,7 +314,7 @@ def open_plan(
     pyarrow_modules()  # (the extra's error first)
     first = os.fspath(urls) if isinstance(urls, (str, os.PathLike)) else None
     if first is None:
-        listed_urls = [os.fspath(u) for u in urls]
+        listed_urls = [os.fspath(u) for u in urls]  # type: ignore[union-attr]
         if not listed_urls:
             raise ValueError("no Parquet files: the list of paths/URLs is empty")
         first = listed_urls[0]

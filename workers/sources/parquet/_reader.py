@@ -86,7 +86,7 @@ class SparseFile(io.RawIOBase):
         for start, data in self.pieces.items():
             if start <= self.position and self.position + want <= start + len(data):
                 at = self.position - start
-                memoryview(buffer).cast("B")[:want] = data[at : at + want]
+                memoryview(buffer).cast("B")[:want] = data[at : at + want].data
                 self.position += want
                 return want
         raise OSError(

@@ -435,7 +435,7 @@ def storage_for(
     return storage
 
 
-def expand_urls(urls: str | Iterable[str]) -> list[str]:
+def expand_urls(urls: str | os.PathLike[str] | Iterable[str]) -> list[str]:
     """A list of paths/URLs, or one with WebDataset brace patterns expanded:
     ``train-{000000..000127}.tar`` (zero-padded ranges) and ``{a,b}`` (alternatives)."""
     items = [urls] if isinstance(urls, (str, os.PathLike)) else list(urls)

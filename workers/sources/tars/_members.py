@@ -131,7 +131,7 @@ class Members:
                 check(member, offset)
                 made.append(member)
             else:
-                text = data[offset - start : offset - start + size].tobytes()
+                raw = data[offset - start : offset - start + size].tobytes()
                 where = f"{url}: {key}.{self.names[column]}"
-                made.append(decode_int(text, self.integers[column], where))
+                made.append(decode_int(raw, self.integers[column], where))
         return made

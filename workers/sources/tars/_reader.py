@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -433,7 +434,10 @@ def _missing(url: str, table: TarIndex, sample: int, wanted: list[str], name: st
 
 
 def _open_shards_once(
-    urls: str | Sequence[str], storage_options: dict[str, Any] | None, shard: Shard, how: _How
+    urls: str | os.PathLike[str] | Sequence[str],
+    storage_options: dict[str, Any] | None,
+    shard: Shard,
+    how: _How,
 ) -> TarShards:
     """:func:`open_shards` for this worker's ``shard``, once per worker and arguments (``how``:
     the retries, and whether to publish the indexes made beside the shards; see
@@ -441,12 +445,13 @@ def _open_shards_once(
     the worker's start, instead of reading the summary and expanding the names again (0.1-0.2 s
     at 10,000 shards)."""
     retries, publish = how
-    names = urls if isinstance(urls, str) else tuple(urls)
+    given = os.fspath(urls) if isinstance(urls, os.PathLike) else urls
+    names = given if isinstance(given, str) else tuple(given)
     return _opened.get(
         (names, shard.index, shard.count, how),
         storage_options,
         lambda: open_shards(
-            urls,
+            given,
             storage_options,
             shard.index / max(1, shard.count),
             retries,
@@ -459,7 +464,7 @@ def _open_shards_once(
 
 def open_tar_source(
     shard: Shard,
-    urls: str | Sequence[str],
+    urls: str | os.PathLike[str] | Sequence[str],
     *,
     ext: str | Sequence[str],
     storage_options: dict[str, Any] | None,
