@@ -151,39 +151,59 @@ def _write(args: argparse.Namespace) -> int:
 
 
 class _Shown:
-    """Prints an index run's progress: one line every few seconds (rewritten on a terminal)."""
+    """Prints an index run's progress: a head line (what there is, what is up to date), then one
+    line every few seconds (rewritten on a terminal). ``unit``: what is indexed (shards, files);
+    ``details(state, elapsed)``: what the format's line says of the work done."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: str, details: Callable[[Any, float], str]) -> None:
+        self.unit, self.details = unit, details
         self.tty = sys.stdout.isatty()
         self.last = 0.0
         self.ended = self.headed = False
 
-    def __call__(self, state: IndexProgress) -> None:
+    def __call__(self, state: Any) -> None:
         now = time.monotonic()
-        if not self.headed:  # (the first call: the shards are listed)
+        if not self.headed:  # (the first call: what is to be indexed is listed)
             self.headed = True
-            print(f"{state.total} shards, {state.up_to_date} up to date; {state.pool}", flush=True)
+            print(
+                f"{state.total} {self.unit}, {state.up_to_date} up to date; {state.pool}",
+                flush=True,
+            )
         final = state.finished == state.total
         if self.ended or (not final and now - self.last < (0.5 if self.tty else 5.0)):
             return
         self.ended = final
         self.last = now
         elapsed = now - state.started
-        rate = state.scanned_bytes / elapsed / 1e6 if elapsed > 0 else 0.0
         left = state.total - state.finished
         eta = elapsed / state.done * left if state.done else 0.0
         line = (
             f"[{state.finished:>{len(str(state.total))}}/{state.total}] "
-            f"{100 * state.finished / max(1, state.total):5.1f}%  scanned {state.scanned} "
-            f"({state.scanned_bytes / 1e6:,.0f} MB, {rate:,.0f} MB/s), read {state.read_idx} .idx, "
-            + (f"{state.from_cache} from this node's cache, " if state.from_cache else "")
-            + f"{state.up_to_date} up to date"
+            f"{100 * state.finished / max(1, state.total):5.1f}%  "
+            + self.details(state, elapsed)
             + (f", {len(state.failed)} failed" if state.failed else "")
             + (f"  eta {eta:,.0f} s" if left and state.done else "")
         )
         print(("\r" + line + ("\n" if final else "")) if self.tty else line, end="", flush=True)
         if not self.tty:
             print(flush=True)
+
+
+def _tar_details(state: IndexProgress, elapsed: float) -> str:
+    rate = state.scanned_bytes / elapsed / 1e6 if elapsed > 0 else 0.0
+    return (
+        f"scanned {state.scanned} ({state.scanned_bytes / 1e6:,.0f} MB, {rate:,.0f} MB/s), "
+        f"read {state.read_idx} .idx, "
+        + (f"{state.from_cache} from this node's cache, " if state.from_cache else "")
+        + f"{state.up_to_date} up to date"
+    )
+
+
+def _parquet_details(state: ParquetProgress, elapsed: float) -> str:
+    return (
+        f"read {state.done} footers ({state.read_bytes / 1e6:,.1f} MB), "
+        f"{state.up_to_date} up to date"
+    )
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any] | str | None:
@@ -230,7 +250,7 @@ def _index(args: argparse.Namespace) -> int:
             processes=processes,
             threads=args.threads,
             force=args.force,
-            progress=_Shown(),
+            progress=_Shown("shards", _tar_details),
         )
     )
     if isinstance(state, int):
@@ -255,39 +275,6 @@ def _index(args: argparse.Namespace) -> int:
     return 1 if state.failed or state.not_beside else 0
 
 
-class _ShownParquet:
-    """Prints a Parquet index run's progress: one line every few seconds."""
-
-    def __init__(self) -> None:
-        self.tty = sys.stdout.isatty()
-        self.last = 0.0
-        self.ended = self.headed = False
-
-    def __call__(self, state: ParquetProgress) -> None:
-        now = time.monotonic()
-        if not self.headed:
-            self.headed = True
-            print(f"{state.total} files, {state.up_to_date} up to date; {state.pool}", flush=True)
-        final = state.finished == state.total
-        if self.ended or (not final and now - self.last < (0.5 if self.tty else 5.0)):
-            return
-        self.ended = final
-        self.last = now
-        elapsed = now - state.started
-        left = state.total - state.finished
-        eta = elapsed / state.done * left if state.done else 0.0
-        line = (
-            f"[{state.finished:>{len(str(state.total))}}/{state.total}] "
-            f"{100 * state.finished / max(1, state.total):5.1f}%  read {state.done} footers "
-            f"({state.read_bytes / 1e6:,.1f} MB), {state.up_to_date} up to date"
-            + (f", {len(state.failed)} failed" if state.failed else "")
-            + (f"  eta {eta:,.0f} s" if left and state.done else "")
-        )
-        print(("\r" + line + ("\n" if final else "")) if self.tty else line, end="", flush=True)
-        if not self.tty:
-            print(flush=True)
-
-
 def _index_parquet(
     args: argparse.Namespace, urls: str | list[str], options: dict[str, Any] | None
 ) -> int:
@@ -295,7 +282,11 @@ def _index_parquet(
     started = time.monotonic()
     state = _ran(
         lambda: index_parquet(
-            urls, options, threads=args.threads, force=args.force, progress=_ShownParquet()
+            urls,
+            options,
+            threads=args.threads,
+            force=args.force,
+            progress=_Shown("files", _parquet_details),
         )
     )
     if isinstance(state, int):
