@@ -18,6 +18,9 @@ pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "DALI_CAPTURE_TEST_JOB_MARKER"
+#: The command line's room for a title in the ``python -`` case: more than a worker's name
+#: (``dali-loader-worker-0``, 20), less than any whole title (``… (trainer N)``, 30 and more).
+HEREDOC_ROOM = 24
 
 #: A trainer that holds a batch and writes, for every process it started, what ``ps`` and the
 #: cluster's tools see: its environment, command line and short name, read from /proc.
@@ -56,11 +59,21 @@ def _hold(tmp_path: Path, how: str) -> dict:
     env.update(PYTHONPATH=str(ROOT), **{MARKER: "job-4711"})
     script = tmp_path / "a-trainer-script-with-a-long-enough-name.py"
     script.write_text(HOLD)
-    command = [sys.executable, str(script)] if how == "script" else [sys.executable, "-"]
+    if how == "script":
+        command, cwd = [sys.executable, str(script)], tmp_path
+    else:
+        # ``python -`` started by a path of a known length, so that the command line has room
+        # for the processes' names and not for their whole titles wherever the suite runs
+        # (the interpreter's own path is as long as the machine made it: 27 characters here,
+        # 37 in another checkout). ``.//…/python`` from the interpreter's folder is the same
+        # interpreter (and the same venv).
+        name = Path(sys.executable).name
+        command = ["./" + "/" * (HEREDOC_ROOM - 3 - len(name)) + name, "-"]
+        cwd = Path(sys.executable).parent
     done = subprocess.run(
         command,
         input=None if how == "script" else HOLD,
-        cwd=tmp_path,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=200,
@@ -103,5 +116,6 @@ def test_every_loader_process_keeps_its_environment_and_shows_its_title(
     titles = [" ".join(" ".join(children[pid]["cmdline"]).split()) for pid in expected]
     if how == "script":  # (the script's path leaves room for the whole titles)
         assert titles == list(expected.values())
-    else:  # "python -": the names alone, or shorter
+    else:  # "python -" by a short path: the names alone
+        assert {c["room"] for c in children.values()} == {HEREDOC_ROOM}
         assert all(not t.endswith(")") and t.startswith("dali-loader") for t in titles), titles
