@@ -10,9 +10,11 @@
 * ``optional={"txt": b""}``: a sample without a caption gets ``""`` (counted in
   ``stats().defaulted``) instead of being skipped; a truncated JPEG is skipped, named
   ``<tar>:<key>`` in the log.
-* ``cut_padding=True``: a batch never holds a sample twice (the row a skipped sample leaves and
-  the epoch's padding are cut, ``batch.info.cut_rows`` says which), so a contrastive loss needs
-  no mask. Without it, mask the rows ``batch.info.replaced`` and the last ``batch.info.padded``.
+* A batch never holds a sample twice: the row a skipped sample leaves is cut (the default,
+  ``cut_replaced=True``; ``batch.info.cut_rows`` says which), and ``cut_padding=True`` cuts the
+  epoch's padding too, so a contrastive loss needs no mask. With ``cut_replaced=False`` (a fixed
+  batch shape), mask the rows ``batch.info.replaced``; without ``cut_padding``, the last
+  ``batch.info.padded``.
 * The loader's state is saved half-way and a second loader with another worker count resumes
   from it: every pair of the epoch comes once.
 

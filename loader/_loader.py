@@ -97,6 +97,7 @@ class Loader:
         max_skipped: int | None = None,
         in_order: bool = True,
         cut_padding: bool = False,
+        cut_replaced: bool = True,
         trace: str | os.PathLike[str] | None = None,
         memory_limit: int | float | None = None,
     ) -> None:

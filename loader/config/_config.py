@@ -114,6 +114,9 @@ class LoaderConfig:
     in_order: bool = keyword(True, check=check_flag)
     #: the batches that end a rank's epoch come cut to their real rows (no padding)
     cut_padding: bool = keyword(False, check=check_flag)
+    #: (on_error="skip") the row a skipped sample leaves is cut off its batch, not filled with
+    #: a flagged repeat of another row: no batch holds a sample twice
+    cut_replaced: bool = keyword(True, check=check_flag)
     trace: str | None = keyword(None, check=check_trace_path)  # where close() writes the trace
     #: bytes this rank's workers may hold (with "auto"), checked with num_workers and num_threads
     memory_limit: int | None = keyword(None)

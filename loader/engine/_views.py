@@ -32,13 +32,15 @@ class BatchInfo:
     """Where a delivered batch came from. ``step`` is its step in the epoch on this rank
     (``0 .. len(loader) - 1``, counting the batches received before a resume too);
     ``worker_step`` the step in the epoch of the ``worker`` that made it. ``padded`` rows at
-    its end are padding, not data; with ``on_error="skip"``, ``replaced`` rows hold a repeat of
-    another row of the batch in place of the ``skipped`` sample ids (``skipped_names``: their
-    names, a file's path for ``sharded_files``, ``<tar>:<key>`` for tars): mask them (a
-    contrastive loss must, or it trains on duplicate pairs). With ``cut_padding=True`` both are
-    cut off, so that no row of a batch repeats another: ``padded`` is 0, ``replaced`` empty,
+    its end are padding, not data. With ``on_error="skip"``, ``skipped`` names the sample ids
+    left out of the batch (``skipped_names``: their names, a file's path for
+    ``sharded_files``, ``<tar>:<key>`` for tars); the rows they leave are cut off by default
+    (``cut_replaced=True``: the batch is that many rows shorter, and no row of it repeats
+    another), or, with ``cut_replaced=False``, kept at the batch's full size holding a repeat
+    of another row and listed in ``replaced`` (mask them: a contrastive loss must, or it trains
+    on duplicate pairs). With ``cut_padding=True`` the padding is cut too (``padded`` is 0).
     ``cut`` says how many rows were cut and ``cut_rows`` which (counted in the batch as the
-    worker made it); ``skipped`` still names the samples left out."""
+    worker made it)."""
 
     epoch: int
     step: int
@@ -212,16 +214,20 @@ def build_batch(
     copy: bool,
     releases: ReleaseQueue,
     owner: Any,
-    cut: bool = False,
+    cut_padding: bool = False,
+    cut_replaced: bool = False,
 ) -> Any:
     """The user's batch over a slot's ``arrays``. Without ``copy`` the slot's release is queued
     when ``lease`` (which every view keeps alive) is collected; with ``copy`` the caller
-    releases the slot at once. ``cut``: a batch with padded rows comes as views of its real
-    rows (``info.cut`` says how many were cut), without its replaced rows too (those are
-    copies of the rows kept: views where they are at the end, else copies of the rows kept)."""
+    releases the slot at once. ``cut_padding``: a batch with padded rows comes without them
+    (views of its real rows; ``info.cut`` says how many were cut). ``cut_replaced``: a batch
+    with replaced rows (repeats standing in for skipped samples) comes without them (views
+    where they are at the end, else copies of the rows kept)."""
     values = [to_output(value, output, copy) for value in arrays]
-    if cut and (info.padded or info.replaced):
-        values, info = _cut_rows(values, info)
+    padded = info.padded if cut_padding else 0
+    replaced = info.replaced if cut_replaced else ()
+    if padded or replaced:
+        values, info = _cut_rows(values, info, padded, replaced)
     if not copy:
         finalizer = weakref.finalize(
             lease, releases.put, owner, descriptor.slot, descriptor.generation
@@ -231,14 +237,25 @@ def build_batch(
     return wrap_outputs(kind, names, values, info)
 
 
-def _cut_rows(values: list[Any], info: BatchInfo) -> tuple[list[Any], BatchInfo]:
-    """The batch's ``values`` without its padded and replaced rows, and its info saying so.
-    Padding alone (trailing rows) is cut as zero-copy views (they keep the lease alive); a
-    replaced row in the middle takes the kept rows by index (a copy of them: numpy, torch and
-    cupy arrays, and lists of per-sample arrays)."""
+def _cut_rows(
+    values: list[Any], info: BatchInfo, padded: int, replaced: tuple[int, ...]
+) -> tuple[list[Any], BatchInfo]:
+    """The batch's ``values`` without its last ``padded`` rows and its ``replaced`` rows, and
+    its info saying so (a replaced row inside the padding is cut with it when the padding is
+    cut). Trailing rows alone are cut as zero-copy views (they keep the lease alive); a row cut
+    in the middle takes the kept rows by index (a copy of them: numpy, torch and cupy arrays,
+    and lists of per-sample arrays). A batch all of whose rows would go keeps its first, flagged
+    in ``replaced`` (a repeat of a sample delivered before)."""
     size = len(values[0]) if values else 0
-    real = size - info.padded
-    gone = set(range(real, size)) | {row for row in info.replaced if 0 <= row < size}
+    real = size - padded
+    gone = set(range(real, size)) | {row for row in replaced if 0 <= row < size}
+    left = tuple(row for row in info.replaced if row not in gone)
+    left_padded = info.padded - padded
+    if size and len(gone) == size:
+        # every row a repeat (no sample of the batch could be read): one stays, flagged, so
+        # that the trainer (and every rank, in step) still gets a batch, not an empty one
+        gone.discard(0)
+        real, left, left_padded = 1, (0,), 0
     inside = sorted(row for row in gone if row < real)
     if not inside:
         values = [value[:real] for value in values]
@@ -249,7 +266,9 @@ def _cut_rows(values: list[Any], info: BatchInfo) -> tuple[list[Any], BatchInfo]
             for value in values
         ]
     cut_rows = tuple(sorted(gone))
-    info = dataclasses.replace(info, padded=0, replaced=(), cut=len(cut_rows), cut_rows=cut_rows)
+    info = dataclasses.replace(
+        info, padded=left_padded, replaced=left, cut=len(cut_rows), cut_rows=cut_rows
+    )
     return values, info
 
 
@@ -288,8 +307,9 @@ def texts(values: Any, encoding: str = "utf-8", errors: str = "strict") -> list[
     """The rows of a text output of a batch (``batch["txt"]``) as ``list[str]``, one per row,
     in row order: ``captions = loader.texts(batch["txt"])``. ``values``: a list of per-row
     arrays or one 2-D array (numpy, torch or cupy); ``errors`` as for ``bytes.decode``
-    (``"replace"`` for text that may not be UTF-8). A row cut with ``cut_padding=True`` is not
-    there; without it, rows ``info.replaced`` and the last ``info.padded`` repeat others."""
+    (``"replace"`` for text that may not be UTF-8). A row that was cut is not there (a skipped
+    sample's, and with ``cut_padding=True`` the padding); rows ``info.replaced``
+    (``cut_replaced=False``) and the last ``info.padded`` repeat others."""
     if isinstance(values, (str, bytes)):
         raise TypeError("texts() takes a batch's text output (rows of bytes), not one text")
     return [_row_bytes(row).decode(encoding, errors) for row in values]

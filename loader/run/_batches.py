@@ -39,7 +39,8 @@ def hand_out(
         copy=config.copy,
         releases=coordinator.releases.queue,
         owner=delivery.reader,
-        cut=config.cut_padding,
+        cut_padding=config.cut_padding,
+        cut_replaced=config.cut_replaced,
     )
     worker, reader = delivery.info.worker, delivery.reader
     del delivery  # (its views: with copy=True the batch holds private copies)

@@ -115,9 +115,38 @@ def test_clip_epochs_hold_every_pair_once_and_never_a_row_twice(web_root: Path) 
         ]
 
 
-def test_without_cut_padding_the_replaced_row_is_named(web_root: Path) -> None:
+def test_by_default_a_skipped_samples_row_is_cut_and_only_padding_repeats(web_root: Path) -> None:
+    """The defaults (``cut_padding=False``): the truncated JPEG's row is cut off its batch
+    (``info.cut_rows``), no row of any batch is a copy of another but the last batch's padding
+    (flagged in ``info.padded``), and every other sample comes once. Before, the row held a
+    copy of another row of the batch (same image, same caption), flagged only."""
     with clip_loader(str(web_root), cut_padding=False) as run:
+        seen: list[str] = []
+        cut = 0
         for batch, keys, _captions in epoch_rows(run):
+            assert batch.info.replaced == ()
+            real = keys[: len(keys) - batch.info.padded]
+            assert len(set(real)) == len(real), (keys, batch.info)
+            assert set(keys[len(real) :]) <= set(real)  # (padding repeats a row, flagged)
+            if batch.info.skipped:
+                cut += 1
+                assert len(keys) == 16 - 1 and len(batch.info.cut_rows) == 1
+                assert batch.info.skipped_names == (
+                    str(web_root / "00003.tar") + ":" + TRUNCATED,
+                )
+            else:
+                assert len(keys) == 16 and batch.info.cut == 0
+            seen += real
+        assert cut == 1
+        assert sorted(seen) == sorted(KEYS - {TRUNCATED})
+
+
+def test_with_cut_replaced_false_the_row_is_a_flagged_repeat(web_root: Path) -> None:
+    """``cut_replaced=False`` keeps every batch at its size: the skipped sample's row holds a
+    repeat of another row of the batch, named in ``info.replaced``."""
+    with clip_loader(str(web_root), cut_padding=False, cut_replaced=False) as run:
+        for batch, keys, _captions in epoch_rows(run):
+            assert len(keys) == 16
             rows = set(batch.info.replaced) | set(range(16 - batch.info.padded, 16))
             kept = [key for row, key in enumerate(keys) if row not in rows]
             assert len(set(kept)) == len(kept)

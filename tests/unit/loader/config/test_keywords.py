@@ -47,7 +47,7 @@ def test_the_loaders_signature_is_the_configs_keywords() -> None:
     """Adding a keyword is one field of LoaderConfig and one line of ``Loader.__init__``."""
     assert differences(Loader.__init__, LoaderConfig) == []
     names = [f.name for f in keyword_fields(LoaderConfig)]
-    assert names[:3] == ["source", "step", "batch_size"] and len(names) == 26
+    assert names[:3] == ["source", "step", "batch_size"] and len(names) == 27
     # what follows from the keywords is no keyword
     assert {"local_world_size", "cpus", "first_epoch", "workers_auto"}.isdisjoint(names)
 
