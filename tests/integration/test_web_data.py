@@ -131,9 +131,7 @@ def test_by_default_a_skipped_samples_row_is_cut_and_only_padding_repeats(web_ro
             if batch.info.skipped:
                 cut += 1
                 assert len(keys) == 16 - 1 and len(batch.info.cut_rows) == 1
-                assert batch.info.skipped_names == (
-                    str(web_root / "00003.tar") + ":" + TRUNCATED,
-                )
+                assert batch.info.skipped_names == (str(web_root / "00003.tar") + ":" + TRUNCATED,)
             else:
                 assert len(keys) == 16 and batch.info.cut == 0
             seen += real

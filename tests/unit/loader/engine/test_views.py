@@ -17,9 +17,7 @@ def info(padded: int = 0, replaced: tuple[int, ...] = ()) -> BatchInfo:
 def test_a_replaced_row_is_cut_like_padding_from_every_kind_of_output() -> None:
     rows = np.arange(6)[:, None].repeat(3, axis=1)
     ragged = [np.arange(k) for k in range(6)]
-    values, cut = _cut_rows(
-        [rows, torch.from_numpy(rows.copy()), ragged], info(1, (2,)), 1, (2,)
-    )
+    values, cut = _cut_rows([rows, torch.from_numpy(rows.copy()), ragged], info(1, (2,)), 1, (2,))
     assert values[0][:, 0].tolist() == [0, 1, 3, 4]
     assert values[1][:, 0].tolist() == [0, 1, 3, 4]
     assert [len(a) for a in values[2]] == [0, 1, 3, 4]
