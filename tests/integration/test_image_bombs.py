@@ -100,7 +100,9 @@ def epoch_under_skip(loader: Loader, key: str) -> tuple[list[int], list[str]]:
     ids: list[int] = []
     skipped: list[str] = []
     for batch in loader:
-        assert np.asarray(batch["image"]).shape == (BATCH, 8, 8, 3)  # full batches
+        # full batches but for a skipped sample's row, cut off (cut_replaced=True)
+        assert np.asarray(batch["image"]).shape == (BATCH - batch.info.cut, 8, 8, 3)
+        assert batch.info.cut == len(batch.info.skipped_names)
         values = [int(v) for v in np.asarray(batch[key]).ravel()]
         keep = len(values) - batch.info.padded
         ids += [v for row, v in enumerate(values[:keep]) if row not in batch.info.replaced]
