@@ -204,7 +204,7 @@ class ParquetLoader:
         self.defaults = optional_defaults(plan.kinds, optional)
         self._lock = threading.Lock()
         self._kept: OrderedDict[int, list[Values]] = OrderedDict()
-        self._ahead = _Ahead(self._read_unit, ahead, ahead_bytes, plan.ends - plan.begins)
+        self._ahead = _Ahead(self._read_unit, ahead, ahead_bytes, plan.sizes)
         #: row groups found undecodable, and why
         self._damaged: dict[int, DamagedRowGroup] = {}
         #: ranged reads made and their bytes (row groups and images kept as files)
@@ -214,8 +214,10 @@ class ParquetLoader:
     # -- reading -----------------------------------------------------------------------------
 
     def _read_bytes(
-        self, file: int, start: int, end: int, epoch: int | None
+        self, file: int, start: int, end: int, epoch: int | None, row_groups: int = 1
     ) -> np.ndarray[Any, Any]:
+        """Bytes ``start``-``end`` of ``file``, one ranged read, counted for ``epoch`` (with
+        ``row_groups`` row groups: 0 for a row group's second range)."""
         plan = self.plan
         url, identity = plan.urls[file], plan.identities[file]
         storage = plan.storage
@@ -242,7 +244,7 @@ class ParquetLoader:
         with self._lock:
             self.requests += 1
             self.bytes_read += end - start
-        count_read(1, 1, end - start, epoch)
+        count_read(row_groups, 1, end - start, epoch)
         return data
 
     def _read_unit(self, unit: int, epoch: int | None) -> list[Values]:
@@ -253,8 +255,11 @@ class ParquetLoader:
         file, group = int(plan.files[unit]), int(plan.groups[unit])
         begin, end = int(plan.begins[unit]), int(plan.ends[unit])
         url = plan.urls[file]
-        data = self._read_bytes(file, begin, end, epoch)
-        sparse = SparseFile(url, plan.identities[file][0], {begin: data})
+        pieces = {
+            start: self._read_bytes(file, start, stop, epoch, row_groups=int(k == 0))
+            for k, (start, stop) in enumerate(plan.ranges[unit])
+        }
+        sparse = SparseFile(url, plan.identities[file][0], pieces)
         try:
             reader = pq.ParquetFile(pa.PythonFile(sparse, mode="r"), metadata=plan.footers[file])
             table = reader.read_row_group(group, columns=self.names, use_threads=False)

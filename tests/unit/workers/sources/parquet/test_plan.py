@@ -9,7 +9,12 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from workers.sources.parquet._plan import list_parquet, open_plan, read_footer  # noqa: E402
+from workers.sources.parquet._plan import (  # noqa: E402
+    list_parquet,
+    open_plan,
+    read_footer,
+    read_ranges,
+)
 from workers.sources.storage._storage import LocalStorage  # noqa: E402
 
 
@@ -43,6 +48,19 @@ def test_row_groups_are_numbered_across_files(tmp_path: Path) -> None:
     again = open_plan([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], ("id",))
     assert again.fingerprint() == plan.fingerprint()
     assert open_plan(str(tmp_path), ("id", "x")).fingerprint() != plan.fingerprint()
+
+
+def test_chunks_side_by_side_are_one_range_and_a_gap_is_read_through_only_when_small() -> None:
+    assert read_ranges([(100, 200), (4, 100)]) == ((4, 200),)
+    # a gap of 5 bytes of 1,000 wanted: read through (a request saved, 0.5% more bytes)
+    assert read_ranges([(0, 500), (505, 1005)]) == ((0, 1005),)
+    # a gap of 600 bytes: read apart
+    assert read_ranges([(0, 500), (1100, 1600)]) == ((0, 500), (1100, 1600))
+    # the gaps read through add up to at most 5% of the bytes wanted
+    spans = [(k * 110, k * 110 + 100) for k in range(10)]  # 1,000 wanted, 9 gaps of 10
+    ranges = read_ranges(spans)
+    through = sum(e - b for b, e in ranges) - 1000
+    assert through <= 50 and len(ranges) > 1
 
 
 def test_a_file_that_is_not_parquet_or_whose_footer_is_cut_is_named(tmp_path: Path) -> None:
