@@ -442,12 +442,27 @@ class Sought:
     steps: int
 
 
+#: The kinds of failure that skip a sample (``SamplesFailed.kind``), in the order the
+#: skip-limit error names them: a required member or column value missing, an image that does
+#: not decode (or is too large to), an exception in ``step`` on the sample alone, a ``load``
+#: that raised (or hung) otherwise.
+MEMBER_MISSING = "member missing"
+UNDECODABLE = "file undecodable"
+IN_STEP = "exception in step"
+LOAD_FAILED = "load failed"
+SKIP_KINDS = (MEMBER_MISSING, UNDECODABLE, IN_STEP, LOAD_FAILED)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplesFailed:
     """The batch at ``step`` of ``epoch`` failed inside DALI or ``step``; run alone, these
     samples fail (``names``: their files, or ids). The worker exits right after sending it.
     With ``exits=False`` their ``load`` raised: the batch was made without them (their rows
-    replaced) and the worker goes on; the trainer logs them and tells the other workers."""
+    replaced) and the worker goes on; the trainer logs them and tells the other workers.
+    ``kind``: one of :data:`SKIP_KINDS`, said where the failure was caught; ``member``: the
+    member (or column) missing, for :data:`MEMBER_MISSING`; ``left_out``: for a sample of a
+    shard found cut short since it was indexed (data known lost, not a bad sample), the
+    shard's line for ``stats().left_out``."""
 
     __reduce__ = _reduce
 
@@ -457,6 +472,9 @@ class SamplesFailed:
     names: tuple[str, ...]
     reason: str
     exits: bool = True
+    kind: str = LOAD_FAILED
+    member: str = ""
+    left_out: str = ""
 
 
 @dataclass(frozen=True, slots=True)

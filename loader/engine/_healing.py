@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
 from dataclasses import dataclass
 
 from ipc import wire
@@ -29,35 +28,6 @@ logger = logging.getLogger("loader")
 #: With ``timeout`` set, the longest a replacement process may take to start (spawn, imports,
 #: sources) before its Hello, unless ``startup_timeout`` or ``timeout`` says otherwise.
 REPLACEMENT_START = 60.0
-
-
-#: The kinds of failure that skip a sample, in the order the skip-limit error names them.
-_KINDS = ("member missing", "file undecodable", "exception in step", "load failed")
-#: a tar sample without a member, a Parquet row with a null in a column
-_MISSING = re.compile(r"has no \.([\w.-]+)(?: or \.[\w.-]+)* member|column '([^']+)' is null")
-_UNDECODABLE = re.compile(
-    r"decod|jpeg|png|tiff|webp|image|marker|codec|ImageTooLarge|not a whole|truncated", re.I
-)
-
-
-#: a sample of a tar shard cut short since it was indexed (found by a read, on a store whose
-#: start made no listing): data known lost, accounted like a shard's ``left_out`` samples, so
-#: not counted against ``max_skipped`` (local shards, listed at the start, never plan them)
-_LEFT_OUT = re.compile(
-    r"(?P<shard>\S+): sample '[^']*' is left out: the shard was truncated since it was indexed "
-    r"\(its first (?P<whole>\d+) samples are whole\)"
-)
-
-
-def _kind_of(inside: bool, reason: str) -> tuple[str, str]:
-    """(kind, the missing member) of a skip: ``inside`` DALI or ``step`` (its batch failed
-    there), else its ``load`` raised (or hung); ``reason``: the finder's words."""
-    missing = _MISSING.search(reason)
-    if missing is not None:
-        return "member missing", missing.group(1) or missing.group(2)
-    if _UNDECODABLE.search(reason):
-        return "file undecodable", ""
-    return ("exception in step", "") if inside else ("load failed", "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +69,13 @@ class Healing:
         self.restarts = 0
         self.bad_samples: set[int] = set()  # on_error="skip": samples that fail inside DALI
         self.skipped: dict[int, str] = {}  # sample id -> name, every sample skipped so far
-        #: sample id -> (whether it failed inside DALI or step, why), as its finder reported it
-        self.reasons: dict[int, tuple[bool, str]] = {}
+        #: sample id -> (its kind of failure, the member missing), as its finder reported it
+        self.reasons: dict[int, tuple[str, str]] = {}
+        #: samples left out of a shard found cut short since it was indexed (data known lost,
+        #: not counted against ``max_skipped``)
+        self.lost: set[int] = set()
         self._epoch_skips: tuple[int, list[tuple[int, str]]] = (0, [])  # (epoch, its skips)
-        #: shard -> its line in ``stats().left_out``: shards found cut short by a read (where a
+        #: line -> itself, in ``stats().left_out``: shards found cut short by a read (where a
         #: start's listing would have found them: the line a worker's hello gives then)
         self.left_out: dict[str, str] = {}
         self._exiting: set[int] = set()  # workers that said they exit (SamplesFailed)
@@ -137,14 +110,10 @@ class Healing:
                 message.reason,
             )
         for index in message.ids:
-            self.reasons.setdefault(index, (message.exits, message.reason))
-        lost = _LEFT_OUT.search(message.reason)
-        if lost is not None:
-            self.left_out.setdefault(
-                lost["shard"],
-                f"{lost['shard']} was truncated since it was indexed: its first "
-                f"{lost['whole']} samples are read; the rest of it is left out",
-            )
+            self.reasons.setdefault(index, (message.kind, message.member))
+        if message.left_out:
+            self.lost.update(message.ids)
+            self.left_out.setdefault(message.left_out, message.left_out)
         self.bad_samples.update(message.ids)
         if message.exits:
             self._exiting.add(view.index)
@@ -163,7 +132,7 @@ class Healing:
         skips.extend(
             (index, name)
             for index, name in zip(info.skipped, info.skipped_names, strict=True)
-            if not _LEFT_OUT.search(self.reasons.get(index, (False, ""))[1])
+            if index not in self.lost
         )
         self._epoch_skips = (info.epoch, skips)
         limit = self.max_skipped
@@ -181,7 +150,7 @@ class Healing:
         kinds: dict[str, list[str]] = {}
         members: set[str] = set()
         for index, name in skips:
-            kind, member = _kind_of(*self.reasons.get(index, (False, "")))
+            kind, member = self.reasons.get(index, (wire.LOAD_FAILED, ""))
             kinds.setdefault(kind, []).append(name)
             if member:
                 members.add(member)
@@ -190,7 +159,7 @@ class Healing:
             + (" (the default: 1% of an epoch's samples, at least 8)" if default else "")
             + ":"
         ]
-        for kind in _KINDS:
+        for kind in wire.SKIP_KINDS:
             names = kinds.get(kind)
             if names:
                 shown = ", ".join(names[:5]) + (
@@ -252,6 +221,7 @@ class Healing:
                     (hung.name,),
                     f"its load() hangs: still running after {hung.seconds:.1f} s",
                     exits=False,
+                    kind=wire.LOAD_FAILED,
                 ),
             )
         return self._replace(view, cause, True), found

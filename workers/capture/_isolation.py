@@ -29,6 +29,7 @@ from ..transport import (
     attach,
     context_of,
     every_sample_fails,
+    failed_in_decoder,
     normalize_outputs,
     short_reason,
 )
@@ -88,6 +89,7 @@ class FailingSamples:
             ids=tuple(failing),
             names=tuple(sampled.name(index) for index in failing),
             reason=short_reason(error, printed),
+            kind=wire.UNDECODABLE if failed_in_decoder(error) else wire.IN_STEP,
         )
 
     def find(self, epoch: int, step: int) -> dict[int, list[str]] | None:

@@ -43,7 +43,7 @@ from ipc import ChannelClosed, ControlChannel, wire
 from ipc.wire import Position
 
 from .. import dali, startup
-from ..sources import REPORT_PROGRESS, SampleControl, reads_so_far
+from ..sources import REPORT_PROGRESS, LoadSkip, SampleControl, reads_so_far
 from ..spec import Shard, WorkerSpec
 from ..transport import BatchClock, Publisher, Signature, failure, normalize_outputs
 from ._capture_loops import CaptureLoops
@@ -362,13 +362,24 @@ class Worker:
         self.channel.send(record)
         raise Stop
 
-    def report_skipped(self, epoch: int, step: int, index: int, name: str, reason: str) -> None:
-        """on_error="skip": sample ``index``'s ``load`` raised, so batch ``step`` of ``epoch``
-        was made without it. The trainer logs it (once, whichever worker reports it first) and
-        tells the other workers, which then replace it without loading it; this one goes on."""
+    def report_skipped(self, epoch: int, step: int, name: str, skip: LoadSkip) -> None:
+        """on_error="skip": sample ``skip.index``'s ``load`` raised, so batch ``step`` of
+        ``epoch`` was made without it. The trainer logs it (once, whichever worker reports it
+        first) and tells the other workers, which then replace it without loading it; this one
+        goes on."""
         with contextlib.suppress(ChannelClosed, OSError):
             self.channel.send(
-                wire.SamplesFailed(epoch, step, (index,), (name,), reason, exits=False)
+                wire.SamplesFailed(
+                    epoch,
+                    step,
+                    (skip.index,),
+                    (name,),
+                    skip.reason,
+                    exits=False,
+                    kind=skip.kind,
+                    member=skip.member,
+                    left_out=skip.left_out,
+                )
             )
 
     def load_in_progress(self) -> wire.LoadRunning | None:

@@ -18,7 +18,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..spec import attach, context_of
-from ._error_text import FAILING_SAMPLES, every_sample_fails, failure, message, short_reason
+from ._error_text import (
+    FAILING_SAMPLES,
+    every_sample_fails,
+    failed_in_decoder,
+    failure,
+    message,
+    short_reason,
+)
 from ._timing import BatchClock
 
 if TYPE_CHECKING:
@@ -47,6 +54,7 @@ __all__ = [
     "attach",
     "context_of",
     "every_sample_fails",
+    "failed_in_decoder",
     "failure",
     "message",
     "normalize_outputs",

@@ -61,6 +61,18 @@ def dali_summary(error: BaseException) -> tuple[str | None, str] | None:
     return None
 
 
+def failed_in_decoder(error: BaseException) -> bool:
+    """Whether DALI says ``error`` came from one of its decoders (``CPU operator
+    decoders.Image``, ``experimental.decoders.*``): the data did not decode, ``step`` is not at
+    fault."""
+    summary = dali_summary(error)
+    operator = summary[0] if summary is not None else None
+    if not operator:
+        return False
+    name = operator.split()[-1]
+    return name.startswith("decoders.") or ".decoders." in name
+
+
 def describe(error: BaseException) -> str:
     """The error in a line when DALI worded it (``CPU operator decoders.Image failed: ...``), or
     its own message."""

@@ -25,6 +25,8 @@ import re
 import struct
 from typing import Any, NamedTuple
 
+from ipc.wire import UNDECODABLE
+
 #: The default limit: Pillow's decompression-bomb threshold (``PIL.Image.MAX_IMAGE_PIXELS``):
 #: the pixels that take a quarter of a GiB decoded as 24-bit RGB (about 9460 x 9460).
 MAX_IMAGE_PIXELS = 89_478_485
@@ -59,6 +61,9 @@ class ImageSize(NamedTuple):
 class ImageTooLargeError(ValueError):
     """A sample's image would decode to more pixels than ``max_image_pixels``: it was not
     decoded (``on_error="skip"`` leaves it out; the message names it and the limit)."""
+
+    #: the kind of skip the skip-limit error counts it as (``ipc.wire.UNDECODABLE``)
+    skip_kind = UNDECODABLE
 
     @classmethod
     def of(cls, name: str, size: ImageSize, limit: int, source: str) -> ImageTooLargeError:

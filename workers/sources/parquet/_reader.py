@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..files import ImageTooLargeError, over_limit
-from ..plan import Defaulted
+from ..plan import Defaulted, MemberMissing
 from ..storage import (
     IdentityChanged,
     StorageFailure,
@@ -333,10 +333,11 @@ class ParquetLoader:
                 defaulted.append(name)
                 continue
             if value is None:
-                raise ValueError(
+                raise MemberMissing(
                     f"{self.describe(index)}: column {name!r} is null; if rows may lack it, "
                     f"make it optional (optional={{{name!r}: default}}), filter such rows out "
-                    'of the dataset, or pass on_error="skip" to skip them'
+                    'of the dataset, or pass on_error="skip" to skip them',
+                    name,
                 )
             if isinstance(value, str):
                 value = self._image_file(unit, value)

@@ -7,6 +7,7 @@ imports it through this face, never module by module).
 * ``_parts``: a dataset's parts as a state records them, and how two of them differ;
 * ``_control``: the worker's control state (``on_error``, the samples known to fail, the batches
   in flight, the pool's token), made by the worker;
+* ``_skips``: why a sample's ``load`` failed, as the kind the skip-limit error names;
 * ``_sampling``: :class:`BatchedSamples` (full batches of a shard, padding flagged, a saved
   position resumed) over an :class:`OpenedSource` (any ``load(index)``), with :class:`Batching`.
 
@@ -40,6 +41,7 @@ from ._positions import (
     steps_per_epoch,
 )
 from ._sampling import BatchedSamples, Batching, Defaulted, OpenedSource
+from ._skips import LoadSkip, MemberMissing, SampleLeftOut, load_skip
 
 __all__ = [
     "REPORT_PROGRESS",
@@ -52,16 +54,20 @@ __all__ = [
     "EpochOrder",
     "FedBatch",
     "FeedState",
+    "LoadSkip",
+    "MemberMissing",
     "OpenedOnce",
     "OpenedSource",
     "Order",
     "Orders",
     "SampleControl",
+    "SampleLeftOut",
     "continue_from",
     "decode_parts",
     "describe_difference",
     "encode_parts",
     "every_shard_steps",
+    "load_skip",
     "orders_at",
     "plan_epoch",
     "shard_batches",

@@ -26,7 +26,10 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from ._skips import LoadSkip
 
 _T = TypeVar("_T")
 
@@ -47,8 +50,8 @@ REPORT_PROGRESS: ContextVar[Callable[[str, int, int, float], None] | None] = Con
 )
 
 #: Told of a sample whose ``load`` raised under ``on_error="skip"``:
-#: (epoch, step, sample id, sample name, reason).
-ReportSkipped = Callable[[int, int, int, str, str], None]
+#: (epoch, step, sample name, its :class:`~._skips.LoadSkip`: id, reason, kind).
+ReportSkipped = Callable[[int, int, str, "LoadSkip"], None]
 
 
 class SampleControl:

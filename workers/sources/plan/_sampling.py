@@ -38,6 +38,7 @@ from ipc.wire import LoadRunning, Sampling
 from ...spec import Shard, attach
 from ._control import FedBatch, FeedState, SampleControl
 from ._positions import Batch, Orders, shard_batches, shard_steps
+from ._skips import LoadSkip, load_skip
 
 logger = logging.getLogger("workers")
 
@@ -252,7 +253,7 @@ class BatchedSamples:
             return LoadedSamples([self._load(index, epoch) for index in ids])
         samples: list[Any] = []
         failed: list[int] = []
-        errors: list[tuple[int, str]] = []
+        errors: list[LoadSkip] = []
         raised: set[int] = set()  # ids whose load raised in this batch (one may repeat)
         for row, index in enumerate(ids):
             if index in raised or index in self._control.bad:
@@ -265,7 +266,7 @@ class BatchedSamples:
                 if getattr(error, "_loader_fatal", False):  # storage, not the sample: stop
                     raise
                 raised.add(index)
-                errors.append((index, f"load raised {type(error).__name__}: {error}"[:300]))
+                errors.append(load_skip(index, error))
                 samples.append(None)
                 failed.append(row)
         good = next((sample for sample in samples if sample is not None), None)
@@ -283,7 +284,7 @@ class BatchedSamples:
             raise RuntimeError(
                 f"every sample of the first batch failed to load "
                 f"({', '.join(self.describe(i) for i in ids[:4])}{', ...' if len(ids) > 4 else ''}"
-                f"; first: {errors[0][1] if errors else 'known bad'}): nothing to fill their "
+                f"; first: {errors[0].reason if errors else 'known bad'}): nothing to fill their "
                 "rows with. Check that the data is readable and that ext=/columns= name what "
                 "the samples hold (optional= for a member some samples lack)"
             )
@@ -376,12 +377,12 @@ class BatchedSamples:
                 if passed is not None:
                     passed(epoch, step)
                 if loaded.errors:  # remembered here (main thread) before the next batch loads
-                    self._control.add_bad(index for index, _reason in loaded.errors)
+                    self._control.add_bad(skip.index for skip in loaded.errors)
                 if step + 1 < len(batches):
                     self.loading_batch = (epoch, step + 1)  # (one load_batch at a time)
                     pending = prefetch.submit(load, batches[step + 1][0], epoch)
-                for index, reason in loaded.errors:
-                    self._skipped_on_load(epoch, step, index, reason)
+                for skip in loaded.errors:
+                    self._skipped_on_load(epoch, step, skip)
                 defaulted = _defaulted(loaded.samples, pad_rows, loaded.replaced)
                 self._feed.fed(
                     FedBatch(epoch, step, pad_rows, loaded.replaced, loaded.skipped, defaulted)
@@ -399,15 +400,15 @@ class BatchedSamples:
                 alive.append(outputs)
                 yield outputs[0] if self.num_outputs == 1 else tuple(outputs)
 
-    def _skipped_on_load(self, epoch: int, step: int, index: int, reason: str) -> None:
+    def _skipped_on_load(self, epoch: int, step: int, skip: LoadSkip) -> None:
         """A sample whose ``load`` raised was left out of batch ``step`` of ``epoch``: the
         worker tells the trainer (which logs it once for all workers, and tells the others);
         without a worker, it is logged here."""
         report = self._control.report_skipped
         if report is not None:
-            report(epoch, step, index, self.name(index), reason)
+            report(epoch, step, self.name(skip.index), skip)
         else:
-            logger.warning("skipped %s: %s", self.describe(index), reason)
+            logger.warning("skipped %s: %s", self.describe(skip.index), skip.reason)
 
 
 class Defaulted(tuple[Any, ...]):
@@ -458,13 +459,13 @@ def _batch_arrays(
 
 @dataclass
 class LoadedSamples:
-    """One batch's samples as loaded; ``errors``: (id, reason) of each sample whose ``load``
+    """One batch's samples as loaded; ``errors``: the skip of each sample whose ``load``
     raised, to remember and report on the main thread."""
 
     samples: list[Any]
     replaced: tuple[int, ...] = ()
     skipped: tuple[int, ...] = ()
-    errors: list[tuple[int, str]] = field(default_factory=list)
+    errors: list[LoadSkip] = field(default_factory=list)
 
 
 @dataclass

@@ -34,7 +34,14 @@ import numpy as np
 
 from ...spec import Shard
 from ..files import MAX_IMAGE_PIXELS, ImageTooLargeError, checked_limit, over_limit
-from ..plan import SKIP_DAMAGED, Defaulted, OpenedOnce, OpenedSource
+from ..plan import (
+    SKIP_DAMAGED,
+    Defaulted,
+    MemberMissing,
+    OpenedOnce,
+    OpenedSource,
+    SampleLeftOut,
+)
 from ..storage import AHEAD_BYTES, Identity, IdentityChanged, StorageFailure, storage_failure
 from ._changed import changed_answer
 from ._fetch import Fetcher
@@ -207,9 +214,11 @@ class TarLoader:
         found truncated when it was read, past its whole samples (:meth:`_changed_on_read`)."""
         changed = self._changed.get(shard)
         if changed is not None and changed[2] is not None and sample >= changed[2]:
-            raise ValueError(
+            raise SampleLeftOut(
                 f"{self.shards.urls[shard]}: sample {table.key(sample)!r} is left out: the shard "
-                f"was truncated since it was indexed (its first {changed[2]} samples are whole)"
+                f"was truncated since it was indexed (its first {changed[2]} samples are whole)",
+                self.shards.urls[shard],
+                changed[2],
             )
 
     def _check_pixels(
@@ -426,10 +435,11 @@ def _missing(url: str, table: TarIndex, sample: int, wanted: list[str], name: st
     """Raise the ``ValueError`` (a skip, under ``on_error="skip"``) of a sample that lacks a
     required member (``wanted``: its alternatives)."""
     has = sorted(table.exts[int(e)] for e in table.member_ext[table.member_sample == sample])
-    raise ValueError(
+    raise MemberMissing(
         f"{url}: sample {table.key(sample)!r} has no {' or '.join('.' + e for e in wanted)} "
         f"member (it has {', '.join('.' + e for e in has) or 'none'}); a member some samples "
-        f"lack can be optional: optional={{{name!r}: default}}"
+        f"lack can be optional: optional={{{name!r}: default}}",
+        name,
     )
 
 

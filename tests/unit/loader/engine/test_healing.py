@@ -148,31 +148,25 @@ def test_skipped_samples_past_the_limit_fail_the_epoch() -> None:
 def test_the_skip_limit_error_names_each_skip_by_its_kind_and_what_to_do() -> None:
     healing = _healing(on_error="skip", max_skipped=2)
     snapshot = view(1, Running(0), epoch=0)
+    # (the kinds as the workers tell them: where each failure was caught)
     reasons = [
-        (
-            1,
-            "s/00000.tar:000000005",
-            "load raised ValueError: s/00000.tar: sample '000000005' "
-            "has no .txt member (it has .jpg, .json)",
-            False,
-        ),
-        (2, "s/00003.tar:000030007", "[jpeg_parser] Invalid marker: decoding failed", True),
-        (
-            3,
-            "s/00002.tar:000020011",
-            "load raised ValueError: sample '000020011' has no .txt member",
-            False,
-        ),
-        (4, "7", "step raised KeyError: 'x'", True),
+        (1, "s/00000.tar:000000005", "has no .txt member", False, wire.MEMBER_MISSING, "txt"),
+        (2, "s/00003.tar:000030007", "[jpeg_parser] Invalid marker", True, wire.UNDECODABLE, ""),
+        (3, "s/00002.tar:000020011", "has no .txt member", False, wire.MEMBER_MISSING, "txt"),
+        (4, "7", "step raised KeyError: 'x'", True, wire.IN_STEP, ""),
         (
             5,
             "a.parquet, row group 0, row 3",
-            "load raised ValueError: a.parquet, row group 0, row 3: column 'caption' is null",
+            "column 'caption' is null",
             False,
+            wire.MEMBER_MISSING,
+            "caption",
         ),
     ]
-    for index, name, reason, inside in reasons:
-        message = wire.SamplesFailed(0, index, (index,), (name,), reason, exits=inside)
+    for index, name, reason, inside, kind, member in reasons:
+        message = wire.SamplesFailed(
+            0, index, (index,), (name,), reason, exits=inside, kind=kind, member=member
+        )
         healing.samples_failed(snapshot, message)
     assert (
         healing.delivered(batch(0, skipped=(1, 2), skipped_names=reasons_names(reasons, 0, 2)), 220)
@@ -203,20 +197,21 @@ def test_samples_left_out_of_a_shard_truncated_since_indexed_do_not_count() -> N
     healing = _healing(on_error="skip", max_skipped=2)
     snapshot = view(1, Running(0), epoch=0)
     lost = tuple(range(10, 22))
+    line = (  # (the shard's line, as the worker tells it)
+        "s3://b/t-000002.tar was truncated since it was indexed: its first 4 samples are read; "
+        "the rest of it is left out"
+    )
     for index in lost:
-        reason = (
-            f"load raised ValueError: s3://b/t-000002.tar: sample 's{index}' is left out: the "
-            "shard was truncated since it was indexed (its first 4 samples are whole)"
-        )
+        reason = f"load raised SampleLeftOut: s3://b/t-000002.tar: sample 's{index}' is left out"
         healing.samples_failed(
-            snapshot, wire.SamplesFailed(0, 0, (index,), (f"t-2:{index}",), reason, exits=False)
+            snapshot,
+            wire.SamplesFailed(
+                0, 0, (index,), (f"t-2:{index}",), reason, exits=False, left_out=line
+            ),
         )
     names = tuple(f"t-2:{index}" for index in lost)
     assert healing.delivered(batch(0, skipped=lost, skipped_names=names), 100) is None
-    assert healing.left_out == {  # (one line for the shard, in stats().left_out)
-        "s3://b/t-000002.tar": "s3://b/t-000002.tar was truncated since it was indexed: its "
-        "first 4 samples are read; the rest of it is left out"
-    }
+    assert list(healing.left_out.values()) == [line]  # (one for the shard: stats().left_out)
     assert set(lost) <= set(healing.skipped)  # (still named as skipped)
     other = wire.SamplesFailed(0, 1, (30, 31, 32), ("a", "b", "c"), "load raised OSError", False)
     healing.samples_failed(snapshot, other)
@@ -226,9 +221,9 @@ def test_samples_left_out_of_a_shard_truncated_since_indexed_do_not_count() -> N
 
 
 def reasons_names(
-    reasons: list[tuple[int, str, str, bool]], first: int, last: int
+    reasons: list[tuple[int, str, str, bool, str, str]], first: int, last: int
 ) -> tuple[str, ...]:
-    return tuple(name for _index, name, _reason, _inside in reasons[first:last])
+    return tuple(reason[1] for reason in reasons[first:last])
 
 
 def test_the_skip_count_starts_again_each_epoch_and_defaults_to_one_percent() -> None:

@@ -14,7 +14,13 @@ from loader.sample import list_images, write_sample_dataset
 from workers.capture._stderr import repeats_captured, split_native
 from workers.spec import ErrorContext, attach, context_of
 from workers.spec._error_context import UNKNOWN
-from workers.transport._error_text import dali_summary, failure, message, short_reason
+from workers.transport._error_text import (
+    dali_summary,
+    failed_in_decoder,
+    failure,
+    message,
+    short_reason,
+)
 
 #: DALI 2.4's text for a corrupt JPEG in a captured pipeline (as the worker gets it)
 CAPTURED_TEXT = """Critical error in pipeline:
@@ -57,6 +63,14 @@ def test_a_captured_pipelines_error_is_its_operator_and_cause() -> None:
         "CPU operator Crop",
         "Slice can't be placed out of bounds with current policy. Got: input_shape={1 x 1 x 3}",
     )
+
+
+def test_a_decoders_failure_is_told_from_another_operators_and_from_pythons() -> None:
+    """The skip-limit error's "file undecodable" (the data) against "exception in step" (the
+    step): told by the operator DALI names, not by words such as "image" in the message."""
+    assert failed_in_decoder(RuntimeError(CAPTURED_TEXT))
+    assert not failed_in_decoder(RuntimeError(CROP_TEXT))
+    assert not failed_in_decoder(ValueError("could not decode the image: bad marker"))
 
 
 def test_the_failing_samples_come_first_then_the_error_in_a_line() -> None:
@@ -133,6 +147,7 @@ def test_a_real_eager_decode_error_names_its_operator_and_holds_back_the_decoder
             error = caught
     assert error is not None and "asynchronous execution" in str(error)
     assert dali_summary(error) == ("CPU operator decoders.Image", "nvImageCodec failure: '#3'")
+    assert failed_in_decoder(error)  # (a skip of the kind "file undecodable")
     assert printed.native == ["[jpeg_parser] Invalid marker"]
     assert "Invalid marker" not in capfd.readouterr().err
 
