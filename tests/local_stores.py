@@ -197,9 +197,7 @@ class LocalHub:
                 )
             files = revisions.get(revision)
         if files is None:
-            return _json(
-                404, {"error": "Invalid rev id"}, {"X-Error-Code": "RevisionNotFound"}
-            )
+            return _json(404, {"error": "Invalid rev id"}, {"X-Error-Code": "RevisionNotFound"})
         return files
 
     @staticmethod
@@ -244,7 +242,11 @@ def _sha(text: str) -> str:
 def _json(
     status: int, value: Any, headers: dict[str, str] | None = None
 ) -> tuple[int, dict[str, str], bytes]:
-    return status, {"Content-Type": "application/json", **(headers or {})}, json.dumps(value).encode()
+    return (
+        status,
+        {"Content-Type": "application/json", **(headers or {})},
+        json.dumps(value).encode(),
+    )
 
 
 def _ranged(data: bytes, wanted: str) -> tuple[int, dict[str, str], bytes]:
