@@ -258,6 +258,9 @@ class RemoteStorage(Storage):
         startup.opened(protocol)  # (the next server of this script imports it ahead)
         _connect_ahead(self.fs, protocol)
         self.protocol, self.retries = protocol, retries
+        #: what makes a ranged read fetch the range and no more (huggingface_hub's files read a
+        #: block ahead of each read by default)
+        self._exact_reads: dict[str, Any] = {"cache_type": "none"} if protocol == "hf" else {}
         #: objects whose identity a HEAD confirmed (stores whose reads do not tell it)
         self._checked: set[tuple[str, Identity]] = set()
         client = options.get("client_kwargs") or {}
@@ -317,7 +320,10 @@ class RemoteStorage(Storage):
                 if found != expect:
                     raise IdentityChanged(path, expect, found)
                 self._checked.add((path, expect))
-            data = self.retried(what, path, lambda: self.fs.cat_file(path, start=start, end=end))
+            exact = self._exact_reads
+            data = self.retried(
+                what, path, lambda: self.fs.cat_file(path, start=start, end=end, **exact)
+            )
         if len(data) != end - start:
             raise EOFError(
                 f"{path} gave {len(data)} bytes at {start}, not {end - start}: the object was "
