@@ -129,11 +129,9 @@ def list_parquet(
     listing = listings if listings is not None else storage.listing
     for item in expand_urls(urls):
         if is_url(item):
-            fs = getattr(storage, "fs", None)
-            protocol = item.split("://", 1)[0]
             if any(c in item for c in _GLOB):
-                matches = sorted(fs.glob(item)) if fs is not None else []
-                found.extend(m if "://" in m else f"{protocol}://{m}" for m in matches)
+                matches = storage.glob(item)
+                found.extend(matches)
                 if not matches:
                     raise FileNotFoundError(f"no file matches {item}")
                 continue

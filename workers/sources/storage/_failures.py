@@ -31,6 +31,9 @@ _TRANSIENT_NAMES = (
     "ServiceUnavailable",
     "InternalError",
 )
+#: HTTP statuses that mean "try again": a request timeout, throttling (429 Too Many Requests,
+#: S3's 503 SlowDown) and a server's passing failures.
+TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 #: Error class names (of botocore, aiohttp) that mean "no connection could be made".
 _UNREACHABLE_NAMES = ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError")
 _TRANSIENT_ERRNOS = {
@@ -73,8 +76,29 @@ def unreachable(error: BaseException) -> bool:
     return False
 
 
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status of the response ``error`` was raised for, where it tells one: botocore's
+    ``ClientError`` (s3fs) in its response's metadata, ``huggingface_hub``'s ``HfHubHTTPError``
+    (and httpx's and requests' errors) in its response's ``status_code``, aiohttp's
+    ``ClientResponseError`` (fsspec's HTTP filesystem) in its ``status``."""
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):
+        metadata = response.get("ResponseMetadata")
+        status = metadata.get("HTTPStatusCode") if isinstance(metadata, dict) else None
+    elif response is not None:
+        status = getattr(response, "status_code", None)
+    else:
+        status = getattr(error, "status", None)
+    if isinstance(status, int) and not isinstance(status, bool) and 100 <= status < 600:
+        return status
+    return None
+
+
 def transient(error: BaseException) -> bool:
-    """Whether a read that raised ``error`` may succeed if tried again."""
+    """Whether a read that raised ``error`` may succeed if tried again: a connection reset or a
+    timeout, or a response whose HTTP status says so (:data:`TRANSIENT_STATUSES`: 429 Too Many
+    Requests as 503 Slow Down), found on the error or one of its causes (s3fs raises an
+    ``OSError`` caused by botocore's error)."""
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
         return False
     if isinstance(error, (ConnectionError, TimeoutError)):
@@ -87,6 +111,8 @@ def transient(error: BaseException) -> bool:
         seen.add(id(current))
         name = type(current).__name__
         if any(part in name for part in _TRANSIENT_NAMES):
+            return True
+        if http_status(current) in TRANSIENT_STATUSES:
             return True
         current = current.__cause__ or current.__context__
     return False

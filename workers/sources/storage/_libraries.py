@@ -1,4 +1,5 @@
-"""The storage libraries a URL's protocol needs (``fsspec``; ``s3fs`` for ``s3://``), checked
+"""The storage libraries a URL's protocol needs (``fsspec``; ``s3fs`` for ``s3://``,
+``huggingface_hub`` for ``hf://``), checked
 against the oldest versions the loader's extras allow, from the installed packages' metadata
 (nothing is imported). Runs in the trainer (before any worker starts), in the workers and in the
 index command.
@@ -16,14 +17,17 @@ class StorageLibraryError(ImportError):
 
 
 #: The storage libraries each protocol needs and the oldest versions the extras allow
-#: (pyproject's ``[s3]`` extra); any other remote protocol needs fsspec.
+#: (pyproject's ``[s3]`` and ``[hub]`` extras); any other remote protocol needs fsspec.
 STORAGE_LIBRARIES: dict[str, tuple[tuple[str, str], ...]] = {
     "s3": (("fsspec", "2023.6"), ("s3fs", "2023.6")),
     "s3a": (("fsspec", "2023.6"), ("s3fs", "2023.6")),
+    "hf": (("fsspec", "2023.6"), ("huggingface_hub", "0.23")),
 }
 _FSSPEC_ONLY = (("fsspec", "2023.6"),)
 #: What installs them.
 INSTALL_STORAGE = 'pip install "dali-capture-loader[s3]"'
+#: What installs them, for the protocols that another extra serves.
+INSTALL_BY_PROTOCOL = {"hf": 'pip install "dali-capture-loader[hub]"'}
 
 
 def _version_key(version: str) -> tuple[int, ...]:
@@ -52,6 +56,7 @@ def storage_library_problem(protocol: str) -> str | None:
 
     if protocol in ("", "file", "local"):
         return None
+    install = INSTALL_BY_PROTOCOL.get(protocol, INSTALL_STORAGE)
     for package, needed in STORAGE_LIBRARIES.get(protocol, _FSSPEC_ONLY):
         try:
             found = metadata.version(package)
@@ -60,12 +65,12 @@ def storage_library_problem(protocol: str) -> str | None:
         if found is None and find_spec(package) is None:
             return (
                 f"reading {protocol}:// URLs needs {package}>={needed}, which is not installed: "
-                f"{INSTALL_STORAGE}"
+                f"{install}"
             )
         if found is not None and _version_key(found) < _version_key(needed):
             return (
                 f"reading {protocol}:// URLs needs {package}>={needed}; {package} {found} is "
-                f"installed (older than the loader's extras allow): {INSTALL_STORAGE}"
+                f"installed (older than the loader's extras allow): {install}"
             )
     return None
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob as globbing
 import inspect
 import logging
 import os
@@ -91,6 +92,11 @@ class Storage:
 
     def read_all(self, path: str) -> bytes:
         """The whole (small) object; ``FileNotFoundError`` when there is none."""
+        raise NotImplementedError
+
+    def glob(self, pattern: str) -> list[str]:
+        """The paths or URLs of the objects ``pattern`` (with ``*``, ``?`` or ``[...]``)
+        matches, sorted."""
         raise NotImplementedError
 
     def write(self, path: str, data: bytes) -> None:
@@ -168,6 +174,9 @@ class LocalStorage(Storage):
     def read_all(self, path: str) -> bytes:
         with open(path, "rb") as file:
             return file.read()
+
+    def glob(self, pattern: str) -> list[str]:
+        return sorted(globbing.glob(local_path(pattern)))
 
     def write(self, path: str, data: bytes) -> None:
         temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -249,12 +258,17 @@ class RemoteStorage(Storage):
         startup.opened(protocol)  # (the next server of this script imports it ahead)
         _connect_ahead(self.fs, protocol)
         self.protocol, self.retries = protocol, retries
+        #: what makes a ranged read fetch the range and no more (huggingface_hub's files read a
+        #: block ahead of each read by default)
+        self._exact_reads: dict[str, Any] = {"cache_type": "none"} if protocol == "hf" else {}
         #: objects whose identity a HEAD confirmed (stores whose reads do not tell it)
         self._checked: set[tuple[str, Identity]] = set()
         client = options.get("client_kwargs") or {}
         self.endpoint = str(
             options.get("endpoint_url")
             or (client.get("endpoint_url") if isinstance(client, dict) else None)
+            # (huggingface_hub's: its ``endpoint`` option, else HF_ENDPOINT or the Hub)
+            or (getattr(self.fs, "endpoint", None) if protocol == "hf" else None)
             or f"the default {protocol}:// endpoint"
         )
 
@@ -306,7 +320,10 @@ class RemoteStorage(Storage):
                 if found != expect:
                     raise IdentityChanged(path, expect, found)
                 self._checked.add((path, expect))
-            data = self.retried(what, path, lambda: self.fs.cat_file(path, start=start, end=end))
+            exact = self._exact_reads
+            data = self.retried(
+                what, path, lambda: self.fs.cat_file(path, start=start, end=end, **exact)
+            )
         if len(data) != end - start:
             raise EOFError(
                 f"{path} gave {len(data)} bytes at {start}, not {end - start}: the object was "
@@ -364,6 +381,13 @@ class RemoteStorage(Storage):
         data: bytes = self.retried("reading", path, functools.partial(self.fs.cat_file, path))
         return data
 
+    def glob(self, pattern: str) -> list[str]:
+        """The URLs of the objects ``pattern`` (a URL with ``*``, ``?`` or ``[...]``) matches,
+        sorted; its listings retried as reads are."""
+        matches = self.retried("listing", pattern, functools.partial(self.fs.glob, pattern))
+        prefix = f"{self.protocol}://"
+        return sorted(m if "://" in m else prefix + m for m in matches)
+
     def write(self, path: str, data: bytes) -> None:
         self.retried("writing", path, functools.partial(self.fs.pipe_file, path, data))
 
@@ -409,12 +433,31 @@ def _local_identity(stat: os.stat_result) -> Identity:
 
 
 def _version(entry: dict[str, Any]) -> str:
-    """What changes when an object is rewritten: its ETag, else its modification time."""
-    for key in ("ETag", "etag", "VersionId", "LastModified", "mtime", "last_modified"):
+    """What changes when an object is rewritten: its ETag; on the Hugging Face Hub its LFS
+    content hash, else its git blob id (else its Xet hash); else its modification time."""
+    lfs = entry.get("lfs")
+    sha256 = (lfs.get("sha256") or lfs.get("oid")) if isinstance(lfs, dict) else None
+    if sha256:
+        return f"sha256:{sha256}"
+    for key in _VERSION_KEYS:
         value = entry.get(key)
         if value:
             return f"{key}:{str(value).strip(chr(34))}"
     return ""
+
+
+#: The keys of a listing's entry that tell an object's version, the first found used (s3fs's,
+#: huggingface_hub's, then the modification times of other filesystems).
+_VERSION_KEYS = (
+    "ETag",
+    "etag",
+    "blob_id",
+    "xet_hash",
+    "VersionId",
+    "LastModified",
+    "mtime",
+    "last_modified",
+)
 
 
 _cache: dict[tuple[str, str, int], Storage] = {}

@@ -59,12 +59,8 @@ def _local(path: str) -> list[str]:
 
 
 def _remote(url: str, storage_options: dict[str, Any] | None, retries: int) -> list[str]:
-    protocol = url.split("://", 1)[0]
     if any(c in url for c in _GLOB):
-        storage = storage_for(url, storage_options, retries)
-        fs = getattr(storage, "fs", None)
-        matches = sorted(fs.glob(url)) if fs is not None else []
-        matches = [m if "://" in m else f"{protocol}://{m}" for m in matches]
+        matches = storage_for(url, storage_options, retries).glob(url)
         tars = [m for m in matches if m.endswith(_TAR)]
         if not tars:
             raise _none_found(f"the matches of {url}", [m.rsplit("/", 1)[-1] for m in matches])

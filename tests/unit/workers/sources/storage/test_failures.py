@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from workers.sources.storage import IdentityChanged, StorageFailure, storage_failure
-from workers.sources.storage._failures import named, transient, unreachable
+from workers.sources.storage._failures import http_status, named, transient, unreachable
 
 
 class EndpointConnectionError(Exception):
@@ -64,3 +64,39 @@ def test_a_changed_object_is_a_storage_failure_that_says_what_was_found() -> Non
     assert error.found == (12, "etag:b") and error.expected == (10, "etag:a")
     with pytest.raises(StorageFailure, match="is not the object expected"):
         raise error
+
+
+def test_a_429_or_a_503_is_transient_by_its_status_a_404_or_a_403_is_not() -> None:
+    """Botocore's error as s3fs raises it (an ``OSError`` caused by it), huggingface_hub's."""
+    botocore = pytest.importorskip("botocore.exceptions")
+
+    def s3(status: int, code: str) -> OSError:
+        cause = botocore.ClientError(
+            {
+                "Error": {"Code": code, "Message": "m"},
+                "ResponseMetadata": {"HTTPStatusCode": status},
+            },
+            "GetObject",
+        )
+        raised = OSError(errno.EIO, str(cause))
+        raised.__cause__ = cause
+        return raised
+
+    assert transient(s3(429, "TooManyRequests"))
+    assert transient(s3(503, "SlowDown"))
+    assert transient(s3(500, "InternalError"))
+    assert not transient(s3(404, "NoSuchKey"))
+    assert not transient(s3(403, "AccessDenied"))
+    assert not transient(s3(400, "InvalidRange"))
+    assert http_status(s3(429, "TooManyRequests").__cause__) == 429  # type: ignore[arg-type]
+
+    hub = pytest.importorskip("huggingface_hub.errors")
+    httpx = pytest.importorskip("httpx2")
+
+    def from_hub(status: int) -> Exception:
+        request = httpx.Request("GET", "https://huggingface.co/api/datasets/a/b/revision/main")
+        return hub.HfHubHTTPError("m", response=httpx.Response(status, request=request))
+
+    assert transient(from_hub(429)) and transient(from_hub(502))
+    assert not transient(from_hub(404)) and not transient(from_hub(401))
+    assert http_status(ValueError("no response")) is None

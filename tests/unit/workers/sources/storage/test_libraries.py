@@ -45,3 +45,12 @@ def test_local_paths_need_nothing_and_a_missing_backend_is_named() -> None:
     assert isinstance(raised.value, ImportError)
     assert "needs no-such-storage-package>=1.0, which is not installed" in str(raised.value)
     assert 'pip install "dali-capture-loader[s3]"' in str(raised.value)
+
+
+def test_hf_urls_need_huggingface_hub_from_the_hub_extra() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    declared = dict(re.fullmatch(r"([\w-]+)>=([\d.]+)", item).groups() for item in extras["hub"])  # type: ignore[union-attr]
+    assert dict(STORAGE_LIBRARIES["hf"]) == declared
+    assert storage_library_problem("hf") is None  # (this environment has huggingface_hub)

@@ -65,3 +65,13 @@ def test_transient_errors_are_tried_again_and_logged(caplog: pytest.LogCaptureFi
     finally:
         _storage.BACKOFF = previous
     assert sum("trying again" in r.message for r in caplog.records) == 3
+
+
+def test_a_hub_entrys_version_is_its_lfs_hash_else_its_blob_id() -> None:
+    hub = pytest.importorskip("huggingface_hub.hf_api")
+    lfs = hub.BlobLfsInfo(size=10, sha256="ab" * 32, pointer_size=134)
+    entry = {"name": "datasets/a/b@v1/x.parquet", "size": 10, "type": "file", "blob_id": "c1"}
+    assert _storage._version({**entry, "lfs": lfs}) == f"sha256:{'ab' * 32}"
+    assert _storage._version({**entry, "lfs": None}) == "blob_id:c1"
+    assert _storage._version({"ETag": '"e1"', "LastModified": "t"}) == "ETag:e1"
+    assert _storage._version({"mtime": 5.0}) == "mtime:5.0"
