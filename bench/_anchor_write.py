@@ -1,11 +1,12 @@
 """The bench's samples in the anchors' formats (run in the anchors' environment).
 
-``python -m bench._anchor_write litdata|mds TARS OUT PER_SHARD`` (or ``litdata-parquet URL
-OPTIONS 0``: LitData's index of Parquet files, :mod:`bench._anchor_parquet`): reads the tar
-shards of :func:`bench.anchors.write_tars` in order and writes the same samples, in the same order, as
+``python -m bench._anchor_write litdata|mds TARS OUT PER_SHARD``: reads the tar shards of
+:func:`bench.anchors.write_tars` in order and writes the same samples, in the same order, as
 LitData chunks of ``PER_SHARD`` samples (``litdata.optimize``, one process: chunks in order) or as
 MDS shards of about ``PER_SHARD`` samples (``MDSWriter`` cuts shards by bytes, so the count is
 near, not equal). Each sample: ``image`` (the JPEG's bytes), ``cls`` and ``id`` (ints).
+``python -m bench._anchor_write litdata-parquet URL OPTIONS 0``: LitData's index of a directory
+of Parquet files (:mod:`bench._anchor_parquet`; ``OPTIONS``: s3fs's storage options as JSON).
 """
 
 from __future__ import annotations

@@ -640,6 +640,15 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.anchors_python} does not exist: run bash bench/anchors.sh, which makes it "
             "(or pass --no-anchors)"
         )
+    if args.format == "parquet" and args.anchors:
+        import importlib.util
+
+        missing = [m for m in ("datasets", "torchdata") if importlib.util.find_spec(m) is None]
+        if missing:
+            built.error(
+                f"--format parquet runs datasets' streaming in this environment, which lacks "
+                f"{', '.join(missing)}: pip install 'datasets>=5' torchdata (or pass --no-anchors)"
+            )
     default = ["40x300"] if args.format == "parquet" else ["1000x20", "10000x4"]
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in (args.size or default)]
     os.environ["BENCH_ANCHORS_SETUP"] = str(args.setup)  # (every run's script inherits it)
