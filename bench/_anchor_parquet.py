@@ -31,13 +31,23 @@ from typing import Any
 from bench import _harness as H
 from bench._s3 import CountingProxy, S3Server
 
-CONTENDERS = ("pq-loader", "pq-loader-summary", "pq-datasets", "pq-datasets-reshard", "pq-litdata")
+CONTENDERS = (
+    "pq-loader",
+    "pq-loader-summary",
+    "pq-datasets",
+    "pq-datasets-reshard",
+    "pq-datasets-ordered",
+    "pq-datasets-reshard-ordered",
+    "pq-litdata",
+)
 OURS = ("pq-loader", "pq-loader-summary")
 NAMES = {
     "pq-loader": "loader",
     "pq-loader-summary": "loader+summary",
     "pq-datasets": "datasets (files)",
     "pq-datasets-reshard": "datasets reshard()",
+    "pq-datasets-ordered": "datasets, unshuffled",
+    "pq-datasets-reshard-ordered": "reshard(), unshuffled",
     "pq-litdata": "LitData",
 }
 PLACES = ("local", "s3")

@@ -88,6 +88,8 @@ def main(argv: list[str]) -> None:
         "pq-loader-summary": functools.partial(run_parquet_loader, key="summary"),
         "pq-datasets": run_datasets,
         "pq-datasets-reshard": functools.partial(run_datasets, reshard=True),
+        "pq-datasets-ordered": functools.partial(run_datasets, shuffle=False),
+        "pq-datasets-reshard-ordered": functools.partial(run_datasets, reshard=True, shuffle=False),
         "pq-litdata": run_parquet_litdata,
     }
     # (the cache: an empty directory, at the same path for a run and its resume: LitData's state
@@ -419,12 +421,20 @@ def _collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_datasets(
-    mode: str, endpoint: str, prefix: str, state: str, cache: str, reshard: bool = False
+    mode: str,
+    endpoint: str,
+    prefix: str,
+    state: str,
+    cache: str,
+    reshard: bool = False,
+    shuffle: bool = True,
 ) -> None:
     """Hugging Face ``datasets`` streaming, as its docs put it for a DataLoader with workers:
     ``load_dataset("parquet", streaming=True)``, shuffled (its buffer of 1,000), split by node
     (world 1), under torchdata's ``StatefulDataLoader`` (the ``DataLoader`` whose state the
-    docs resume from); ``reshard``: a row group a shard instead of a file."""
+    docs resume from); ``reshard``: a row group a shard instead of a file; ``shuffle=False``:
+    in the files' order (datasets 5.2 fails to load the state of a shuffled stream saved under
+    2 workers: an ``IndexError`` in ``load_state_dict``; unshuffled, it resumes)."""
     os.environ["HF_DATASETS_CACHE"] = os.path.join(cache, "hf")
     from datasets import Image, load_dataset
     from datasets.distributed import split_dataset_by_node
@@ -444,7 +454,9 @@ def run_datasets(
     )
     if reshard:
         stream = stream.reshard()
-    stream = stream.cast_column("image", Image(decode=False)).shuffle(seed=0)
+    stream = stream.cast_column("image", Image(decode=False))
+    if shuffle:
+        stream = stream.shuffle(seed=0)
     stream = split_dataset_by_node(stream, rank=0, world_size=1)
     loader = StatefulDataLoader(stream, **{**LOADER_ARGS, "collate_fn": _collate_rows})
     drive_dataloader(loader, mode, state, started, total)
@@ -478,7 +490,12 @@ def run_parquet_litdata(mode: str, endpoint: str, prefix: str, state: str, cache
             },
         }
     dataset = StreamingDataset(url.rstrip("/"), item_loader=ParquetLoader(), shuffle=True, **remote)
-    loader = StreamingDataLoader(dataset, **{**LOADER_ARGS, "collate_fn": _collate_rows})
+    # (spawn: LitData refuses fork for its ParquetLoader, whose Polars deadlocks after a fork)
+    loader = StreamingDataLoader(
+        dataset,
+        **{**LOADER_ARGS, "collate_fn": _collate_rows},
+        multiprocessing_context="spawn",
+    )
     drive_dataloader(loader, mode, state, started, total)
 
 
