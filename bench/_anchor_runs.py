@@ -471,10 +471,8 @@ def run_parquet_litdata(mode: str, endpoint: str, prefix: str, state: str, cache
     from litdata.streaming.item_loader import ParquetLoader
 
     say(at="imported")
-    downloader._OBSTORE_CLIENT_OPTIONS = {  # (plain HTTP to the local server, as run_litdata)
-        **downloader._OBSTORE_CLIENT_OPTIONS,
-        "allow_http": "true",
-    }
+    os.environ["BENCH_LITDATA_HTTP"] = "1"  # (its spawned workers: see the module's end)
+    _litdata_http(downloader)
     set_up()
     url, total, place = _parquet()
     started = time.monotonic()
@@ -497,6 +495,20 @@ def run_parquet_litdata(mode: str, endpoint: str, prefix: str, state: str, cache
         multiprocessing_context="spawn",
     )
     drive_dataloader(loader, mode, state, started, total)
+
+
+def _litdata_http(downloader: Any) -> None:
+    """LitData's obstore client allowed plain HTTP (the local server), as in :func:`run_litdata`."""
+    downloader._OBSTORE_CLIENT_OPTIONS = {
+        **downloader._OBSTORE_CLIENT_OPTIONS,
+        "allow_http": "true",
+    }
+
+
+if os.environ.get("BENCH_LITDATA_HTTP"):  # (a spawned LitData worker imports this module first)
+    from litdata.streaming import downloader as _downloader
+
+    _litdata_http(_downloader)
 
 
 if __name__ == "__main__":
