@@ -433,8 +433,9 @@ def run_datasets(
     ``load_dataset("parquet", streaming=True)``, shuffled (its buffer of 1,000), split by node
     (world 1), under torchdata's ``StatefulDataLoader`` (the ``DataLoader`` whose state the
     docs resume from); ``reshard``: a row group a shard instead of a file; ``shuffle=False``:
-    in the files' order (datasets 5.2 fails to load the state of a shuffled stream saved under
-    2 workers: an ``IndexError`` in ``load_state_dict``; unshuffled, it resumes)."""
+    in the files' order. (Shuffled, a resume loses the workers' shuffle buffers, as its docs
+    say; over 4 files of 2 row groups its state saved under 2 workers did not even load: an
+    ``IndexError`` in ``load_state_dict``. Unshuffled, it resumes exactly.)"""
     os.environ["HF_DATASETS_CACHE"] = os.path.join(cache, "hf")
     from datasets import Image, load_dataset
     from datasets.distributed import split_dataset_by_node
