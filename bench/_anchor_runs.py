@@ -10,7 +10,17 @@ package: so nothing here imports them at the top). ``MODE``:
 * ``first``: construct the loader, take the first batch, then read the rest of the epoch; at
   half the epoch, save the loader's state to ``STATE`` (each loader's own ``state_dict``);
 * ``first-only``: the same up to that save (no epoch measured);
-* ``resume``: construct, load ``STATE``, take the first batch (and stop).
+* ``resume``: construct, load ``STATE``, take the first batch (and stop);
+* ``resume-epoch``: the same, then read the rest of the epoch and say every id it gave
+  (``{"at": "rest", "ids": [...]}``): with the ids the first run had delivered at its save
+  (``STATE.seen.json``), the parent tells whether the resumed epoch held every sample once.
+
+The Parquet contenders of ``bash bench/anchors.sh --format parquet`` (:mod:`bench._anchor_parquet`)
+read the place ``BENCH_ANCHORS_PLACE`` names (``local`` or ``s3``): ``pq-loader`` and
+``pq-loader-summary`` (this loader's ``ParquetDataset``, over the files alone or beside the index
+command's summary), ``pq-datasets`` and ``pq-datasets-reshard`` (Hugging Face ``datasets``
+streaming, a file a shard or, after ``reshard()``, a row group a shard; both from the project's
+environment, which has ``datasets``), ``pq-litdata`` (LitData's ``ParquetLoader``).
 
 Each run is a training script's start: ``torch`` first, then the loader's library, then the loader.
 Each run speaks one JSON object a line on stdout: ``{"at": "imported"}`` once its imports are done,
@@ -24,6 +34,7 @@ the epoch held every sample once.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -73,6 +84,13 @@ def main(argv: list[str]) -> None:
         "loader-unindexed": run_unindexed,
         "litdata": run_litdata,
         "mosaic": run_mosaic,
+        "pq-loader": run_parquet_loader,
+        "pq-loader-summary": functools.partial(run_parquet_loader, key="summary"),
+        "pq-datasets": run_datasets,
+        "pq-datasets-reshard": functools.partial(run_datasets, reshard=True),
+        "pq-datasets-ordered": functools.partial(run_datasets, shuffle=False),
+        "pq-datasets-reshard-ordered": functools.partial(run_datasets, reshard=True, shuffle=False),
+        "pq-litdata": run_parquet_litdata,
     }
     # (the cache: an empty directory, at the same path for a run and its resume: LitData's state
     # names its cache directory and refuses another)
@@ -88,6 +106,7 @@ def drive(
     save: Any,
     ids_of: Any,
     after_first: Any = None,
+    state: str = "",
 ) -> None:
     """The same loop for each loader: first batch, then the epoch with a save at its half;
     ``after_first``: called once the requests before the first batch are counted."""
@@ -105,12 +124,19 @@ def drive(
     if mode == "resume":
         return
     seen = list(ids_of(first))
+    if mode == "resume-epoch":
+        for batch in iterator:
+            seen.extend(ids_of(batch))
+        say(at="rest", ids=seen)
+        return
     epoch_started = time.monotonic()
     half = max(1, (total // BATCH) // 2)
     for number, batch in enumerate(iterator, start=1):
         seen.extend(ids_of(batch))
         if number == half:
             save()
+            with open(f"{state}.seen.json", "w") as file:  # (what was delivered until the save)
+                json.dump(seen, file)
             if mode == "first-only":
                 return
     seconds = time.monotonic() - epoch_started
@@ -160,8 +186,6 @@ def run_loader(
     layout_key: str = "tars",
     direct: bool = False,
 ) -> None:
-    import functools
-
     os.environ["DALI_LOADER_CACHE_DIR"] = cache  # (a new node's: nothing cached)
     from bench._anchor_steps import loader_step
     from loader import Loader
@@ -196,6 +220,7 @@ def run_loader(
             save,
             lambda b: b["id"].reshape(-1).tolist(),
             functools.partial(say_start, loader, state),
+            state,
         )
 
 
@@ -271,13 +296,13 @@ LOADER_ARGS = {
 
 def drive_dataloader(loader: Any, mode: str, state: str, started: float, total: int) -> None:
     """An anchor's StreamingDataLoader (LitData's or Mosaic's: the same state calls) driven."""
-    if mode == "resume":
+    if mode.startswith("resume"):
         loader.load_state_dict(torch.load(state, weights_only=False))
 
     def save() -> None:
         torch.save(loader.state_dict(), state)
 
-    drive(loader, mode, started, total, save, lambda b: b["id"].tolist())
+    drive(loader, mode, started, total, save, lambda b: b["id"].tolist(), state=state)
 
 
 # -- LitData ------------------------------------------------------------------------------------
@@ -341,6 +366,150 @@ def run_mosaic(mode: str, endpoint: str, prefix: str, state: str, cache: str) ->
         remote=f"s3://{prefix}/mds", local=cache, batch_size=BATCH, shuffle=True
     )
     drive_dataloader(StreamingDataLoader(dataset, **LOADER_ARGS), mode, state, started, total)
+
+
+# -- Parquet: the same files, local or on the S3 server ------------------------------------------
+
+
+def _parquet(key: str = "files") -> tuple[str, int, str]:
+    """(the Parquet files' place, samples, ``local`` or ``s3``) from the bench's layout."""
+    place = os.environ["BENCH_ANCHORS_PLACE"]
+    with open(os.environ["BENCH_ANCHORS_LAYOUT"]) as file:
+        layout = json.load(file)
+    return layout["parquet"][place][key], layout["samples"], place
+
+
+def run_parquet_loader(
+    mode: str, endpoint: str, prefix: str, state: str, cache: str, key: str = "files"
+) -> None:
+    """This loader's ``ParquetDataset`` over the directory (``key="summary"``: the copy the
+    index command wrote its summary beside), under ``Loader`` with 2 workers."""
+    os.environ["DALI_LOADER_CACHE_DIR"] = cache  # (a new node's: no footer cached)
+    from bench._anchor_steps import loader_step
+    from loader import Loader, ParquetDataset
+
+    say(at="imported")
+    set_up()
+    url, total, place = _parquet(key)
+    options = _s3fs_options(endpoint) if place == "s3" else None
+    started = time.monotonic()
+    dataset = ParquetDataset(url, columns=("image", "label", "id"), storage_options=options)
+    with Loader(
+        dataset, loader_step, batch_size=BATCH, num_workers=WORKERS, cut_padding=True
+    ) as loader:
+        if mode.startswith("resume"):
+            with open(state) as file:
+                loader.load_state_dict(json.load(file))
+
+        def save() -> None:
+            with open(state, "w") as file:
+                json.dump(loader.state_dict(), file)
+
+        drive(
+            loader, mode, started, total, save, lambda b: b["id"].reshape(-1).tolist(), state=state
+        )
+
+
+def _collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Parquet rows as ``datasets`` (``Image(decode=False)``) and LitData (``to_pylist``) give
+    them: the image a ``{"bytes", "path"}`` dict; decoded as the other anchors decode."""
+    return {
+        "image": torch.stack([_decode(r["image"]["bytes"]) for r in rows]),
+        "label": torch.tensor([int(r["label"]) for r in rows]),
+        "id": torch.tensor([int(r["id"]) for r in rows]),
+    }
+
+
+def run_datasets(
+    mode: str,
+    endpoint: str,
+    prefix: str,
+    state: str,
+    cache: str,
+    reshard: bool = False,
+    shuffle: bool = True,
+) -> None:
+    """Hugging Face ``datasets`` streaming, as its docs put it for a DataLoader with workers:
+    ``load_dataset("parquet", streaming=True)``, shuffled (its buffer of 1,000), split by node
+    (world 1), under torchdata's ``StatefulDataLoader`` (the ``DataLoader`` whose state the
+    docs resume from); ``reshard``: a row group a shard instead of a file; ``shuffle=False``:
+    in the files' order. (Shuffled, a resume loses the workers' shuffle buffers, as its docs
+    say; over 4 files of 2 row groups its state saved under 2 workers did not even load: an
+    ``IndexError`` in ``load_state_dict``. Unshuffled, it resumes exactly.)"""
+    os.environ["HF_DATASETS_CACHE"] = os.path.join(cache, "hf")
+    from datasets import Image, load_dataset
+    from datasets.distributed import split_dataset_by_node
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    say(at="imported")
+    set_up()
+    url, total, place = _parquet()
+    options = _s3fs_options(endpoint) if place == "s3" else None
+    started = time.monotonic()
+    stream = load_dataset(
+        "parquet",
+        data_files=url.rstrip("/") + "/*.parquet",
+        split="train",
+        streaming=True,
+        storage_options=options,
+    )
+    if reshard:
+        stream = stream.reshard()
+    stream = stream.cast_column("image", Image(decode=False))
+    if shuffle:
+        stream = stream.shuffle(seed=0)
+    stream = split_dataset_by_node(stream, rank=0, world_size=1)
+    loader = StatefulDataLoader(stream, **{**LOADER_ARGS, "collate_fn": _collate_rows})
+    drive_dataloader(loader, mode, state, started, total)
+
+
+def run_parquet_litdata(mode: str, endpoint: str, prefix: str, state: str, cache: str) -> None:
+    """LitData's Parquet streaming as its docs put it: the directory indexed once
+    (``index_parquet_dataset``, done by the bench before the runs), then
+    ``StreamingDataset(..., item_loader=ParquetLoader())`` under its ``StreamingDataLoader``."""
+    from litdata import StreamingDataLoader, StreamingDataset
+    from litdata.streaming import downloader
+    from litdata.streaming.item_loader import ParquetLoader
+
+    say(at="imported")
+    os.environ["BENCH_LITDATA_HTTP"] = "1"  # (its spawned workers: see the module's end)
+    _litdata_http(downloader)
+    set_up()
+    url, total, place = _parquet()
+    started = time.monotonic()
+    remote: dict[str, Any] = {}
+    if place == "s3":
+        remote = {
+            "cache_dir": cache,
+            "storage_options": {
+                "endpoint_url": endpoint,
+                "aws_access_key_id": "testing",
+                "aws_secret_access_key": "testing",
+                "region_name": "us-east-1",
+            },
+        }
+    dataset = StreamingDataset(url.rstrip("/"), item_loader=ParquetLoader(), shuffle=True, **remote)
+    # (spawn: LitData refuses fork for its ParquetLoader, whose Polars deadlocks after a fork)
+    loader = StreamingDataLoader(
+        dataset,
+        **{**LOADER_ARGS, "collate_fn": _collate_rows},
+        multiprocessing_context="spawn",
+    )
+    drive_dataloader(loader, mode, state, started, total)
+
+
+def _litdata_http(downloader: Any) -> None:
+    """LitData's obstore client allowed plain HTTP (the local server), as in :func:`run_litdata`."""
+    downloader._OBSTORE_CLIENT_OPTIONS = {
+        **downloader._OBSTORE_CLIENT_OPTIONS,
+        "allow_http": "true",
+    }
+
+
+if os.environ.get("BENCH_LITDATA_HTTP"):  # (a spawned LitData worker imports this module first)
+    from litdata.streaming import downloader as _downloader
+
+    _litdata_http(_downloader)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@
 LitData chunks of ``PER_SHARD`` samples (``litdata.optimize``, one process: chunks in order) or as
 MDS shards of about ``PER_SHARD`` samples (``MDSWriter`` cuts shards by bytes, so the count is
 near, not equal). Each sample: ``image`` (the JPEG's bytes), ``cls`` and ``id`` (ints).
+``python -m bench._anchor_write litdata-parquet URL OPTIONS 0``: LitData's index of a directory
+of Parquet files (:mod:`bench._anchor_parquet`; ``OPTIONS``: s3fs's storage options as JSON).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import tarfile
 import types
@@ -65,8 +68,19 @@ def write_mds(tars: list[str], out: str, per_shard: int) -> None:
                 writer.write(sample)
 
 
+def index_litdata_parquet(url: str, options: str) -> None:
+    """LitData's index of a directory of Parquet files (its ``index.json``): written beside a
+    local directory, uploaded into the bucket for an ``s3://`` one (as LitData does)."""
+    from litdata import index_parquet_dataset
+
+    index_parquet_dataset(url.rstrip("/"), storage_options=json.loads(options) or None)
+
+
 def main(argv: list[str]) -> None:
     fmt, tars_dir, out, per_shard = argv
+    if fmt == "litdata-parquet":  # (tars_dir: the files' place; out: storage options as JSON)
+        index_litdata_parquet(tars_dir, out)
+        return
     tars = [str(p) for p in sorted(Path(tars_dir).glob("*.tar"))]
     {"litdata": write_litdata, "mds": write_mds}[fmt](tars, out, int(per_shard))
 

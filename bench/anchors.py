@@ -28,6 +28,10 @@ imports DALI) and, as ``loader-direct``, its script also imports
 shows each script's imports (process start until imported), its resident memory at the first
 batch and whether it holds DALI. ``--no-anchors``: these two only (no anchors' environment).
 
+``--format parquet``: the same Parquet files (written by ``datasets``), local and on the S3
+server, for this loader's ``ParquetDataset``, ``datasets`` streaming (with and without
+``reshard()``) and LitData's Parquet streaming (:mod:`bench._anchor_parquet`).
+
 The same work in each: batch 32, 2 worker processes, shuffled, each JPEG decoded and resized to
 64x64 (DALI's decoder here, Pillow in the anchors' DataLoader workers). The anchors run in their own
 environment (``--anchors-python``; ``bench/anchors.sh`` makes it from
@@ -53,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import _anchor_parquet
 from bench import _harness as H
 from bench._s3 import CountingProxy, S3Server, Served
 
@@ -164,6 +169,8 @@ class Outcome:
     progress: list[str] = field(default_factory=list)  # the scan's progress lines (stderr)
     #: this loader's start from its trace: phase -> seconds (the longest worker's), in order
     start: dict[str, float] = field(default_factory=dict)
+    #: ``resume-epoch``: the ids the resumed run delivered (its first batch to the epoch's end)
+    rest_ids: list[int] = field(default_factory=list)
 
 
 def measure(
@@ -182,7 +189,8 @@ def measure(
     layout = state.parent / "layout.json"
     # (LitData's state names its cache directory: its resume needs the same path, emptied;
     # Mosaic waits ~60 s on a local directory a finished process used: a new one each run)
-    cache = state.parent / (f"cache-{name}" if name == "litdata" else f"cache-{name}-{mode}")
+    litdata = name in ("litdata", "pq-litdata")
+    cache = state.parent / (f"cache-{name}" if litdata else f"cache-{name}-{mode}")
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir()
     environment = dict(
@@ -228,6 +236,8 @@ def measure(
                     outcome.epoch_samples = record["samples"]
                     outcome.epoch_unique = record["unique"]
                     outcome.epoch = Counted.of(proxy.records(), bucket)
+                elif record["at"] == "rest":
+                    outcome.rest_ids = record["ids"]
                 if time.monotonic() > deadline:
                     child.kill()
             child.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -564,6 +574,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SHARDSxSAMPLES",
         help="a dataset: shards x samples per shard (default: 1000x20 and 10000x4)",
     )
+    parser.add_argument(
+        "--format",
+        choices=("tars", "parquet"),
+        default="tars",
+        help="tars: tar shards, LitData chunks, MDS (the default); parquet: the same Parquet "
+        "files, written by datasets, for this loader, datasets streaming and LitData, local and "
+        "on S3 (--size FILESxROWS, 40x300 by default)",
+    )
+    parser.add_argument(
+        "--row-group",
+        type=int,
+        default=100,
+        metavar="ROWS",
+        help="--format parquet: rows a row group (100, as the Hub's converter writes)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of each loader per size")
     parser.add_argument(
         "--unindexed-from",
@@ -615,16 +640,27 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.anchors_python} does not exist: run bash bench/anchors.sh, which makes it "
             "(or pass --no-anchors)"
         )
-    sizes = [
-        tuple(int(v) for v in s.lower().split("x")) for s in (args.size or ["1000x20", "10000x4"])
-    ]
+    if args.format == "parquet" and args.anchors:
+        import importlib.util
+
+        missing = [m for m in ("datasets", "torchdata") if importlib.util.find_spec(m) is None]
+        if missing:
+            built.error(
+                f"--format parquet runs datasets' streaming in this environment, which lacks "
+                f"{', '.join(missing)}: pip install 'datasets>=5' torchdata (or pass --no-anchors)"
+            )
+    default = ["40x300"] if args.format == "parquet" else ["1000x20", "10000x4"]
+    sizes = [tuple(int(v) for v in s.lower().split("x")) for s in (args.size or default)]
     os.environ["BENCH_ANCHORS_SETUP"] = str(args.setup)  # (every run's script inherits it)
     random.seed(0)
     server = S3Server(threaded=False)
     proxy = CountingProxy(server.endpoint)
     try:
         for shards, per_shard in sizes:
-            run_size(args, server, proxy, shards, per_shard)
+            if args.format == "parquet":
+                _anchor_parquet.run_size(args, server, proxy, shards, per_shard)
+            else:
+                run_size(args, server, proxy, shards, per_shard)
     finally:
         proxy.close()
         server.close()

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 anchors=.venv-anchors
-if [ ! -x "$anchors/bin/python" ] || ! "$anchors/bin/python" -c "import litdata, torch" 2>/dev/null; then
+if [ ! -x "$anchors/bin/python" ] || ! "$anchors/bin/python" -c "import litdata, torch, polars, pyarrow, s3fs" 2>/dev/null; then
     python -m venv "$anchors"
     "$anchors/bin/pip" install -q -r bench/anchors-requirements.txt
     # (torchvision, pulled in by mosaicml-streaming, is a CUDA build that cannot load here)
