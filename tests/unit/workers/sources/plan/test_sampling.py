@@ -115,8 +115,14 @@ def test_a_load_that_raises_is_remembered_reported_once_and_not_loaded_again() -
         return _id(index)
 
     samples = BatchedSamples(shard, 16, load, 4)
-    reports: list[tuple[int, int, int, str, str]] = []
-    control = SampleControl("skip", (), lambda *report: reports.append(report))
+    reports: list[tuple[int, int, int, str, str, str]] = []
+    control = SampleControl(
+        "skip",
+        (),
+        lambda epoch, step, name, skip: reports.append(
+            (epoch, step, skip.index, name, skip.reason, skip.kind)
+        ),
+    )
     _continuous(samples, control)
     stream = iter(samples)
     batches = [_ids(next(stream)) for _ in range(3 * len(samples))]
@@ -124,7 +130,7 @@ def test_a_load_that_raises_is_remembered_reported_once_and_not_loaded_again() -
     assert all(5 not in batch for batch in batches)
     assert loads.count(5) == 1
     step = next(k for k, ids in enumerate(_expected(samples, 0)) if 5 in ids)
-    assert reports == [(0, step, 5, "5", "load raised OSError: corrupt")]
+    assert reports == [(0, step, 5, "5", "load raised OSError: corrupt", "load failed")]
 
 
 def test_a_sharded_source_is_numpy_batches_that_the_dali_adapter_feeds_without_copying() -> None:
