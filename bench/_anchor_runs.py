@@ -187,8 +187,9 @@ def run_loader(
     direct: bool = False,
 ) -> None:
     os.environ["DALI_LOADER_CACHE_DIR"] = cache  # (a new node's: nothing cached)
-    from bench._anchor_steps import loader_step
-    from loader import Loader
+    # (imported here, as a script does at its top: the imports are timed apart from the run)
+    import bench._anchor_steps  # noqa: F401
+    import loader  # noqa: F401
 
     if direct:
         import nvidia.dali.experimental.dynamic  # noqa: F401
@@ -199,12 +200,24 @@ def run_loader(
     options = _s3fs_options(endpoint)
     started = time.monotonic()
     source = functools.partial(loader_source, urls=urls, options=options)
+    _drive_loader(source, mode, started, total, state, with_start=True)
+
+
+def _drive_loader(
+    source: Any, mode: str, started: float, total: int, state: str, with_start: bool = False
+) -> None:
+    """This loader over ``source`` (a source function or a dataset definition) with 2 workers,
+    a state loaded first for a resume, driven as every anchor is (:func:`drive`); with
+    ``with_start``, where its start went is said too (:func:`say_start`)."""
+    from bench._anchor_steps import loader_step
+    from loader import Loader
+
     # (cut_padding: the epoch's last batch comes with its real rows only, as the anchors'
     # DataLoaders give it with drop_last=False)
     with Loader(
         source, loader_step, batch_size=BATCH, num_workers=WORKERS, cut_padding=True
     ) as loader:
-        if mode == "resume":
+        if mode.startswith("resume"):
             with open(state) as file:
                 loader.load_state_dict(json.load(file))
 
@@ -219,7 +232,7 @@ def run_loader(
             total,
             save,
             lambda b: b["id"].reshape(-1).tolist(),
-            functools.partial(say_start, loader, state),
+            functools.partial(say_start, loader, state) if with_start else None,
             state,
         )
 
@@ -385,8 +398,8 @@ def run_parquet_loader(
     """This loader's ``ParquetDataset`` over the directory (``key="summary"``: the copy the
     index command wrote its summary beside), under ``Loader`` with 2 workers."""
     os.environ["DALI_LOADER_CACHE_DIR"] = cache  # (a new node's: no footer cached)
-    from bench._anchor_steps import loader_step
-    from loader import Loader, ParquetDataset
+    import bench._anchor_steps  # noqa: F401  (imported as a script does, timed apart)
+    from loader import ParquetDataset
 
     say(at="imported")
     set_up()
@@ -394,20 +407,7 @@ def run_parquet_loader(
     options = _s3fs_options(endpoint) if place == "s3" else None
     started = time.monotonic()
     dataset = ParquetDataset(url, columns=("image", "label", "id"), storage_options=options)
-    with Loader(
-        dataset, loader_step, batch_size=BATCH, num_workers=WORKERS, cut_padding=True
-    ) as loader:
-        if mode.startswith("resume"):
-            with open(state) as file:
-                loader.load_state_dict(json.load(file))
-
-        def save() -> None:
-            with open(state, "w") as file:
-                json.dump(loader.state_dict(), file)
-
-        drive(
-            loader, mode, started, total, save, lambda b: b["id"].reshape(-1).tolist(), state=state
-        )
+    _drive_loader(dataset, mode, started, total, state)
 
 
 def _collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
