@@ -108,9 +108,12 @@ def test_a_429_on_a_listing_a_footer_and_a_row_group_is_retried_and_logged(
     refused = throttled.proxy.throttled()
     assert [s.name for s in refused] == [throttled.bucket] * 2 + [first] * 3
     assert all(s.range for s in refused[2:])  # (ranged reads of the footer)
-    # (the listing is the worker's main thread's, whose log reaches the trainer; the footers
-    # are read by a pool of threads, whose retries the worker logs for itself)
+    # the listing's retries (the worker's main thread) and the footer's (read on a pool's
+    # thread: its records are held and sent with the worker's next batch) reach the trainer
     assert retries_logged(caplog, f"s3://{throttled.bucket}/*.parquet") == 2
+    assert retries_logged(caplog, f"s3://{throttled.bucket}/{first}") == 3
+    footer = [r.getMessage() for r in caplog.records if first in r.getMessage()]
+    assert all(m.startswith("worker 0: ") for m in footer), footer
     assert any("TooManyRequests" in r.getMessage() for r in caplog.records)
 
     # the footers are the node's now: a second loader's first GETs of the file read row groups
@@ -130,8 +133,8 @@ def test_a_429_on_a_tar_shard_is_retried(throttled: Throttled) -> None:
 
 
 def test_each_retry_of_a_429_is_logged_with_the_url_and_the_status(throttled: Throttled) -> None:
-    """(A worker's reads run on its threads, whose log records stay in the worker: the same
-    storage, read in a process of its own, logs each retry there.)"""
+    """The storage alone, read in a process of its own: each retry logged with the URL, the
+    range and the status; a 429 that never stops fails after RETRIES."""
     url = f"s3://{throttled.bucket}/train-001.tar"
     code = textwrap.dedent(
         """

@@ -36,7 +36,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ipc import ChannelClosed, ControlChannel, wire
@@ -68,6 +68,10 @@ class Stop(Exception):
     """A failure was reported; the worker must exit."""
 
 
+def _nothing() -> None:
+    """Nothing held to send (a worker outside a worker process)."""
+
+
 class Worker:
     """The state of one worker process; see the module docstring for its invariants."""
 
@@ -91,6 +95,9 @@ class Worker:
         #: DALI's native log lines on stderr, held until their batch's outcome is known (the
         #: process setup opens and closes it: :mod:`._native_lines`)
         self.native_lines = NativeLines()
+        #: sends what the process's other threads logged or warned (the process's log relay
+        #: sets it; the channel is this thread's): after each batch and before each wait
+        self.relay_held: Callable[[], None] = _nothing
 
     # ----------------------------------------------------------------------- start
     def start(self) -> None:
@@ -222,6 +229,7 @@ class Worker:
         """Answer commands until Shutdown, a failure, or the trainer going away."""
         clock = self.clock
         while True:
+            self.relay_held()  # (what other threads logged, before the wait)
             waited = time.perf_counter_ns()
             message = self.channel.recv()
             clock.idle(time.perf_counter_ns() - waited)
@@ -339,6 +347,7 @@ class Worker:
             reads_so_far(epoch),
         )
         self.native_lines.batch_done()
+        self.relay_held()
         return True
 
     def send_signature(self, signature: Signature) -> None:

@@ -10,6 +10,7 @@ trainer's commands (:mod:`workers.capture._loop`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import faulthandler
@@ -33,23 +34,52 @@ from ._title import set_title, worker_title
 _PR_SET_PDEATHSIG = 1
 
 
-class _RelayHandler(logging.Handler):
-    """Forwards this process's log records to the trainer (main thread only)."""
+#: Records of other threads held for the main thread to send; past this many, the oldest go.
+_HELD = 256
+
+
+class _Relay(logging.Handler):
+    """Forwards this process's log records and warnings to the trainer. The channel is the main
+    thread's: a record or a warning of another thread (a storage retry on a read-ahead thread,
+    a footer read on the prefetch thread) is held, and sent by the main thread with its next
+    record, after its next batch (:meth:`send_held`, the worker's ``relay_held``) and before it
+    waits for a command."""
 
     def __init__(self, channel: ControlChannel) -> None:
         super().__init__()
         self._channel = channel
         self._owner = threading.get_ident()
+        self._held: collections.deque[wire.LogRelay | wire.WarningRelay] = collections.deque(
+            maxlen=_HELD
+        )
 
     def emit(self, record: logging.LogRecord) -> None:
+        self.relay(wire.LogRelay(record.levelno, record.getMessage()))
+
+    def relay(self, message: wire.LogRelay | wire.WarningRelay) -> None:
+        """Send ``message`` now (main thread: after what other threads left), else hold it."""
+        if threading.get_ident() != self._owner:
+            self._held.append(message)  # (deque appends are atomic)
+            return
+        self.send_held()
+        with contextlib.suppress(ChannelClosed, OSError):
+            self._channel.send(message)
+
+    def send_held(self) -> None:
+        """Send what other threads logged or warned since the last call (main thread only)."""
         if threading.get_ident() != self._owner:
             return
-        with contextlib.suppress(ChannelClosed, OSError):
-            self._channel.send(wire.LogRelay(record.levelno, record.getMessage()))
+        while self._held:
+            try:
+                message = self._held.popleft()
+            except IndexError:
+                return
+            with contextlib.suppress(ChannelClosed, OSError):
+                self._channel.send(message)
 
 
 def _relay_warning(
-    channel: ControlChannel,
+    relay: _Relay,
     message: Warning | str,
     category: type[Warning],
     filename: str,
@@ -57,16 +87,13 @@ def _relay_warning(
     file: Any = None,
     line: str | None = None,
 ) -> None:
-    """``warnings.showwarning``: a warning of the main thread goes to the trainer, which shows
-    it; one of another thread is dropped (the channel is the main thread's)."""
-    if threading.get_ident() != threading.main_thread().ident:
-        return
-    with contextlib.suppress(ChannelClosed, OSError):
-        channel.send(
-            wire.WarningRelay(
-                category.__module__, category.__qualname__, str(message), filename, lineno
-            )
+    """``warnings.showwarning``: the warning goes to the trainer, which shows it (one of
+    another thread with the main thread's next message, see :class:`_Relay`)."""
+    relay.relay(
+        wire.WarningRelay(
+            category.__module__, category.__qualname__, str(message), filename, lineno
         )
+    )
 
 
 def _watch_trainer(alive: Connection) -> None:
@@ -118,9 +145,11 @@ def serve(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connecti
         target=_watch_trainer, args=(alive,), daemon=True, name="trainer-watch"
     ).start()
 
-    logging.getLogger().handlers[:] = [_RelayHandler(channel)]
+    relay = _Relay(channel)
+    logging.getLogger().handlers[:] = [relay]
     logging.getLogger().setLevel(spec.log_level)
-    warnings.showwarning = functools.partial(_relay_warning, channel)
+    warnings.showwarning = functools.partial(_relay_warning, relay)
+    worker.relay_held = relay.send_held
     code = 0
     worker.native_lines.open()  # DALI's own log lines wait for their batch's outcome
     try:

@@ -139,14 +139,21 @@ def test_a_mixture_definition_is_opened_like_sharded_mix() -> None:
 def test_the_worker_control_state_is_bound_to_a_definitions_batches() -> None:
     """``on_error="skip"``: the failing sample is replaced, remembered by the worker's control
     and reported with the batch it was left out of."""
-    reports: list[tuple[int, int, int, str, str]] = []
-    control = SampleControl("skip", report_skipped=lambda *report: reports.append(report))
+    reports: list[tuple[int, int, int, str]] = []
+    control = SampleControl(
+        "skip",
+        report_skipped=lambda epoch, step, name, skip: reports.append(
+            (epoch, step, skip.index, skip.kind)
+        ),
+    )
     dataset = SamplesDataset(16, _failing_at_3, shuffle=False)
     first = Shard.make(rank=0, world_size=1, worker=0, num_workers=2, seed=7)
     built = _build(_spec(dataset, batch_size=4, shard=first), control)  # (it holds sample 3)
     batches = list(_epoch(built, 4))
     assert 3 not in {i for ids in batches for i in ids} and control.bad == {3}
-    assert [(epoch, index) for epoch, _step, index, _name, _reason in reports] == [(0, 3)]
+    assert [(epoch, index, kind) for epoch, _step, index, kind in reports] == [
+        (0, 3, "load failed")
+    ]
     skipped = [delivery_info(built, step, 4)[2] for step in range(len(batches))]
     assert (3,) in skipped
 
