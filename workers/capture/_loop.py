@@ -225,6 +225,12 @@ class Worker:
         while self.channel.ready():
             self.handle(self.channel.recv(), in_epoch=True)
 
+    def relay_with(self, send_held: Callable[[], None]) -> None:
+        """Have ``send_held`` called after each batch and before each wait for a command: it
+        sends what the process's other threads logged or warned (the channel is this
+        thread's)."""
+        self.relay_held = send_held
+
     def serve(self) -> None:
         """Answer commands until Shutdown, a failure, or the trainer going away."""
         clock = self.clock

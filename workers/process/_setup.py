@@ -149,7 +149,7 @@ def serve(spec: WorkerSpec, conn: Connection, stack: Connection, alive: Connecti
     logging.getLogger().handlers[:] = [relay]
     logging.getLogger().setLevel(spec.log_level)
     warnings.showwarning = functools.partial(_relay_warning, relay)
-    worker.relay_held = relay.send_held
+    worker.relay_with(relay.send_held)
     code = 0
     worker.native_lines.open()  # DALI's own log lines wait for their batch's outcome
     try:

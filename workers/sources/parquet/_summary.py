@@ -30,17 +30,15 @@ summary serves ``train-*`` and ``validation-*`` in one directory.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import logging
-import os
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..storage import Identity, Storage, cache_dir
+from ..storage import Identity, Storage, cached_path, open_document, write_document
 
 __all__ = [
     "SUMMARY",
@@ -149,17 +147,7 @@ def encode(entries: Mapping[str, FileEntry], first: Any | None = None) -> bytes:
 
 def decode(data: bytes, where: str) -> dict[str, FileEntry]:
     """The entries of a summary; ``ValueError`` naming ``where`` when it is not one."""
-    try:
-        document = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{where} is not JSON ({error})") from None
-    if not isinstance(document, dict) or document.get("format") != FORMAT:
-        raise ValueError(f"{where} is not a {FORMAT}")
-    if document.get("version") != VERSION or document.get("columns") != _COLUMNS:
-        raise ValueError(
-            f"{where} is a summary of version {document.get('version')!r}; this loader reads "
-            f"version {VERSION}: run python -m loader index again"
-        )
+    document = open_document(data, where, FORMAT, VERSION, _COLUMNS, "python -m loader index")
     entries = {}
     try:
         for name, size, version, rows, groups, footer in document["files"]:
@@ -185,9 +173,7 @@ def summary_url(storage: Storage, directory: str) -> str:
 def cached_summary_path(storage: Storage, directory: str) -> Path:
     """This node's copy of a directory's summary (where the index command could not write it
     beside the files: a read-only store)."""
-    name = storage.cache_name(directory)
-    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    return cache_dir("parquet-summary") / f"{digest}.json"
+    return cached_path(storage, directory, "parquet-summary", ".json")
 
 
 def read_summary(
@@ -217,15 +203,6 @@ def write_summary(
     """Write the summary beside the files, else (the store refuses it) in this node's cache;
     returns where it went. Raises ``OSError`` when it cannot be written anywhere."""
     data = encode(entries, first)
-    url = summary_url(storage, directory)
-    try:
-        storage.write(url, data)
-        return url
-    except OSError as error:
-        logger.info("cannot write %s (%s): keeping the summary in this node's cache", url, error)
-    cached = cached_summary_path(storage, directory)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    temporary = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-    temporary.write_bytes(data)
-    os.replace(temporary, cached)
-    return str(cached)
+    return write_document(
+        storage, summary_url(storage, directory), cached_summary_path(storage, directory), data
+    )

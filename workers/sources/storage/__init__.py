@@ -6,6 +6,8 @@ files that readers map. Runs in the worker (and in ``python -m loader.tars``).
   patterns a job names;
 * ``_failures``: identities, :class:`StorageFailure`, and which errors are transient;
 * ``_cache``: the node's cache directory, where the indexes a worker makes are kept;
+* ``_summaries``: what every format's summary shares (its document checked, this node's
+  copy, its writing beside the data or into that copy);
 * ``_index_file``: index files (a JSON header and numpy arrays in one mapped file) and the lock
   that makes one process build one while the others wait.
 
@@ -30,6 +32,7 @@ from ._storage import (
     local_path,
     storage_for,
 )
+from ._summaries import cached_path, open_document, write_document
 
 __all__ = [
     "AHEAD_BYTES",
@@ -41,15 +44,18 @@ __all__ = [
     "StorageFailure",
     "StorageLibraryError",
     "cache_dir",
+    "cached_path",
     "check_storage_libraries",
     "count_read",
     "expand_urls",
     "is_url",
     "local_path",
     "locked",
+    "open_document",
     "read_index_file",
     "reads_so_far",
     "storage_failure",
     "storage_for",
+    "write_document",
     "write_index_file",
 ]

@@ -25,15 +25,13 @@ them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..storage import Identity, Storage, cache_dir
+from ..storage import Identity, Storage, cached_path, open_document, write_document
 
 logger = logging.getLogger("workers")
 
@@ -75,17 +73,7 @@ def encode(entries: Mapping[str, ShardEntry]) -> bytes:
 
 def decode(data: bytes, where: str) -> dict[str, ShardEntry]:
     """The entries of a summary; ``ValueError`` naming ``where`` when it is not one."""
-    try:
-        document = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{where} is not JSON ({error})") from None
-    if not isinstance(document, dict) or document.get("format") != FORMAT:
-        raise ValueError(f"{where} is not a {FORMAT}")
-    if document.get("version") != VERSION or document.get("columns") != _COLUMNS:
-        raise ValueError(
-            f"{where} is a summary of version {document.get('version')!r}; this loader reads "
-            f"version {VERSION}: run python -m loader.tars index again"
-        )
+    document = open_document(data, where, FORMAT, VERSION, _COLUMNS, "python -m loader.tars index")
     entries = {}
     try:
         for name, size, version, samples, keys in document["shards"]:
@@ -101,9 +89,7 @@ def summary_url(directory: str) -> str:
 
 def cached_summary_path(storage: Storage, directory: str) -> Path:
     """This node's copy of a directory's summary (what a job learns, kept off the data)."""
-    name = storage.cache_name(directory)
-    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    return cache_dir("tar-index") / f"{digest}.summary.json"
+    return cached_path(storage, directory, "tar-index", ".summary.json")
 
 
 def read_summary(
@@ -165,21 +151,8 @@ def write_summary(
     asked to publish) beside the shards, falling back to the cache where the store refuses it;
     returns where it went. Raises ``OSError`` when it cannot be written anywhere."""
     data = encode(entries)
-    if beside:
-        url = summary_url(directory)
-        try:
-            storage.write(url, data)
-            return url
-        except OSError as error:
-            logger.info(
-                "cannot write %s (%s): keeping the summary in this node's cache", url, error
-            )
-    cached = cached_summary_path(storage, directory)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    temporary = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-    temporary.write_bytes(data)
-    os.replace(temporary, cached)
-    return str(cached)
+    url = summary_url(directory) if beside else None
+    return write_document(storage, url, cached_summary_path(storage, directory), data)
 
 
 def describe_stale(stale: list[tuple[str, str]], limit: int = 5) -> str:
