@@ -110,8 +110,10 @@ def test_after_the_index_command_a_start_costs_the_same_at_3_and_at_30_files(
     assert sorted(seen_few) == list(range(60))
     assert sorted(seen_many) == list(range(600))
     assert few[0] == many[0], (few, many)  # the summary and nothing else that grows
-    # row groups: the first batch's and what the read-ahead (ahead=2) has begun, at most
-    assert 1 <= few[1] <= 3 and 1 <= many[1] <= 3, (few, many)
+    # row groups: the first batch's, the next batch's (the worker loads it while DALI works
+    # on the first: a batch of 4 may straddle two row groups of 10) and what the read-ahead
+    # (ahead=2) has begun by then: a few, however many files (60 row groups at 30 files)
+    assert 1 <= few[1] <= 5 and 1 <= many[1] <= 5, (few, many)
 
 
 def test_a_file_changed_since_the_index_is_named_with_the_command(tmp_path: Path) -> None:

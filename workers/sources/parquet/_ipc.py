@@ -68,7 +68,8 @@ def arrow_files_of(dataset: Any) -> ArrowFiles:
 class ArrowPlan(ParquetPlan):
     """The record batches of a dataset's Arrow files, as :class:`ParquetPlan` holds row groups
     (``files``, ``groups``: the batch's number in its file, ``counts``, ``starts``; ``begins`` and
-    ``ends``: the requested columns' bytes, for the default window)."""
+    ``ends``: the requested columns' bytes, for the default window; ``sizes``: the same, as a
+    Parquet plan's read sizes)."""
 
     def __init__(self, arrow: ArrowFiles, columns: tuple[str, ...]) -> None:
         pa, _pq = pyarrow_modules()
@@ -116,6 +117,8 @@ class ArrowPlan(ParquetPlan):
         self.counts = np.asarray(rows, np.int64)
         self.begins = np.zeros(len(rows), np.int64)
         self.ends = np.asarray(sizes, np.int64)
+        #: per record batch: the bytes its columns take (what a read-ahead budget counts)
+        self.sizes = self.ends - self.begins
         self.starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
         self.total = int(total)
         self._starts_list = self.starts.tolist()
