@@ -16,60 +16,73 @@ the direction and that no import circle exists)::
 ``run`` and ``observe`` are siblings: neither imports the other.
 """
 
-from workers import (
-    BatchedSamples,
-    FilesDataset,
-    ImageTooLargeError,
-    MixDataset,
-    ParquetDataset,
-    SamplesDataset,
-    Shard,
-    StorageFailure,
-    StorageLibraryError,
-    TarsDataset,
-    shard_indices,
-    shard_steps,
-    sharded_files,
-    sharded_mix,
-    sharded_parquet,
-    sharded_source,
-    sharded_tars,
-    steps_per_epoch,
-    write_tars,
-)
+import gc as _gc
 
-from ._loader import OPEN_LOADERS as OPEN_LOADERS  # (for the leak_check fixture)
-from ._loader import Loader, LoaderStats, WorkerStats
-from ._ndd import ndd
-from .config import LoaderConfig, package_version
-from .engine import (
-    BatchInfo,
-    LoadedArray,
-    LoadedBatch,
-    LoadedList,
-    LoadedTuple,
-    Timeline,
-    jsons,
-    texts,
-)
-from .errors import (
-    AgreementError,
-    LoaderClosedError,
-    LoaderError,
-    RemoteTraceback,
-    SharedMemoryError,
-    SkipLimitError,
-    SlotsExhaustedError,
-    StartupError,
-    WorkerDiedError,
-    WorkerError,
-    WorkerTimeoutError,
-)
-from .processes.server import server_pid as worker_server_pid
-from .processes.server import shutdown as shutdown_worker_server
-from .sample import ensure_sample_dataset, list_images
+# The garbage collector waits while the package imports: its imports make objects by the ten
+# thousand, and each few hundred would set off a collection, one of them over every object the
+# script made before (torch's, when it came first: ~0.08 s of the trainer's start, and the
+# worker server, forked at the end, starts that much later). It runs again afterwards if it did.
+_collecting = _gc.isenabled()
+_gc.disable()
+try:
+    from workers import (
+        BatchedSamples,
+        FilesDataset,
+        ImageTooLargeError,
+        MixDataset,
+        ParquetDataset,
+        SamplesDataset,
+        Shard,
+        StorageFailure,
+        StorageLibraryError,
+        TarsDataset,
+        shard_indices,
+        shard_steps,
+        sharded_files,
+        sharded_mix,
+        sharded_parquet,
+        sharded_source,
+        sharded_tars,
+        steps_per_epoch,
+        write_tars,
+    )
 
-__version__ = package_version()
+    from ._loader import OPEN_LOADERS as OPEN_LOADERS  # (for the leak_check fixture)
+    from ._loader import Loader, LoaderStats, WorkerStats
+    from ._ndd import ndd
+    from .config import LoaderConfig, package_version
+    from .engine import (
+        BatchInfo,
+        LoadedArray,
+        LoadedBatch,
+        LoadedList,
+        LoadedTuple,
+        Timeline,
+        jsons,
+        texts,
+    )
+    from .errors import (
+        AgreementError,
+        LoaderClosedError,
+        LoaderError,
+        RemoteTraceback,
+        SharedMemoryError,
+        SkipLimitError,
+        SlotsExhaustedError,
+        StartupError,
+        WorkerDiedError,
+        WorkerError,
+        WorkerTimeoutError,
+    )
+    from .processes.server import server_pid as worker_server_pid
+    from .processes.server import shutdown as shutdown_worker_server
+    from .sample import ensure_sample_dataset, list_images
+
+    __version__ = package_version()
+finally:
+    if _collecting:
+        _gc.enable()
+    del _collecting
 
 __all__ = [
     "AgreementError",

@@ -101,6 +101,18 @@ def import_dali_modules() -> None:
         from . import _setup  # noqa: F401
 
 
+#: numpy's submodules that numpy imports on their first use, which every worker's plan makes
+#: (``np.random.SeedSequence`` orders an epoch; ``np.unique`` asks ``np.ma`` whether its array
+#: is masked): ~0.01 s each per worker, between its fork and its Hello, unless the server has them.
+NUMPY_ON_FIRST_USE = ("numpy.random", "numpy.ma")
+
+
+def import_numpy_on_first_use() -> None:
+    """Import :data:`NUMPY_ON_FIRST_USE` (in the worker server: its forks find them imported)."""
+    for name in NUMPY_ON_FIRST_USE:
+        importlib.import_module(name)
+
+
 def dali_files_traced() -> list[str]:
     """DALI's own files whose operator calls its capture analyses on a first trace
     (``ndd.batch`` runs a copy operator from ``_batch.py``)."""
@@ -170,10 +182,12 @@ def warm_spawned_worker(*functions: Any) -> list[str]:
 
 def prepare_worker_server(files: Sequence[str]) -> None:
     """What a worker server does before it forks any worker: import DALI and the worker's
-    modules (torch deferred), and parse DALI's own traced files, the main module's and
-    ``files`` for DALI's capture (:func:`warm_source_analysis`)."""
+    modules (torch deferred) and the parts of numpy its sources use on first use, and parse
+    DALI's own traced files, the main module's and ``files`` for DALI's capture
+    (:func:`warm_source_analysis`)."""
     with startup.span("import DALI"):
         import_dali_modules()
+        import_numpy_on_first_use()
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     with startup.span("DALI's source analysis"):
         warm_source_analysis([*dali_files_traced(), *([main] if main else []), *files])

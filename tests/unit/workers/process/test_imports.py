@@ -72,3 +72,36 @@ def test_the_deferral_is_gated_on_the_dali_it_was_verified_with() -> None:
     from workers.process._imports import VERIFIED_DALI, dali_verified
 
     assert dali_verified() == nvidia.dali.__version__.startswith(VERIFIED_DALI)
+
+
+PLAN = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from ipc.wire import Sampling
+    from workers.process._imports import import_numpy_on_first_use
+    from workers.sources.plan import shard_batches
+
+    if sys.argv[1] == "server":
+        import_numpy_on_first_use()
+    before = set(sys.modules)
+    shard_batches(Sampling(1000, 32, 0, True, False), 0, 0, 2, None)  # a shuffled epoch's plan
+    np.unique(np.arange(5))  # (a tar shards' plan takes its parts' edges so)
+    print(" ".join(sorted(n for n in set(sys.modules) - before if n.split(".")[0] == "numpy")))
+    """
+)
+
+
+def test_a_plan_imports_no_numpy_module_after_the_server_imported_them() -> None:
+    """A worker's first plan imports numpy's random and masked-array modules, numpy's own
+    first-use imports; the worker server imports them as it warms, so its forks do not."""
+
+    def imported(process: str) -> set[str]:
+        done = subprocess.run(
+            [sys.executable, "-c", PLAN, process], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        return set(done.stdout.split())
+
+    assert {"numpy.random", "numpy.ma"} <= imported("worker")
+    assert imported("server") == set()
