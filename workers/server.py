@@ -30,8 +30,10 @@ Everything here goes through public APIs (``os.fork``, ``socket.recv_fds``, ``si
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import gc
+import importlib.util
 import logging
 import os
 import pickle
@@ -170,6 +172,83 @@ def import_main(setup: sw.Setup) -> bool:
     return True
 
 
+def main_file(setup: sw.Setup) -> str | None:
+    """The file of the trainer's main module (its path, or the module's given with ``-m``);
+    None when it has none."""
+    if setup.main_name is not None:
+        try:
+            spec = importlib.util.find_spec(setup.main_name)
+        except (ImportError, ValueError):
+            return None
+        return None if spec is None else spec.origin
+    return setup.main_path
+
+
+#: What a main module's top level may hold to be imported before a loader is made: imports,
+#: definitions, assignments (constants, ``functools.partial``), a docstring, ``pass``.
+_DEFINING = (
+    ast.Import,
+    ast.ImportFrom,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.Assign,
+    ast.AnnAssign,
+    ast.Pass,
+)
+
+
+def only_defines(path: str | None) -> bool:
+    """Whether the Python file at ``path`` has a ``if __name__ == "__main__":`` guard and, outside
+    it, only defines (:data:`_DEFINING`; ``if``/``try`` blocks of the same, a docstring): then
+    importing it runs no work of the script's, and the server may import it before the trainer
+    makes a loader. False for anything else, or a file that cannot be read or parsed."""
+    if not path or not path.endswith(".py"):
+        return False
+    try:
+        with open(path, "rb") as file:
+            tree = ast.parse(file.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    guarded = False
+
+    def defines(body: list[ast.stmt]) -> bool:
+        nonlocal guarded
+        for number, statement in enumerate(body):
+            if isinstance(statement, ast.If) and _is_main_guard(statement.test):
+                guarded = True
+                if not defines(statement.orelse):
+                    return False
+            elif isinstance(statement, ast.If):
+                if not (defines(statement.body) and defines(statement.orelse)):
+                    return False
+            elif isinstance(statement, ast.Try):
+                blocks = [statement.body, statement.orelse, statement.finalbody]
+                blocks += [handler.body for handler in statement.handlers]
+                if not all(defines(block) for block in blocks):
+                    return False
+            elif isinstance(statement, ast.Expr) and number == 0:
+                if not isinstance(statement.value, ast.Constant):  # (a docstring only)
+                    return False
+            elif not isinstance(statement, _DEFINING):
+                return False
+        return True
+
+    return defines(tree.body) and guarded
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    if not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [side for side in sides if isinstance(side, ast.Name) and side.id == "__name__"]
+    texts = [side for side in sides if isinstance(side, ast.Constant) and side.value == "__main__"]
+    return len(names) == 1 and len(texts) == 1
+
+
 #: The main modules replaced by ``__mp_main__`` (kept alive: their functions' globals).
 _old_mains: list[types.ModuleType | None] = []
 
@@ -182,21 +261,42 @@ class Server:
         self._sock = sock
         self._setup = setup
         self._statuses: dict[int, socket.socket] = {}  # pid -> status socket, until reaped
-        self._main_state = "pending"  # "imported", "failed" or "none" after the first Prepare
+        self._main_state = "pending"  # "imported", "failed" or "none" once warm
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
 
     def warm(self) -> None:
         """Import DALI and the worker's modules, parse DALI's own traced files and the main
-        module's file for DALI's capture, and import the storage backends the script's earlier
-        runs opened (:mod:`workers.startup._warm_storage`), before any request needs them."""
+        module's file for DALI's capture, import the storage backends the script's earlier
+        runs opened (:mod:`workers.startup._warm_storage`), and then the trainer's main module
+        (:meth:`_import_main`) where its top level only defines (:func:`only_defines`), before
+        any request needs them: a server forked at the end of ``import loader`` does all of it
+        while the trainer goes on with its own imports and set-up, not after the first
+        ``Loader(...)``. A main module whose top level does more (a script without a
+        ``__main__`` guard, which may never make a Loader) is imported at the first one, as
+        before."""
         from .process import prepare_worker_server
 
         with _frozen_after():
             prepare_worker_server([self._setup.main_path] if self._setup.main_path else [])
             with startup.span("storage backends"):
                 startup.warm(self._setup.main_path or self._setup.main_name)
+            if only_defines(main_file(self._setup)):
+                self._import_main()
+
+    def _import_main(self) -> None:
+        """Import the trainer's main module once (:func:`import_main`); one that fails is
+        imported by each worker, which reports the error (module docstring)."""
+        if self._main_state != "pending":
+            return
+        try:
+            with startup.span("main module"):
+                imported = import_main(self._setup)
+            self._main_state = "imported" if imported else "none"
+        except BaseException:  # each worker imports it again and reports (docstring)
+            self._main_state = "failed"
+            logger.debug("worker server: the main module did not import", exc_info=True)
 
     def serve(self) -> None:
         """Serve until the trainer closes its socket (it exited, or asked the server to stop),
@@ -244,14 +344,7 @@ class Server:
             raise TypeError(f"unexpected worker server request {type(request).__name__}")
 
     def _prepare(self, request: sw.Prepare) -> None:
-        if self._main_state == "pending":
-            try:
-                with startup.span("main module"):
-                    imported = import_main(self._setup)
-                self._main_state = "imported" if imported else "none"
-            except BaseException:  # each worker imports it again and reports (docstring)
-                self._main_state = "failed"
-                logger.debug("worker server: the main module did not import", exc_info=True)
+        self._import_main()
         with startup.span("the loader's modules"):
             self._import_modules(request)
 

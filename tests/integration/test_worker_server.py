@@ -514,3 +514,62 @@ def test_importing_the_loader_starts_the_worker_server_in_a_trainer_only(
     done = run_python(tmp_path, "main.py", env=env)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found == {"trainer": None if early == "0" else "fork", "spawned": None}
+
+
+#: A script whose top level only defines (its imports, functions, a constant made by a call):
+#: the server imports it as soon as it is warm, before any loader is made. ``MARK`` records each
+#: process that runs the top level; the trainer waits, without making a loader, for the server.
+EAGER_SCRIPT = """
+import json, os, sys, time
+import loader
+from loader.processes import server as _server
+
+def mark():
+    with open(os.environ["MARKS"], "a") as file:
+        file.write(f"{os.getpid()}\\n")
+    return True
+
+MARK = mark()
+
+if __name__ == "__main__":
+    pid = _server.server_pid()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        marks = [int(line) for line in open(os.environ["MARKS"]).read().split()]
+        if pid in marks:
+            break
+        time.sleep(0.05)
+    print(json.dumps({"server": pid, "trainer": os.getpid(), "marks": marks}))
+"""
+
+#: The same top level with work outside the guard (a print): not imported before a loader.
+UNGUARDED_SCRIPT = EAGER_SCRIPT.replace("MARK = mark()", "MARK = mark()\nprint('working')")
+
+
+@pytest.mark.parametrize("form", ["defines-only", "work-at-top"])
+def test_a_main_module_that_only_defines_is_imported_while_the_trainer_sets_up(
+    tmp_path: Path, form: str
+) -> None:
+    """The server imports a main module whose top level only defines as soon as it is warm
+    (its imports then overlap the trainer's own set-up instead of following ``Loader(...)``:
+    a script importing heavy modules after ``import loader`` reached its first batch 0.4-0.5 s
+    after ``Loader(...)`` instead of 1.4-1.5 s); one that does work at its top level (it may
+    never make a loader) is left alone until a loader needs it."""
+    marks = tmp_path / "marks"
+    marks.write_text("")
+    script = tmp_path / "main.py"
+    script.write_text(EAGER_SCRIPT if form == "defines-only" else UNGUARDED_SCRIPT)
+    env = clean_env(MARKS=str(marks))
+    if form == "defines-only":
+        found = json.loads(run_python(tmp_path, "main.py", env=env).stdout.splitlines()[-1])
+        assert found["server"] in found["marks"] and found["trainer"] in found["marks"]
+        return
+    trainer = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path
+    )
+    try:
+        time.sleep(8)  # (the server is warm well before this: DALI, then nothing more)
+        assert [int(line) for line in marks.read_text().split()] == [trainer.pid]
+    finally:
+        trainer.kill()
+        trainer.wait(10)

@@ -1,9 +1,12 @@
-"""The worker server's collection-free imports (:func:`workers.server._frozen_after`)."""
+"""The worker server's collection-free imports (:func:`workers.server._frozen_after`), and which
+main modules it imports before a loader is made (:func:`workers.server.only_defines`)."""
 
 from __future__ import annotations
 
 import gc
+import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +41,48 @@ def test_collection_left_off_when_it_was_off_and_on_after_a_failure() -> None:
     with pytest.raises(ZeroDivisionError), server._frozen_after():
         1 / 0  # noqa: B018
     assert gc.isenabled()
+
+
+def _defines(tmp_path: Path, text: str) -> bool:
+    path = tmp_path / "main.py"
+    path.write_text(textwrap.dedent(text))
+    return server.only_defines(str(path))
+
+
+def test_a_main_module_that_only_defines_may_be_imported_early(tmp_path: Path) -> None:
+    guarded = """
+        '''A training script.'''
+        import functools
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None:
+            DEVICE = "cpu"
+        SOURCE = functools.partial(print, 1)
+
+        def step(x):
+            return x
+
+        class Model:
+            pass
+
+        if __name__ == "__main__":
+            run()
+    """
+    assert _defines(tmp_path, guarded)
+    assert _defines(tmp_path, guarded.replace('__name__ == "__main__"', '"__main__" == __name__'))
+
+
+def test_a_main_module_with_work_at_its_top_or_no_guard_is_left_for_a_loader(
+    tmp_path: Path,
+) -> None:
+    assert not _defines(tmp_path, "import time\ntime.sleep(60)\n")  # (no guard: work at the top)
+    assert not _defines(tmp_path, "def f():\n    pass\n")  # (no guard)
+    body = "import time\n{}\nif __name__ == '__main__':\n    pass\n"
+    for work in ("print('x')", "for i in range(3):\n    pass", "with open('f') as f:\n    pass"):
+        assert not _defines(tmp_path, body.format(work)), work
+    assert not _defines(tmp_path, "if True:\n    print(1)\nif __name__ == '__main__':\n    pass\n")
+    assert not _defines(tmp_path, "if __name__ == '__main__':\n    pass\nelse:\n    print(1)\n")
+    assert not server.only_defines(None) and not server.only_defines(str(tmp_path / "missing.py"))
+    assert not _defines(tmp_path, "def (:\n")  # (not Python)
