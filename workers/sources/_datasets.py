@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any
 
 from ..spec import Shard
@@ -74,6 +74,17 @@ class _Opened(Definition):
     @abstractmethod
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         """The dataset opened in a worker: its size, ``load``, fingerprint and orders."""
+
+    def _reader_arguments(self) -> dict[str, Any]:
+        """The definition's fields as its reader's ``open_*_source`` takes them, by name (the
+        reader's keywords are the fields' names): all but the batching options, the storage
+        options as a plain dict."""
+        batching = {option.name for option in fields(Batching)}
+        arguments = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        arguments = {k: v for k, v in arguments.items() if k not in batching}
+        if "storage_options" in arguments:
+            arguments["storage_options"] = dict(arguments["storage_options"] or {})
+        return arguments
 
     def _batched(self, shard: Shard, batching: Batching) -> BatchedSamples:
         opened = self.open(shard, shard.seed - shard.index, shuffle=batching.shuffle)
@@ -145,21 +156,7 @@ class TarsDataset(_Opened):
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from .tars import open_tar_source
 
-        return open_tar_source(
-            shard,
-            self.urls,
-            ext=self.ext,
-            storage_options=dict(self.storage_options or {}),
-            shuffle_window=self.shuffle_window,
-            ahead=self.ahead,
-            ahead_bytes=self.ahead_bytes,
-            retries=self.retries,
-            seed=seed,
-            shuffle=shuffle,
-            max_image_pixels=self.max_image_pixels,
-            optional=self.optional,
-            publish_index=self.publish_index,
-        )
+        return open_tar_source(shard, seed=seed, shuffle=shuffle, **self._reader_arguments())
 
 
 @dataclass(frozen=True)
@@ -223,20 +220,7 @@ class ParquetDataset(_Opened):
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from .parquet import open_parquet_source
 
-        return open_parquet_source(
-            shard,
-            self.urls,
-            columns=self.columns,
-            storage_options=dict(self.storage_options or {}),
-            shuffle_window=self.shuffle_window,
-            ahead=self.ahead,
-            ahead_bytes=self.ahead_bytes,
-            retries=self.retries,
-            seed=seed,
-            shuffle=shuffle,
-            max_image_pixels=self.max_image_pixels,
-            optional=self.optional,
-        )
+        return open_parquet_source(shard, seed=seed, shuffle=shuffle, **self._reader_arguments())
 
 
 Dataset = FilesDataset | TarsDataset | ParquetDataset | SamplesDataset
