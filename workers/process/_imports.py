@@ -107,10 +107,25 @@ def import_dali_modules() -> None:
 NUMPY_ON_FIRST_USE = ("numpy.random", "numpy.ma")
 
 
+#: DALI's modules that its first operator call imports (``_conditionals`` asks
+#: ``_debug_mode`` whether a debug pipeline runs): in each worker's traced first step, unless the
+#: server has them.
+DALI_ON_FIRST_USE = ("nvidia.dali._debug_mode",)
+
+
 def import_numpy_on_first_use() -> None:
     """Import :data:`NUMPY_ON_FIRST_USE` (in the worker server: its forks find them imported)."""
     for name in NUMPY_ON_FIRST_USE:
         importlib.import_module(name)
+
+
+def import_dali_on_first_use() -> None:
+    """Import :data:`DALI_ON_FIRST_USE` (in the worker server, with torch deferred); one a
+    DALI release lacks is left to DALI."""
+    with torch_deferred():
+        for name in DALI_ON_FIRST_USE:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
 
 
 def dali_files_traced() -> list[str]:
@@ -188,6 +203,7 @@ def prepare_worker_server(files: Sequence[str]) -> None:
     with startup.span("import DALI"):
         import_dali_modules()
         import_numpy_on_first_use()
+        import_dali_on_first_use()
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     with startup.span("DALI's source analysis"):
         warm_source_analysis([*dali_files_traced(), *([main] if main else []), *files])

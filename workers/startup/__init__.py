@@ -4,8 +4,9 @@ shorter. Runs in worker servers and workers, never in the trainer.
 Owns: the start's named spans (:mod:`._spans`: :func:`span`, :func:`record`, sent to the trainer
 with the worker's ``Hello``), DALI's source analysis kept on disk (:mod:`._analysis_cache`:
 :func:`load_analysis`, :func:`store_analysis`) and the storage backends a script's workers opened
-(:mod:`._warm_storage`: a source notes each with :func:`opened`; the script's next worker server
-imports them as it warms, :func:`warm`).
+and the format libraries its readers imported (:mod:`._warm_storage`: a source notes each with
+:func:`opened` or :func:`used`; the script's next worker server imports them as it warms,
+:func:`warm`).
 
 May import: the standard library (fsspec and its backends only inside functions). Nothing else
 of ``workers``: the sources and everything above them import it.
@@ -13,7 +14,7 @@ of ``workers``: the sources and everything above them import it.
 
 from ._analysis_cache import load_analysis, store_analysis
 from ._spans import process_started, record, span, spans, started_ns
-from ._warm_storage import opened, warm, with_session
+from ._warm_storage import opened, used, warm, with_session
 
 __all__ = [
     "load_analysis",
@@ -24,6 +25,7 @@ __all__ = [
     "spans",
     "started_ns",
     "store_analysis",
+    "used",
     "warm",
     "with_session",
 ]

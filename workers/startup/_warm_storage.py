@@ -1,19 +1,21 @@
-"""The storage backends a worker server imports while it warms: those the workers of the same
-script's earlier runs opened.
+"""The storage backends and format libraries a worker server imports while it warms: those the
+workers of the same script's earlier runs opened.
 
 A worker's first remote read imports its fsspec backend: ``s3fs`` (with aiobotocore and aiohttp)
 takes 0.27-0.3 s on the 2-core machine, in each worker, between the loader's construction and its
-first batch. The server cannot tell before the first loader which backend its workers will open,
-but the script's earlier runs can: a worker that opens one notes its protocol (:func:`opened`) in
-a small JSON record for the script, and the next worker server of that script imports those
-backends as it warms (:func:`warm`), usually while the script is still busy with its own set-up;
-its workers are forked with them imported.
+first batch; a Parquet reader's first plan imports pyarrow (0.05 s). The server cannot tell
+before the first loader which backend or reader its workers will need, but the script's earlier
+runs can: a worker that opens a backend notes its protocol (:func:`opened`), and a reader that
+imports its library notes the module (:func:`used`: only those of :data:`READER_MODULES`), in a
+small JSON record for the script, and the next worker server of that script imports them as it
+warms (:func:`warm`), usually while the script is still busy with its own set-up; its workers are
+forked with them imported.
 
 The record lives in the directory of DALI's source analysis (:mod:`._analysis_cache`),
 under its rules and its switch (``DALI_LOADER_ANALYSIS_CACHE=0`` turns both off): one file per
 script and interpreter, named by a hash of the main module's path (or name) and of
 ``sys.executable``; the records of the :data:`~._analysis_cache.MAX_ENTRIES` scripts run
-last are kept. A protocol no run has opened for :data:`FORGET_AFTER` seconds is no longer
+last are kept. A protocol or module no run has used for :data:`FORGET_AFTER` seconds is no longer
 imported. Only what fsspec's own registry names is imported, and only its class
 (``fsspec.get_filesystem_class``): no client, no connection. A backend whose import started a
 thread (which the server's forks would not carry) is dropped from the record, with a warning.
@@ -29,7 +31,9 @@ session keyword among the options) and with the same ``AWS_DATA_PATH``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import importlib
 import inspect
 import json
 import logging
@@ -38,6 +42,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +67,13 @@ _noted: set[str] = set()
 _botocore_data: tuple[Any, str | None] | None = None
 #: Protocols served by s3fs.
 _S3 = frozenset({"s3", "s3a"})
+#: The record's maps: fsspec protocols, and the readers' format libraries.
+_KEYS = ("protocols", "modules")
+#: The modules a reader may note with :func:`used` (and a server import ahead): no other name
+#: from a record file is ever imported.
+READER_MODULES = frozenset({"pyarrow.parquet"})
+#: Reader modules this process has noted already.
+_noted_modules: set[str] = set()
 
 
 def _record_path(base: Path, script: str) -> Path:
@@ -69,28 +81,44 @@ def _record_path(base: Path, script: str) -> Path:
     return base / (digest.hexdigest()[:32] + _SUFFIX)
 
 
-def _read(path: Path) -> dict[str, float]:
-    """The record's protocols and when each was last opened; empty when missing or unreadable."""
+def _read(path: Path) -> dict[str, dict[str, float]]:
+    """The record: its ``protocols`` and ``modules``, each name with when it was last used;
+    empty maps when missing or unreadable."""
     try:
         content = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
-    protocols = content.get("protocols") if isinstance(content, dict) else None
-    if not isinstance(protocols, dict):
-        return {}
-    return {
-        name: float(when)
-        for name, when in protocols.items()
-        if isinstance(name, str) and isinstance(when, (int, float))
-    }
+        content = {}
+    record: dict[str, dict[str, float]] = {}
+    for key in _KEYS:
+        found = content.get(key) if isinstance(content, dict) else None
+        record[key] = {
+            name: float(when)
+            for name, when in (found.items() if isinstance(found, dict) else ())
+            if isinstance(name, str) and isinstance(when, (int, float))
+        }
+    return record
 
 
-def _write(path: Path, protocols: dict[str, float]) -> None:
-    data = json.dumps({"script": _script, "protocols": protocols}, sort_keys=True).encode()
+def _write(path: Path, record: dict[str, dict[str, float]]) -> None:
+    data = json.dumps({"script": _script, **record}, sort_keys=True).encode()
     if not _analysis_cache.write_whole(path, data):
         logger.debug("storage record %s not written", path)
         return
     _analysis_cache.prune(path.parent, _SUFFIX)  # (the records of the scripts run last)
+
+
+def _note(key: str, name: str) -> None:
+    """Note ``name`` under ``key`` of this script's record (when new to it, or its time old)."""
+    base = _analysis_cache.usable_directory(create=True)
+    if base is None or _script is None:
+        return
+    path = _record_path(base, _script)
+    record = _read(path)
+    now = time.time()
+    if now - record[key].get(name, 0.0) < REFRESH_AFTER:
+        return
+    record[key][name] = now
+    _write(path, record)
 
 
 def opened(protocol: str) -> None:
@@ -99,22 +127,22 @@ def opened(protocol: str) -> None:
     if _script is None or protocol in _noted or protocol in _BUILT_IN:
         return
     _noted.add(protocol)
-    base = _analysis_cache.usable_directory(create=True)
-    if base is None:
+    _note("protocols", protocol)
+
+
+def used(module: str) -> None:
+    """Note that this worker's reader imported ``module`` (one of :data:`READER_MODULES`: a
+    format's library, such as ``pyarrow.parquet``), for the script's next server to import."""
+    if _script is None or module not in READER_MODULES or module in _noted_modules:
         return
-    path = _record_path(base, _script)
-    protocols = _read(path)
-    now = time.time()
-    if now - protocols.get(protocol, 0.0) < REFRESH_AFTER:
-        return
-    protocols[protocol] = now
-    _write(path, protocols)
+    _noted_modules.add(module)
+    _note("modules", module)
 
 
 def warm(script: str | None) -> list[str]:
     """In a starting worker server: remember ``script`` (the main module's path or name, for the
-    workers' :func:`opened`), and import the backends its earlier runs opened. Returns the
-    protocols whose backend is imported now."""
+    workers' :func:`opened` and :func:`used`), and import the backends and reader modules its
+    earlier runs used. Returns the protocols and modules imported now."""
     global _script
     _script = script
     if script is None:
@@ -123,14 +151,27 @@ def warm(script: str | None) -> list[str]:
     if base is None:
         return []
     path = _record_path(base, script)
-    protocols = _read(path)
-    if protocols:
+    record = _read(path)
+    if any(record.values()):
         with contextlib.suppress(OSError):
             os.utime(path)  # (used: kept longest)
-    recent = [name for name, when in protocols.items() if time.time() - when < FORGET_AFTER]
-    imported = [name for name in sorted(recent) if _import_backend(name, path, protocols)]
+    recent = {
+        key: sorted(name for name, when in names.items() if time.time() - when < FORGET_AFTER)
+        for key, names in record.items()
+    }
+    imported = [
+        name
+        for name in recent["protocols"]
+        if _import_ahead(name, path, record, "protocols", _backend_importer(name))
+    ]
     if _S3.intersection(imported):
         _load_botocore_data()
+    imported += [
+        name
+        for name in recent["modules"]
+        if name in READER_MODULES
+        and _import_ahead(name, path, record, "modules", functools.partial(_import, name))
+    ]
     return imported
 
 
@@ -185,34 +226,59 @@ def with_session(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "session": session}
 
 
-def _import_backend(protocol: str, path: Path, protocols: dict[str, float]) -> bool:
-    try:
-        import fsspec
-        from fsspec.registry import known_implementations
-    except ImportError:
-        return False
-    if protocol in _BUILT_IN or protocol not in known_implementations:
-        return False
+def _import(module: str) -> bool:
+    importlib.import_module(module)
+    return True
+
+
+def _backend_importer(protocol: str) -> Callable[[], bool]:
+    """Imports the class of fsspec's ``protocol`` backend; False when there is none to import."""
+
+    def run() -> bool:
+        try:
+            import fsspec
+            from fsspec.registry import known_implementations
+        except ImportError:
+            return False
+        if protocol in _BUILT_IN or protocol not in known_implementations:
+            return False
+        fsspec.get_filesystem_class(protocol)
+        return True
+
+    return run
+
+
+def _import_ahead(
+    name: str,
+    path: Path,
+    record: dict[str, dict[str, float]],
+    key: str,
+    importer: Callable[[], bool],
+) -> bool:
+    """Run ``importer`` (of ``name``, noted under ``key``); one that fails is left to the worker
+    that needs it, and one that started a thread is dropped from the record, with a warning."""
     threads = set(threading.enumerate())
     started = time.perf_counter()
+    what = f"the {name}:// backend" if key == "protocols" else name
     try:
-        fsspec.get_filesystem_class(protocol)
+        if not importer():
+            return False
     except Exception:  # (uninstalled since: the worker that needs it says so)
-        logger.debug("worker server: the %s:// backend did not import", protocol, exc_info=True)
+        logger.debug("worker server: %s did not import", what, exc_info=True)
         return False
     if set(threading.enumerate()) - threads:
         warnings.warn(
-            f"importing the {protocol}:// backend started a thread; the worker server no longer "
-            "imports it ahead (its forks would not carry the thread)",
+            f"importing {what} started a thread; the worker server no longer imports it ahead "
+            "(its forks would not carry the thread)",
             RuntimeWarning,
             stacklevel=2,
         )
-        del protocols[protocol]
-        _write(path, protocols)
+        del record[key][name]
+        _write(path, record)
         return False
     logger.debug(
-        "worker server: imported the %s:// backend in %.2f s (opened by this script's last runs)",
-        protocol,
+        "worker server: imported %s in %.2f s (used by this script's last runs)",
+        what,
         time.perf_counter() - started,
     )
     return True

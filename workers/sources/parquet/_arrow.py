@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ... import startup
+
 __all__ = ["EXTRA_HINT", "pyarrow_modules"]
 
 #: How to install what the Parquet reader needs.
@@ -21,4 +23,5 @@ def pyarrow_modules() -> tuple[Any, Any]:
         raise ImportError(
             f"reading Parquet needs pyarrow, which is not installed ({error}): {EXTRA_HINT}"
         ) from error
+    startup.used("pyarrow.parquet")  # (the script's next worker server imports it ahead)
     return pyarrow, pyarrow.parquet

@@ -105,3 +105,35 @@ def test_a_plan_imports_no_numpy_module_after_the_server_imported_them() -> None
 
     assert {"numpy.random", "numpy.ma"} <= imported("worker")
     assert imported("server") == set()
+
+
+def test_the_servers_imports_hold_what_a_first_dali_operator_imports() -> None:
+    """A worker's first traced operator call imports DALI's debug-mode module; the server's
+    warm-up imports it (torch still deferred), so its forks do not."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from workers.process._imports import (
+            DALI_ON_FIRST_USE, import_dali_modules, import_dali_on_first_use,
+        )
+        import_dali_modules()
+        if sys.argv[1] == "server":
+            import_dali_on_first_use()
+        from nvidia.dali.experimental import dynamic as ndd
+        before = set(sys.modules)
+        ndd.cast(ndd.batch([[1], [2]]), dtype=ndd.int64)
+        print(" ".join(sorted(set(DALI_ON_FIRST_USE) & (set(sys.modules) - before))))
+        print("torch" in sys.modules)
+        """
+    )
+
+    def imported(process: str) -> tuple[set[str], str]:
+        done = subprocess.run(
+            [sys.executable, "-c", script, process], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        first, torch = done.stdout.splitlines()
+        return set(first.split()), torch
+
+    assert imported("worker")[0] == {"nvidia.dali._debug_mode"}
+    assert imported("server") == (set(), "False")
