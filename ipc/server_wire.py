@@ -56,10 +56,13 @@ class Setup:
 
 @dataclass(frozen=True, slots=True)
 class Prepare:
-    """Modules to import and files to parse before forking a loader's workers."""
+    """Modules to import and files to parse before forking a loader's workers; ``needs``: what
+    the loader's dataset definition will open (``"protocol:s3"``, ``"module:pyarrow.parquet"``:
+    ``Definition.server_needs``), imported before the fork where the server has not yet."""
 
     modules: tuple[str, ...]
     files: tuple[str, ...]
+    needs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

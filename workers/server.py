@@ -38,6 +38,7 @@ import logging
 import os
 import pickle
 import runpy
+import select
 import selectors
 import signal
 import socket
@@ -281,9 +282,16 @@ class Server:
         with _frozen_after():
             prepare_worker_server([self._setup.main_path] if self._setup.main_path else [])
             with startup.span("storage backends"):
-                startup.warm(self._setup.main_path or self._setup.main_name)
-            if only_defines(main_file(self._setup)):
+                startup.warm(self._setup.main_path or self._setup.main_name, self._waited_for)
+            if only_defines(main_file(self._setup)) and not self._waited_for():
                 self._import_main()
+
+    def _waited_for(self) -> bool:
+        """Whether a request from the trainer waits (a loader was made): the rest of the warm-up
+        is then left out where it guesses (the storage backends of earlier runs) and done at
+        that request where it is needed (its definition's needs, the main module)."""
+        readable, _, _ = select.select([self._sock], [], [], 0)
+        return bool(readable)
 
     def _import_main(self) -> None:
         """Import the trainer's main module once (:func:`import_main`); one that fails is
@@ -347,6 +355,9 @@ class Server:
         self._import_main()
         with startup.span("the loader's modules"):
             self._import_modules(request)
+        if request.needs:
+            with startup.span("the dataset's readers"):
+                startup.import_needs(request.needs)
 
     def _prepare_frozen(self, request: sw.Prepare) -> None:
         with _frozen_after():

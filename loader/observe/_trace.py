@@ -17,7 +17,8 @@ process (the trainer's pid) holds one track (thread) for the trainer and one per
   tar shards, the node's summary and the epoch's plan); on a ``worker server`` track after the
   workers', what the server still did after the loader was made: ``import DALI``, ``DALI's
   source analysis``, ``storage backends`` (:mod:`workers.startup._warm_storage`), ``main
-  module``, ``the loader's modules``. A start right after ``import loader`` shows the server's
+  module``, ``the loader's modules``, ``the dataset's readers`` (what the definition opens:
+  its store's backend, pyarrow for Parquet). A start right after ``import loader`` shows the server's
   import of DALI before every worker's fork; the first batch's trace (``dali`` of step 0)
   follows ``sources``.
 

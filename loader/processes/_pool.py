@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from ipc import ChannelClosed, ControlChannel, limits, wire
 from ipc.signals import STOP_SIGNAL, blocked_for_start
-from workers import Shard, WorkerSpec, modules_of, run_worker
+from workers import Definition, Shard, WorkerSpec, modules_of, run_worker
 
 from ..config import main_file
 from . import server as worker_server
@@ -295,7 +295,9 @@ def start_worker_server(specs: Sequence[WorkerSpec] = ()) -> worker_server.Worke
     server = worker_server.running(by_loader=True)
     functions = [f for spec in specs[:1] for f in (spec.source, spec.step, spec.feeders)]
     found = modules_of(*functions)
-    server.prepare([name for name, _ in found], [path for _, path in found if path])
+    source = specs[0].source if specs else None
+    needs = source.server_needs() if isinstance(source, Definition) else ()
+    server.prepare([name for name, _ in found], [path for _, path in found if path], needs)
     return server
 
 

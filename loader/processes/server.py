@@ -338,9 +338,12 @@ class WorkerServer:
         with self._send_lock:
             sw.send_request(self._sock, request, fds)
 
-    def prepare(self, modules: Sequence[str], files: Sequence[str]) -> None:
-        """Ask the server to import ``modules`` and parse ``files`` before the next fork."""
-        self.send(sw.Prepare(tuple(modules), tuple(files)))
+    def prepare(
+        self, modules: Sequence[str], files: Sequence[str], needs: Sequence[str] = ()
+    ) -> None:
+        """Ask the server to import ``modules``, parse ``files`` and import what a dataset
+        definition will open (``needs``: ``Definition.server_needs``) before the next fork."""
+        self.send(sw.Prepare(tuple(modules), tuple(files), tuple(needs)))
 
 
 def _fork_server(ours: socket.socket, theirs: socket.socket) -> int:

@@ -67,6 +67,24 @@ class Definition(ABC):
     def _batched(self, shard: Shard, batching: Batching) -> BatchedSamples:
         """:meth:`batched`, its options as one."""
 
+    def server_needs(self) -> tuple[str, ...]:
+        """What the workers will open, for the worker server to import before it forks them:
+        ``protocol:<name>`` for each remote store of the definition's URLs, and
+        ``module:<name>`` for a format's library (:mod:`workers.startup`)."""
+        return ()
+
+
+def protocols_of(urls: Any) -> tuple[str, ...]:
+    """``protocol:<name>`` for each remote protocol among ``urls`` (a URL, a path or a sequence
+    of them), in order, once."""
+    given = [urls] if isinstance(urls, (str, os.PathLike)) else urls
+    found: dict[str, None] = {}
+    for url in given if isinstance(given, Sequence) else ():
+        text = os.fspath(url) if isinstance(url, (str, os.PathLike)) else ""
+        if "://" in text:
+            found[f"protocol:{text.split('://', 1)[0].lower()}"] = None
+    return tuple(found)
+
 
 class _Opened(Definition):
     """A dataset that opens into one :class:`OpenedSource` (every kind but a mixture)."""
@@ -114,6 +132,9 @@ class FilesDataset(_Opened):
     shuffle: bool = True
     drop_last: bool = False
 
+    def server_needs(self) -> tuple[str, ...]:
+        return protocols_of(self.root_or_files)
+
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from .files import FileLoader, open_files
 
@@ -152,6 +173,9 @@ class TarsDataset(_Opened):
     #: loader.tars index`` does), not only in this node's cache: reading never writes where
     #: the data lives unless asked
     publish_index: bool = False
+
+    def server_needs(self) -> tuple[str, ...]:
+        return protocols_of(self.urls)
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from .tars import open_tar_source
@@ -216,6 +240,9 @@ class ParquetDataset(_Opened):
             from .parquet import arrow_files_of  # (its files, not the object, go to the workers)
 
             object.__setattr__(self, "urls", arrow_files_of(self.urls))
+
+    def server_needs(self) -> tuple[str, ...]:
+        return (*protocols_of(self.urls), "module:pyarrow.parquet")
 
     def open(self, shard: Shard, seed: int, *, shuffle: bool = True) -> OpenedSource:
         from .parquet import open_parquet_source

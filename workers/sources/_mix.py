@@ -314,6 +314,10 @@ class MixDataset(Definition):
     def __post_init__(self) -> None:
         _check_weights(_check_sources(self.sources), self.weights)
 
+    def server_needs(self) -> tuple[str, ...]:
+        found = (need for dataset in self.sources.values() for need in dataset.server_needs())
+        return tuple(dict.fromkeys(found))
+
     def _batched(self, shard: Shard, batching: Batching) -> BatchedSamples:
         names = list(self.sources)
         seed = shard.seed - shard.index

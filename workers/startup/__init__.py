@@ -14,9 +14,10 @@ of ``workers``: the sources and everything above them import it.
 
 from ._analysis_cache import load_analysis, store_analysis
 from ._spans import process_started, record, span, spans, started_ns
-from ._warm_storage import opened, used, warm, with_session
+from ._warm_storage import import_needs, opened, used, warm, with_session
 
 __all__ = [
+    "import_needs",
     "load_analysis",
     "opened",
     "process_started",

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,10 +139,11 @@ def used(module: str) -> None:
     _note("modules", module)
 
 
-def warm(script: str | None) -> list[str]:
+def warm(script: str | None, stop: Callable[[], bool] = lambda: False) -> list[str]:
     """In a starting worker server: remember ``script`` (the main module's path or name, for the
     workers' :func:`opened` and :func:`used`), and import the backends and reader modules its
-    earlier runs used. Returns the protocols and modules imported now."""
+    earlier runs used, until ``stop()`` says a loader's request waits (that request names what
+    its workers need: :func:`import_needs`). Returns the protocols and modules imported now."""
     global _script
     _script = script
     if script is None:
@@ -162,7 +163,7 @@ def warm(script: str | None) -> list[str]:
     imported = [
         name
         for name in recent["protocols"]
-        if _import_ahead(name, path, record, "protocols", _backend_importer(name))
+        if not stop() and _import_ahead(name, path, record, "protocols", _backend_importer(name))
     ]
     if _S3.intersection(imported):
         _load_botocore_data()
@@ -170,9 +171,32 @@ def warm(script: str | None) -> list[str]:
         name
         for name in recent["modules"]
         if name in READER_MODULES
+        and not stop()
         and _import_ahead(name, path, record, "modules", functools.partial(_import, name))
     ]
     return imported
+
+
+def import_needs(needs: Sequence[str]) -> list[str]:
+    """In a worker server, before it forks a loader's workers: import what that loader's dataset
+    definition will open (``protocol:<name>``: fsspec's backend; ``module:<name>``: a reader's
+    module among :data:`READER_MODULES`), where not imported yet. Nothing is written to the
+    record (the workers note what they really open); one that fails, or starts a thread, is left
+    to the workers. Returns what was imported now."""
+    done = []
+    for need in needs:
+        key, _, name = need.partition(":")
+        if key == "protocol" and name not in _BUILT_IN:
+            importer = _backend_importer(name)
+        elif key == "module" and name in READER_MODULES and name not in sys.modules:
+            importer = functools.partial(_import, name)
+        else:
+            continue
+        if _import_ahead(name, None, {}, f"{key}s", importer):
+            done.append(need)
+            if key == "protocol" and name in _S3 and _botocore_data is None:
+                _load_botocore_data()
+    return done
 
 
 def _load_botocore_data() -> None:
@@ -250,13 +274,14 @@ def _backend_importer(protocol: str) -> Callable[[], bool]:
 
 def _import_ahead(
     name: str,
-    path: Path,
+    path: Path | None,
     record: dict[str, dict[str, float]],
     key: str,
     importer: Callable[[], bool],
 ) -> bool:
     """Run ``importer`` (of ``name``, noted under ``key``); one that fails is left to the worker
-    that needs it, and one that started a thread is dropped from the record, with a warning."""
+    that needs it, and one that started a thread is dropped from the record (at ``path``, if
+    any), with a warning."""
     threads = set(threading.enumerate())
     started = time.perf_counter()
     what = f"the {name}:// backend" if key == "protocols" else name
@@ -273,8 +298,9 @@ def _import_ahead(
             RuntimeWarning,
             stacklevel=2,
         )
-        del record[key][name]
-        _write(path, record)
+        if path is not None:
+            del record[key][name]
+            _write(path, record)
         return False
     logger.debug(
         "worker server: imported %s in %.2f s (used by this script's last runs)",

@@ -34,3 +34,27 @@ def test_a_mixture_refuses_a_dataset_that_wants_the_epoch() -> None:
             weights={"a": 1.0},
             batch_size=2,
         )
+
+
+def test_each_definition_names_what_its_workers_will_open_for_the_server() -> None:
+    """The worker server imports these before it forks the workers (``Prepare.needs``): the
+    remote stores among the URLs, once each, and a format's library."""
+    from pathlib import Path
+
+    from loader import FilesDataset, MixDataset, ParquetDataset, TarsDataset
+
+    tars = TarsDataset(["s3://b/a-{0..3}.tar", "S3://b/c.tar", "gs://x/d.tar", "/local/e.tar"])
+    assert tars.server_needs() == ("protocol:s3", "protocol:gs")
+    assert TarsDataset(Path("/data/shards")).server_needs() == ()
+    assert FilesDataset("/data/images").server_needs() == ()
+    assert ParquetDataset("hf://datasets/org/name@main/*.parquet").server_needs() == (
+        "protocol:hf",
+        "module:pyarrow.parquet",
+    )
+    assert ParquetDataset("/data/pq").server_needs() == ("module:pyarrow.parquet",)
+    assert SamplesDataset(10, _load).server_needs() == ()
+    mix = MixDataset(
+        {"a": tars, "b": ParquetDataset(["s3://b/x.parquet"]), "c": SamplesDataset(4, _load)},
+        {"a": 1.0, "b": 1.0, "c": 1.0},
+    )
+    assert mix.server_needs() == ("protocol:s3", "protocol:gs", "module:pyarrow.parquet")

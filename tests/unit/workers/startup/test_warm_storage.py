@@ -116,6 +116,38 @@ def test_a_reader_module_a_worker_used_is_imported_by_the_next_server_and_no_oth
     assert warm_in_fresh_interpreter(cache, "/srv/jobs/evaluate.py", modules)["modules"] == []
 
 
+def test_a_loaders_needs_are_imported_and_a_waiting_request_stops_the_guessing(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server whose first request already waits leaves out the backends of earlier runs
+    (a local job after an S3 one no longer waits 0.3 s for s3fs), and imports what the request's
+    definition names instead: a backend fsspec knows, a reader's module, nothing else."""
+    pytest.importorskip("pyarrow")
+    monkeypatch.setattr(_warm_storage, "_script", SCRIPT)
+    _warm_storage.opened("s3")
+    _warm_storage.used("pyarrow.parquet")
+    modules = ("s3fs", "pyarrow.parquet", "json.tool")
+    code = f"""
+        import json, sys
+        from workers.startup import _warm_storage
+        warmed = _warm_storage.warm({SCRIPT!r}, stop=lambda: True)
+        needs = ["protocol:file", "protocol:no-such-store", "module:json.tool",
+                 "module:pyarrow.parquet", "protocol:s3"]
+        imported = _warm_storage.import_needs(needs)
+        print(json.dumps([warmed, imported, [m for m in {modules!r} if m in sys.modules]]))
+    """
+    env = dict(os.environ, DALI_LOADER_ANALYSIS_CACHE=str(cache), PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    warmed, imported, loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert warmed == []
+    assert imported == ["module:pyarrow.parquet", "protocol:s3"]
+    assert loaded == ["s3fs", "pyarrow.parquet"]
+    assert set(records(cache)[0]["protocols"]) == {"s3"}  # (the record: unchanged)
+
+
 def test_a_worker_writes_the_record_once_and_only_for_remote_protocols_of_a_known_script(
     cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
