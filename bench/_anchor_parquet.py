@@ -199,7 +199,10 @@ def run_size(
         for repeat in range(args.repeats):
             for place in PLACES:
                 for name in order:
-                    python = args.anchors_python if name == "pq-litdata" else sys.executable
+                    python = {"pq-litdata": args.anchors_python}.get(
+                        name,
+                        args.datasets_python if name.startswith("pq-datasets") else sys.executable,
+                    )
                     extra = {"BENCH_ANCHORS_PLACE": place, **(analysis if name in OURS else {})}
                     state = directory / f"{name}.state"
                     first = measure(python, name, "first", proxy, bucket, state, args.limit, extra)

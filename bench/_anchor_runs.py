@@ -19,8 +19,9 @@ The Parquet contenders of ``bash bench/anchors.sh --format parquet`` (:mod:`benc
 read the place ``BENCH_ANCHORS_PLACE`` names (``local`` or ``s3``): ``pq-loader`` and
 ``pq-loader-summary`` (this loader's ``ParquetDataset``, over the files alone or beside the index
 command's summary), ``pq-datasets`` and ``pq-datasets-reshard`` (Hugging Face ``datasets``
-streaming, a file a shard or, after ``reshard()``, a row group a shard; both from the project's
-environment, which has ``datasets``), ``pq-litdata`` (LitData's ``ParquetLoader``).
+streaming, a file a shard or, after ``reshard()``, a row group a shard; both from
+``.venv-datasets``, which has ``datasets`` and ``torchdata``), ``pq-litdata`` (LitData's
+``ParquetLoader``).
 
 Each run is a training script's start: ``torch`` first, then the loader's library, then the loader.
 Each run speaks one JSON object a line on stdout: ``{"at": "imported"}`` once its imports are done,

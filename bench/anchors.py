@@ -632,6 +632,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("BENCH_ANCHORS_PYTHON", ".venv-anchors/bin/python"),
         help="the anchors' environment's python (bench/anchors.sh makes .venv-anchors)",
     )
+    parser.add_argument(
+        "--datasets-python",
+        default=os.environ.get("BENCH_DATASETS_PYTHON", ".venv-datasets/bin/python"),
+        help="--format parquet: the python of Hugging Face datasets' streaming, with torchdata "
+        "(bench/anchors.sh makes .venv-datasets; torchdata in the project's environment would "
+        "make DALI import torch in this loader's workers)",
+    )
 
 
 def compile_packages() -> None:
@@ -654,15 +661,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.anchors_python} does not exist: run bash bench/anchors.sh, which makes it "
             "(or pass --no-anchors)"
         )
-    if args.format == "parquet" and args.anchors:
-        import importlib.util
-
-        missing = [m for m in ("datasets", "torchdata") if importlib.util.find_spec(m) is None]
-        if missing:
-            built.error(
-                f"--format parquet runs datasets' streaming in this environment, which lacks "
-                f"{', '.join(missing)}: pip install 'datasets>=5' torchdata (or pass --no-anchors)"
-            )
+    if args.format == "parquet" and args.anchors and not Path(args.datasets_python).exists():
+        built.error(
+            f"{args.datasets_python} does not exist: run bash bench/anchors.sh --format parquet, "
+            "which makes it from bench/datasets-requirements.txt (or pass --no-anchors)"
+        )
     default = ["40x300"] if args.format == "parquet" else ["1000x20", "10000x4"]
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in (args.size or default)]
     os.environ["BENCH_ANCHORS_SETUP"] = str(args.setup)  # (every run's script inherits it)

@@ -13,4 +13,11 @@ if [ ! -x "$anchors/bin/python" ] || ! "$anchors/bin/python" -c "import litdata,
     # (torchvision, pulled in by mosaicml-streaming, is a CUDA build that cannot load here)
     "$anchors/bin/pip" uninstall -q -y torchvision || true
 fi
+datasets=.venv-datasets
+case " $* " in *" --format parquet "*|*" --format=parquet "*)
+    if [ ! -x "$datasets/bin/python" ] || ! "$datasets/bin/python" -c "import datasets, torchdata, s3fs, PIL, torch" 2>/dev/null; then
+        python -m venv "$datasets"
+        "$datasets/bin/pip" install -q -r bench/datasets-requirements.txt
+    fi
+esac
 exec python -m bench.anchors --anchors-python "$anchors/bin/python" "$@"
