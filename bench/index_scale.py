@@ -9,8 +9,9 @@ requests and bytes the proxy served, and the wall time per file. The target (iss
 in at most 60 s on the same server") is read off the ``seconds`` column.
 
 The Parquet files are written as ``datasets`` writes them (an ``Image`` struct column, a
-``ClassLabel`` and an ``id``, the ``huggingface`` schema metadata and pyarrow's Arrow schema in
-the footer, two row groups of two rows each); the tar shards are those of
+``ClassLabel`` of 1,000 names and an ``id``, the ``huggingface`` schema metadata and pyarrow's
+Arrow schema in the footer, no statistics for the image column; two row groups of two rows
+each); the tar shards are those of
 :mod:`bench.tars_remote` (4 samples of 2 kB each, with ``.cls`` and ``.id``).
 """
 
@@ -43,7 +44,7 @@ def write_parquet(directory: Path, files: int) -> list[Path]:
 
     features = {
         "image": {"_type": "Image"},
-        "label": {"names": [f"c{k}" for k in range(10)], "_type": "ClassLabel"},
+        "label": {"names": [f"n{k:08d}" for k in range(1000)], "_type": "ClassLabel"},
         "id": {"dtype": "int64", "_type": "Value"},
     }
     metadata = {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
@@ -59,13 +60,13 @@ def write_parquet(directory: Path, files: int) -> list[Path]:
         table = pa.table(
             {
                 "image": pa.array([{"bytes": payload, "path": None} for _ in ids], image),
-                "label": pa.array([i % 10 for i in ids], pa.int64()),
+                "label": pa.array([i % 1000 for i in ids], pa.int64()),
                 "id": pa.array(ids, pa.int64()),
             },
             schema=schema,
         )
         path = directory / f"train-{number:06d}.parquet"
-        pq.write_table(table, path, row_group_size=ROW_GROUP)
+        pq.write_table(table, path, row_group_size=ROW_GROUP, write_statistics=["label", "id"])
         paths.append(path)
     return paths
 

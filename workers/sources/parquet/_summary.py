@@ -5,18 +5,26 @@ index command.
 ``loader-parquet-summary.json`` beside the files lists, for each file it covers, what a worker
 needs to plan an epoch without reading the file's footer: its identity when it was indexed (its
 size, and its ETag or mtime), its rows, its row groups (each one's rows and the byte range of
-every column chunk, in the order of the schema's leaves) and its footer itself (zlib-compressed,
-base64: what pyarrow decodes a row group with); and, for the first file, its Arrow schema and
-its ``huggingface`` metadata (the features), for a reader to see::
+every column chunk, in the order of the schema's leaves) and its footer itself (what pyarrow
+decodes a row group with); and, for the first file, its Arrow schema and its ``huggingface``
+metadata (the features), for a reader to see.
 
-    {"format": "dali-capture-loader parquet summary", "version": 1,
+Every file of a dataset repeats the same key-value metadata in its footer (``datasets`` writes its
+features, and pyarrow the Arrow schema again with them: 10-40 KB a file, the class names of a
+``ClassLabel`` twice). The summary keeps those values once, as ``shared`` (the first file's
+values of 256 bytes or more), and each footer without them: ``[its bytes without them
+(zlib, base64), [[offset, index in shared], ...]]``, from which the footer is rebuilt byte for
+byte. 2,000 files written like ``datasets``' make a 0.7 MB summary instead of 8.6 MB (version 1,
+each footer whole, is still read)::
+
+    {"format": "dali-capture-loader parquet summary", "version": 2,
      "columns": ["name", "size", "version", "rows", "row_groups", "footer"],
      "leaves": ["image.bytes", "image.path", "label"],
      "schema": "image: struct<bytes: binary, path: string> ...", "huggingface": {...},
      "files": [["train-00000.parquet", 48213311, "ETag:9b2c...", 4357,
                 [[100, [[4, 1093722], [1093722, 1093901], [1093901, 1094312]]], ...],
-                "eJzt..."], ...],
-     "rows": 1281167}
+                ["eJzt...", [[1822, 0], [9644, 1]]]], ...],
+     "shared": ["eJzt...", "eJzt..."], "rows": 1281167}
 
 A job's start reads it once per node (one request) in place of the directory's listing and of
 every footer: a start then costs a constant number of requests whatever the number of files.
@@ -39,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ..storage import Identity, Storage, cached_path, open_document, write_document
+from ._footers import parse_footer
 
 __all__ = [
     "SUMMARY",
@@ -55,8 +64,12 @@ logger = logging.getLogger("workers")
 
 SUMMARY = "loader-parquet-summary.json"
 FORMAT = "dali-capture-loader parquet summary"
-VERSION = 1
+VERSION = 2
+#: Earlier versions still read: 1, each footer whole.
+OLDER = (1,)
 _COLUMNS = ["name", "size", "version", "rows", "row_groups", "footer"]
+#: Metadata values of at least this many bytes are kept once for all the files.
+_SHARED_FROM = 256
 
 
 def index_command(urls: str | Iterable[str], *, force: bool = False) -> str:
@@ -125,18 +138,16 @@ def described(footer: Any) -> tuple[list[str], str, Any]:
 def encode(entries: Mapping[str, FileEntry], first: Any | None = None) -> bytes:
     """The summary's bytes (files sorted by name); ``first``: a parsed footer whose schema and
     metadata describe the files."""
-    rows = [
-        [
-            name,
-            entry.size,
-            entry.version,
-            entry.rows,
-            [[rows, [list(chunk) for chunk in chunks]] for rows, chunks in entry.groups],
-            base64.b64encode(zlib.compress(entry.footer, 6)).decode("ascii"),
-        ]
-        for name, entry in sorted(entries.items())
-    ]
+    ordered = sorted(entries.items())
+    shared = shared_values(ordered[0][1].footer) if ordered else []
+    rows = []
+    for name, entry in ordered:
+        stripped, cuts = _stripped(entry.footer, shared)
+        groups = [[rows, [list(chunk) for chunk in chunks]] for rows, chunks in entry.groups]
+        footer = [_text(zlib.compress(stripped, 6)), cuts]
+        rows.append([name, entry.size, entry.version, entry.rows, groups, footer])
     document: dict[str, Any] = {"format": FORMAT, "version": VERSION, "columns": _COLUMNS}
+    document["shared"] = [_text(zlib.compress(value, 6)) for value in shared]
     if first is not None:
         leaves, schema, huggingface = described(first)
         document.update(leaves=leaves, schema=schema, huggingface=huggingface)
@@ -145,11 +156,73 @@ def encode(entries: Mapping[str, FileEntry], first: Any | None = None) -> bytes:
     return (json.dumps(document, separators=(",", ":")) + "\n").encode()
 
 
+def _text(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def shared_values(footer: bytes) -> list[bytes]:
+    """The long values of a footer's key-value metadata (the ``huggingface`` features,
+    pyarrow's ``ARROW:schema``): every file of a dataset repeats them, so the summary keeps
+    them once."""
+    try:
+        metadata = parse_footer("the first file", footer).metadata or {}
+    except ValueError:
+        return []
+    return sorted({v for v in metadata.values() if len(v) >= _SHARED_FROM}, key=len, reverse=True)
+
+
+def _stripped(footer: bytes, shared: list[bytes]) -> tuple[bytes, list[list[int]]]:
+    """``footer`` without the occurrences of ``shared`` values (their bytes are written in the
+    Thrift as they are), and where each went: ``[offset in the footer, index in shared]``,
+    in order."""
+    cuts: list[tuple[int, int]] = []
+    for index, value in enumerate(shared):
+        at = footer.find(value)
+        while at >= 0:
+            if not any(s < at + len(value) and at < s + len(shared[k]) for s, k in cuts):
+                cuts.append((at, index))
+            at = footer.find(value, at + len(value))
+    cuts.sort()
+    parts, last = [], 0
+    for at, index in cuts:
+        parts.append(footer[last:at])
+        last = at + len(shared[index])
+    parts.append(footer[last:])
+    return b"".join(parts), [[at, index] for at, index in cuts]
+
+
+def _restored(stripped: bytes, cuts: Iterable[Any], shared: list[bytes]) -> bytes:
+    """The footer :func:`_stripped` gave ``stripped`` and ``cuts`` for."""
+    parts, taken, position = [], 0, 0
+    for at, index in cuts:
+        value = shared[int(index)]
+        literal = int(at) - position
+        if literal < 0:
+            raise ValueError("its shared values overlap")
+        parts.append(stripped[taken : taken + literal])
+        parts.append(value)
+        taken += literal
+        position = int(at) + len(value)
+    parts.append(stripped[taken:])
+    return b"".join(parts)
+
+
+def _footer_of(stored: Any, shared: list[bytes], version: int) -> bytes:
+    """A file's footer as its entry stores it (version 1: zlib and base64 of it all)."""
+    if version == 1:
+        return zlib.decompress(base64.b64decode(stored))
+    data, cuts = stored
+    return _restored(zlib.decompress(base64.b64decode(data)), cuts, shared)
+
+
 def decode(data: bytes, where: str) -> dict[str, FileEntry]:
     """The entries of a summary; ``ValueError`` naming ``where`` when it is not one."""
-    document = open_document(data, where, FORMAT, VERSION, _COLUMNS, "python -m loader index")
+    document = open_document(
+        data, where, FORMAT, VERSION, _COLUMNS, "python -m loader index", OLDER
+    )
     entries = {}
     try:
+        shared = [zlib.decompress(base64.b64decode(v)) for v in document.get("shared", ())]
         for name, size, version, rows, groups, footer in document["files"]:
             entries[str(name)] = FileEntry(
                 int(size),
@@ -159,7 +232,7 @@ def decode(data: bytes, where: str) -> dict[str, FileEntry]:
                     (int(count), tuple((int(s), int(e)) for s, e in chunks))
                     for count, chunks in groups
                 ),
-                zlib.decompress(base64.b64decode(footer)),
+                _footer_of(footer, shared, document["version"]),
             )
     except (KeyError, TypeError, ValueError, zlib.error) as error:
         raise ValueError(f"{where} has a malformed file entry ({error})") from None

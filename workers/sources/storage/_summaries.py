@@ -22,18 +22,25 @@ logger = logging.getLogger("workers")
 
 
 def open_document(
-    data: bytes, where: str, form: str, version: int, columns: list[str], command: str
+    data: bytes,
+    where: str,
+    form: str,
+    version: int,
+    columns: list[str],
+    command: str,
+    older: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """The JSON document of a summary of format ``form``; ``ValueError`` naming ``where`` when
-    it is not JSON, not of that format, or of another version or columns (then ``command`` is
-    what writes it again)."""
+    it is not JSON, not of that format, or of another version (``older``: earlier versions it
+    still reads) or columns (then ``command`` is what writes it again)."""
     try:
         document = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{where} is not JSON ({error})") from None
     if not isinstance(document, dict) or document.get("format") != form:
         raise ValueError(f"{where} is not a {form}")
-    if document.get("version") != version or document.get("columns") != columns:
+    found = document.get("version")
+    if found not in (version, *older) or document.get("columns") != columns:
         raise ValueError(
             f"{where} is a summary of version {document.get('version')!r}; this loader reads "
             f"version {version}: run {command} again"
