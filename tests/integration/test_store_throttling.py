@@ -192,3 +192,69 @@ def test_a_429_that_never_stops_is_a_storage_failure_naming_the_url(
     assert "TooManyRequests" in said, said
     # the first try and RETRIES more, then no other request for it
     assert [s.name for s in throttled.proxy.throttled()] == [name] * (RETRIES + 1)
+
+
+READ_EACH = textwrap.dedent(
+    """
+    import json, logging, sys
+    from workers.sources.storage import read_each, storage_for
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s")
+    options, reads = eval(sys.argv[1]), json.loads(sys.argv[2])
+    storage = storage_for(reads[0][0], options)
+    found = {}
+    for number, got in read_each(storage, [tuple(r) for r in reads], 3):
+        found[number] = (
+            [type(got).__name__, str(got)] if isinstance(got, Exception) else got.hex()
+        )
+    print(json.dumps(found))
+    """
+)
+
+
+def test_many_reads_on_the_event_loop_are_retried_each_and_fail_each_by_name(
+    throttled: Throttled, tmp_path: Path
+) -> None:
+    """``read_each`` (the index command's footers, all on s3fs's event loop; in a process of
+    its own): every range comes back right; a 429 on one object is retried and logged as a
+    thread's read is; a read past an object's end, a missing object and a 429 that never stops
+    each end in their own named error, the others unharmed."""
+    import json
+
+    written = sorted((tmp_path / "tars").glob("train-*.tar"))
+    tars = [f"s3://{throttled.bucket}/{path.name}" for path in written]
+    contents = [path.read_bytes() for path in written]
+    reads = [[url, 100, len(data) - 7] for url, data in zip(tars, contents, strict=True)]
+    reads += [
+        [tars[2], len(contents[2]) - 10, len(contents[2]) + 90],  # past its end
+        [f"s3://{throttled.bucket}/no-such.tar", 0, 10],
+    ]
+
+    def read(asked: list[list[Any]]) -> tuple[dict[int, Any], str]:
+        done = subprocess.run(
+            [sys.executable, "-c", READ_EACH, repr(throttled.options), json.dumps(asked)],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        return {int(k): v for k, v in found.items()}, done.stderr
+
+    throttled.proxy.throttle("train-001.tar", 2)
+    found, logged = read(reads)
+    assert sorted(found) == list(range(len(reads)))
+    for k in range(4):
+        assert bytes.fromhex(found[k]) == contents[k][100:-7]
+    assert found[4][0] == "EOFError" and "truncated or replaced" in found[4][1]
+    assert found[5][0] == "FileNotFoundError"
+    assert [s.name for s in throttled.proxy.throttled()] == ["train-001.tar"] * 2
+    retried = [line for line in logged.splitlines() if "trying again" in line]
+    assert len(retried) == 2 and all(tars[1] in line for line in retried), logged
+
+    throttled.proxy.throttle("train-003.tar", 10**6)
+    found, _ = read(reads[:4])
+    assert [isinstance(found[k], str) for k in range(4)] == [True] * 3 + [False]
+    assert found[3][0] == "OSError" and "TooManyRequests" in found[3][1]
+    assert found[3][1].startswith(f"{tars[3]}: reading bytes 100-")

@@ -24,7 +24,14 @@ from typing import Any
 from ..storage import Identity, Storage, cache_dir, locked
 from ._arrow import pyarrow_modules
 
-__all__ = ["FOOTER_CACHE", "node_footers", "parse_footer", "read_footer_bytes"]
+__all__ = [
+    "FOOTER_CACHE",
+    "footer_from_tail",
+    "node_footers",
+    "parse_footer",
+    "read_footer_bytes",
+    "tail_range",
+]
 
 logger = logging.getLogger("workers")
 
@@ -41,10 +48,22 @@ def read_footer_bytes(storage: Storage, url: str, size: int) -> bytes:
     """The footer (its Thrift bytes) of the Parquet file at ``url`` of ``size`` bytes, from one
     ranged read of its tail (two when the footer is longer); ``ValueError`` naming the file when
     it is not Parquet or its footer is cut."""
+    first, _ = tail_range(url, size)
+    return footer_from_tail(storage, url, size, storage.read(url, first, size).tobytes())
+
+
+def tail_range(url: str, size: int) -> tuple[int, int]:
+    """The byte range of a file's tail read first for its footer; ``ValueError`` naming the
+    file when it is too short to be Parquet."""
     if size < 12:
         raise ValueError(f"{url} is not a Parquet file: {size} bytes, shorter than any")
-    first = max(0, size - TAIL)
-    tail = storage.read(url, first, size).tobytes()
+    return max(0, size - TAIL), size
+
+
+def footer_from_tail(storage: Storage, url: str, size: int, tail: bytes) -> bytes:
+    """The footer of the file at ``url`` from its ``tail`` (:func:`tail_range`), reading the
+    bytes before it when the footer is longer; ``ValueError`` as :func:`read_footer_bytes`."""
+    first = size - len(tail)
     if tail[-4:] != _MAGIC:
         raise ValueError(
             f"{url} is not a Parquet file (it does not end with PAR1: not Parquet, or truncated)"

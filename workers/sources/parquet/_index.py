@@ -15,13 +15,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..storage import RETRIES, Storage, expand_urls, is_url, storage_for
+from ..storage import RETRIES, Storage, expand_urls, is_url, read_each, storage_for
 from ._arrow import pyarrow_modules
-from ._footers import parse_footer, read_footer_bytes
+from ._footers import footer_from_tail, parse_footer, tail_range
 from ._plan import Listings, list_parquet
 from ._summary import SUMMARY, FileEntry, entry_of, read_summary, summary_url, write_summary
 
@@ -29,6 +28,8 @@ __all__ = ["ParquetProgress", "index_parquet", "names_parquet"]
 
 #: Footers read at once by default (threads: the work is waiting on the store).
 THREADS = 32
+#: Seconds between two progress reports while the footers are read.
+PROGRESS_EVERY = 1.0
 
 
 @dataclass
@@ -116,7 +117,7 @@ def index_parquet(
         else:
             todo.append(number)
     workers = max(1, min(threads or THREADS, len(todo) or 1))
-    state.pool = f"reading {len(todo)} footers with {workers} threads"
+    state.pool = f"reading {len(todo)} footers, {workers} at once"
     if progress is not None:
         progress(state)
 
@@ -142,37 +143,36 @@ def _read_footers(
     state: ParquetProgress,
     progress: Callable[[ParquetProgress], None] | None,
 ) -> None:
-    """Read the footers of files ``todo``, ``workers`` at once, into ``entries``."""
-
-    def read(number: int) -> tuple[int, FileEntry | str]:
-        url, identity = files[number], identities[number]
+    """Read the footers of files ``todo``, ``workers`` at once, into ``entries``: one ranged
+    read of each tail (:func:`read_each`: on the filesystem's event loop where it has one),
+    parsed here as they come."""
+    reads, ready = [], []
+    for number in todo:
+        url, size = files[number], identities[number][0]
         try:
-            data = read_footer_bytes(storage, url, identity[0])
-            return number, entry_of(identity, data, parse_footer(url, data))
+            reads.append((url, *tail_range(url, size)))
+            ready.append(number)
+        except ValueError as error:
+            state.done += 1
+            state.failed.append(f"{url}: ValueError: {error}")
+    shown = time.monotonic()
+    for k, tail in read_each(storage, reads, workers):
+        number = ready[k]
+        url, identity = files[number], identities[number]
+        state.done += 1
+        try:
+            if isinstance(tail, Exception):
+                raise tail
+            data = footer_from_tail(storage, url, identity[0], tail)
+            entries[number] = entry_of(identity, data, parse_footer(url, data))
+            state.read_bytes += len(data)
         except (OSError, ValueError, EOFError) as error:
-            return number, f"{url}: {type(error).__name__}: {error}"
-
-    with ThreadPoolExecutor(workers, "parquet-index") as pool:
-        pending: set[Future[tuple[int, FileEntry | str]]] = set()
-        queue = iter(todo)
-        while True:
-            for number in queue:
-                pending.add(pool.submit(read, number))
-                if len(pending) >= 4 * workers:
-                    break
-            if not pending:
-                break
-            finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-            for future in finished:
-                number, found = future.result()
-                state.done += 1
-                if isinstance(found, str):
-                    state.failed.append(found)
-                    continue
-                entries[number] = found
-                state.read_bytes += len(found.footer)
-            if progress is not None:
-                progress(state)
+            state.failed.append(f"{url}: {type(error).__name__}: {error}")
+        if progress is not None and time.monotonic() - shown >= PROGRESS_EVERY:
+            shown = time.monotonic()
+            progress(state)
+    if progress is not None:
+        progress(state)
 
 
 def _save(

@@ -5,6 +5,8 @@ files that readers map. Runs in the worker (and in ``python -m loader.tars``).
 * ``_storage``: :class:`Storage` (local or remote), :func:`storage_for`, retries, the URL
   patterns a job names;
 * ``_failures``: identities, :class:`StorageFailure`, and which errors are transient;
+* ``_many``: many small ranged reads at once (:func:`read_each`: on the filesystem's event loop
+  where it has one);
 * ``_cache``: the node's cache directory, where the indexes a worker makes are kept;
 * ``_summaries``: what every format's summary shares (its document checked, this node's
   copy, its writing beside the data or into that copy);
@@ -22,6 +24,7 @@ from ._index_file import locked
 from ._index_file import read as read_index_file
 from ._index_file import write as write_index_file
 from ._libraries import StorageLibraryError, check_storage_libraries
+from ._many import read_each
 from ._reads import count_read, reads_so_far
 from ._storage import (
     AHEAD_BYTES,
@@ -52,6 +55,7 @@ __all__ = [
     "local_path",
     "locked",
     "open_document",
+    "read_each",
     "read_index_file",
     "reads_so_far",
     "storage_failure",

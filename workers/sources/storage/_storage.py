@@ -284,27 +284,35 @@ class RemoteStorage(Storage):
             try:
                 return call()
             except Exception as error:
-                if unreachable(error):
-                    raise ConnectionError(
-                        f"cannot connect to the store at {self.endpoint} ({what} {url}): "
-                        f"{type(error).__name__}: {error}. Check endpoint_url in "
-                        "storage_options, and that this host reaches it"
-                    ) from error
-                if not transient(error) or attempt == self.retries:
-                    raise named(error, what, url) from error
-                logger.warning(
-                    "%s: %s failed (%s: %s); trying again in %.2f s (%d of %d)",
-                    url,
-                    what,
-                    type(error).__name__,
-                    error,
-                    delay,
-                    attempt + 1,
-                    self.retries,
-                )
+                self.after_failure(error, attempt, delay, what, url)
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")
+
+    def after_failure(
+        self, error: Exception, attempt: int, delay: float, what: str, url: str
+    ) -> None:
+        """Of :meth:`retried` (and its asynchronous form): raise the error to give for
+        ``error`` on try ``attempt`` (none left, not transient, or the store unreachable), else
+        log that it is tried again after ``delay`` seconds."""
+        if unreachable(error):
+            raise ConnectionError(
+                f"cannot connect to the store at {self.endpoint} ({what} {url}): "
+                f"{type(error).__name__}: {error}. Check endpoint_url in "
+                "storage_options, and that this host reaches it"
+            ) from error
+        if not transient(error) or attempt == self.retries:
+            raise named(error, what, url) from error
+        logger.warning(
+            "%s: %s failed (%s: %s); trying again in %.2f s (%d of %d)",
+            url,
+            what,
+            type(error).__name__,
+            error,
+            delay,
+            attempt + 1,
+            self.retries,
+        )
 
     def read(
         self, path: str, start: int, end: int, expect: Identity | None = None
