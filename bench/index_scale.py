@@ -133,8 +133,12 @@ def index(
     }
 
 
+def parser() -> argparse.ArgumentParser:
+    return H.parser("index_scale", __doc__, add_arguments)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = H.parser("index_scale", __doc__, add_arguments).parse_args(argv)
+    args = parser().parse_args(argv)
     server = S3Server(threaded=False)
     proxy = CountingProxy(server.endpoint)
     process = server._process
