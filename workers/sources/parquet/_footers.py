@@ -16,8 +16,9 @@ import hashlib
 import logging
 import os
 import struct
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "FOOTER_CACHE",
     "footer_from_tail",
     "node_footers",
+    "node_footers_into",
     "parse_footer",
     "read_footer_bytes",
     "tail_range",
@@ -42,6 +44,8 @@ TAIL = 64 << 10
 #: Footers read at once.
 _THREADS = 16
 _MAGIC = b"PAR1"
+#: Where a footer found goes: ``put(its file's number, its bytes)``.
+Put = Callable[[int, bytes], None]
 
 
 def read_footer_bytes(storage: Storage, url: str, size: int) -> bytes:
@@ -101,11 +105,23 @@ def _key(url: str, identity: Identity) -> str:
     return hashlib.sha256(text).hexdigest()[:40]
 
 
-def _each(read: Callable[[int], bytes], numbers: Sequence[int]) -> dict[int, bytes]:
+def _each(read: Callable[[int], bytes], numbers: Sequence[int], put: Put) -> None:
+    """``put(number, read(number))`` for each of ``numbers``, read on threads, in order."""
     if len(numbers) <= 1:
-        return {number: read(number) for number in numbers}
-    with ThreadPoolExecutor(min(_THREADS, len(numbers)), "parquet-footer") as pool:
-        return dict(zip(numbers, pool.map(read, numbers), strict=True))
+        for number in numbers:
+            put(number, read(number))
+        return
+    threads = min(_THREADS, len(numbers))
+    with ThreadPoolExecutor(threads, "parquet-footer") as pool:
+        pending: deque[tuple[int, Future[bytes]]] = deque()
+        for number in numbers:  # (a few reads ahead of the ones put: never all in memory)
+            pending.append((number, pool.submit(read, number)))
+            if len(pending) >= 2 * threads:
+                done, future = pending.popleft()
+                put(done, future.result())
+        while pending:
+            done, future = pending.popleft()
+            put(done, future.result())
 
 
 def _cached(path: Path) -> bytes | None:
@@ -126,50 +142,66 @@ def node_footers(
     urls: Sequence[str],
     identities: Sequence[Identity],
     read: Callable[[int], bytes],
-) -> list[Any]:
-    """The footers of ``urls`` (``read(number)``: the footer bytes of file ``number``): read
-    here for local files, through this node's cache for remote ones (see the module
-    docstring). Each one's bytes that do not parse are read again from the store."""
-    numbers = list(range(len(urls)))
-    found = _each(read, numbers) if storage.local else _through_cache(urls, identities, read)
-    footers = []
-    for number in numbers:
-        try:
-            footers.append(parse_footer(urls[number], found[number]))
-        except ValueError:
-            if storage.local:
-                raise
-            footers.append(parse_footer(urls[number], read(number)))  # (a cache entry spoilt)
-    return footers
+) -> Any:
+    """The footers of ``urls`` (``read(number)``: the footer bytes of file ``number``), parsed
+    when asked for (:class:`~workers.sources.parquet._kept.KeptFooters`): read here for local
+    files, through this node's cache for remote ones (see the module docstring). A remote
+    one's bytes that do not parse are read again from the store."""
+    from ._kept import KeptFooters
+
+    kept = KeptFooters(urls, reread=None if storage.local else read)
+    node_footers_into(storage, urls, identities, read, kept.put)
+    return kept
+
+
+def node_footers_into(
+    storage: Storage,
+    urls: Sequence[str],
+    identities: Sequence[Identity],
+    read: Callable[[int], bytes],
+    put: Put,
+) -> None:
+    """``put(number, footer bytes)`` for each of ``urls``, found as :func:`node_footers` finds
+    them, one at a time (never all of them in memory at once)."""
+    if storage.local:
+        _each(read, list(range(len(urls))), put)
+    else:
+        _through_cache(urls, identities, read, put)
 
 
 def _through_cache(
-    urls: Sequence[str], identities: Sequence[Identity], read: Callable[[int], bytes]
-) -> dict[int, bytes]:
+    urls: Sequence[str], identities: Sequence[Identity], read: Callable[[int], bytes], put: Put
+) -> None:
     folder = cache_dir(FOOTER_CACHE)
     keys = [_key(url, ident) for url, ident in zip(urls, identities, strict=True)]
     paths = [folder / f"{key}.footer" for key in keys]
-    found: dict[int, bytes] = {}
+    have: set[int] = set()
+
+    def found(number: int, data: bytes) -> None:
+        put(number, data)
+        have.add(number)
+
     for number, path in enumerate(paths):
         data = _cached(path)
         if data is not None:
-            found[number] = data
-    missing = [number for number in range(len(urls)) if number not in found]
+            found(number, data)
+    missing = [number for number in range(len(urls)) if number not in have]
     if not missing:
-        return found
+        return
     together = hashlib.sha256("\n".join(paths[n].name for n in missing).encode()).hexdigest()
+
+    def kept(number: int, data: bytes) -> None:
+        found(number, data)
+        _keep(paths[number], data)
+
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with locked(folder / f"{together[:32]}.lock"):
             for number in missing:  # (another process may have read them while this waited)
                 data = _cached(paths[number])
                 if data is not None:
-                    found[number] = data
-            still = [number for number in missing if number not in found]
-            for number, data in _each(read, still).items():
-                found[number] = data
-                _keep(paths[number], data)
+                    found(number, data)
+            _each(read, [number for number in missing if number not in have], kept)
     except OSError as error:  # no cache directory: each process reads its own
         logger.debug("cannot keep Parquet footers in %s (%s)", folder, error)
-        found.update(_each(read, [n for n in missing if n not in found]))
-    return found
+        _each(read, [n for n in missing if n not in have], found)

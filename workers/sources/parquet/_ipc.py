@@ -90,7 +90,6 @@ class ArrowPlan(ParquetPlan):
         self.storage = storage_for(urls[0])
         self.identities = self.storage.identities(urls)
         self.vouched = [None] * len(urls)
-        self.summary_footers = {}
         self.footers: list[Any] = []
         self.damaged: list[str] = []
         names = [kind.name for kind in self.kinds]

@@ -32,7 +32,7 @@ import glob as globbing
 import hashlib
 import os
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,8 @@ from ..storage import (
 from ..tars import node_listing, node_read
 from ._arrow import pyarrow_modules
 from ._columns import ColumnKind, column_kinds
-from ._footers import node_footers, parse_footer, read_footer_bytes
+from ._footers import node_footers_into, parse_footer, read_footer_bytes
+from ._kept import KeptFooters
 from ._summary import FileEntry, chunk_range, groups_of, index_command, read_summary, summary_url
 
 __all__ = ["ParquetPlan", "checked_schemas", "list_parquet", "open_plan", "read_footer"]
@@ -215,7 +216,7 @@ class ParquetPlan:
         self,
         urls: list[str],
         identities: list[Identity],
-        footers: list[Any],
+        footers: Any,
         kinds: list[ColumnKind],
         storage: Storage,
         skip_damaged: bool = False,
@@ -225,8 +226,10 @@ class ParquetPlan:
         #: per file, the summary its identity and footer come from (not yet confirmed by the
         #: store: a read checks it), or None where the store told them
         self.vouched: list[str | None] = [None] * len(urls)
-        #: the footers' bytes the summary gave, by file (to tell a summary that lies)
-        self.summary_footers: dict[int, bytes] = {}
+        #: per file: its rows, and each of its row groups' rows (for the fingerprint and the
+        #: state's parts, without parsing every footer again)
+        self.file_rows: list[int] = []
+        self.group_rows: list[list[int]] = []
         wanted = {kind.name for kind in kinds}
         files, groups, rows, begins, ends = [], [], [], [], []
         #: per row group: the byte ranges read of it (its requested columns' chunks, those
@@ -235,6 +238,10 @@ class ParquetPlan:
         self.damaged: list[str] = []
         for number, (url, footer) in enumerate(zip(urls, footers, strict=True)):
             size = identities[number][0]
+            self.file_rows.append(int(footer.num_rows))
+            self.group_rows.append(
+                [footer.row_group(k).num_rows for k in range(footer.num_row_groups)]
+            )
             leaves = [
                 k
                 for k in range(footer.num_columns)
@@ -297,10 +304,9 @@ class ParquetPlan:
         digest = hashlib.sha256()
         for kind in self.kinds:
             digest.update(f"{kind.name}\0{kind.kind}\0{kind.type}\n".encode())
-        for url, (size, _version), footer in zip(
-            self.urls, self.identities, self.footers, strict=True
+        for url, (size, _version), groups in zip(
+            self.urls, self.identities, self.group_rows, strict=True
         ):
-            groups = [footer.row_group(k).num_rows for k in range(footer.num_row_groups)]
             digest.update(f"{posixpath.basename(url)}\0{size}\0{groups}\n".encode())
         return f"parquet:{digest.hexdigest()[:16]}"
 
@@ -309,9 +315,9 @@ class ParquetPlan:
         return encode_parts(
             "file",
             [
-                (posixpath.basename(url), size, int(footer.num_rows))
-                for url, (size, _v), footer in zip(
-                    self.urls, self.identities, self.footers, strict=True
+                (posixpath.basename(url), size, rows)
+                for url, (size, _v), rows in zip(
+                    self.urls, self.identities, self.file_rows, strict=True
                 )
             ],
         )
@@ -320,12 +326,18 @@ class ParquetPlan:
         return tuple(self.damaged)
 
 
-def checked_schemas(urls: list[str], schemas: list[Any], columns: tuple[str, ...]) -> Any:
-    """The kinds of ``columns``, the same in every file (``schemas``: their Arrow schemas):
-    ``ValueError`` naming both files and the column when one file's type differs from the
-    first's."""
-    kinds = column_kinds(schemas[0], columns, urls[0])
-    for url, schema in zip(urls[1:], schemas[1:], strict=True):
+def checked_schemas(urls: list[str], schemas: Iterable[Any], columns: tuple[str, ...]) -> Any:
+    """The kinds of ``columns``, the same in every file (``schemas``: their Arrow schemas, in
+    order, one at a time): ``ValueError`` naming both files and the column when one file's type
+    differs from the first's. A file given the very schema object of the one before it is not
+    looked at again."""
+    given = iter(schemas)
+    last = next(given)
+    kinds = column_kinds(last, columns, urls[0])
+    for url, schema in zip(urls[1:], given, strict=True):
+        if schema is last:
+            continue
+        last = schema
         theirs = column_kinds(schema, columns, url)
         for mine, other in zip(kinds, theirs, strict=True):
             if mine.type != other.type:
@@ -379,23 +391,43 @@ def open_plan(
             raise storage_failure(url, error) from error
 
     unread = [n for n in range(len(files)) if n not in fresh]
-    read = node_footers(
+    spoilable = set() if storage.local else set(unread)  # (a node cache's entry may be spoilt)
+    kept = KeptFooters(files, reread=lambda n: footer(n) if n in spoilable else None)
+    node_footers_into(
         storage,
         [files[n] for n in unread],
         [identities[n] for n in unread],
         lambda k: footer(unread[k]),
+        lambda k, data: kept.put(unread[k], data),
     )
-    footers: list[Any] = [None] * len(files)
-    for number, parsed in zip(unread, read, strict=True):
-        footers[number] = parsed
-    for number, (entry, where) in fresh.items():
-        footers[number] = _summarised(files[number], entry, where, urls)
-    schemas = [footer.schema.to_arrow_schema() for footer in footers]
-    kinds = checked_schemas(files, schemas, columns)
-    plan = ParquetPlan(files, identities, footers, kinds, storage, skip_damaged)
-    plan.summary_footers = {number: entry.footer for number, (entry, _w) in fresh.items()}
+    for number, (entry, _where) in fresh.items():
+        kept.put(number, entry)  # (kept as the summary keeps it)
+    kinds = checked_schemas(files, _schemas(files, kept, fresh, urls), columns)
+    plan = ParquetPlan(files, identities, kept, kinds, storage, skip_damaged)
     plan.vouched = [fresh[n][1] if n in fresh else None for n in range(len(files))]
     return plan
+
+
+def _schemas(
+    files: list[str], kept: KeptFooters, fresh: dict[int, tuple[FileEntry, str]], given: Any
+) -> Iterator[Any]:
+    """Each file's Arrow schema, its footer parsed (and, where a summary gave it, checked
+    against the summary's entry: :func:`_summarised`); a file whose Parquet schema and Arrow
+    schema metadata are the first file's is given the first file's, made once."""
+    first: tuple[Any, Any, Any] | None = None
+    for number, url in enumerate(files):
+        if number in fresh:
+            footer = _summarised(url, kept, number, *fresh[number], given)
+        else:
+            footer = kept[number]
+        arrow_metadata = (footer.metadata or {}).get(b"ARROW:schema")
+        if first is not None and arrow_metadata == first[1] and footer.schema.equals(first[2]):
+            yield first[0]
+            continue
+        schema = footer.schema.to_arrow_schema()
+        if first is None:
+            first = (schema, arrow_metadata, footer.schema)
+        yield schema
 
 
 def _identities(
@@ -415,11 +447,14 @@ def _identities(
         raise FileNotFoundError(f"{error.strerror or error}") from None
 
 
-def _summarised(url: str, entry: FileEntry, where: str, given: Any) -> Any:
-    """The footer of ``url`` kept in the summary ``where``: ``ValueError`` naming the summary
-    and the command that mends it when the entry's row groups are not its footer's."""
+def _summarised(
+    url: str, kept: KeptFooters, number: int, entry: FileEntry, where: str, given: Any
+) -> Any:
+    """The footer of ``url`` (file ``number`` of ``kept``) kept in the summary ``where``:
+    ``ValueError`` naming the summary and the command that mends it when the entry's row
+    groups are not its footer's."""
     try:
-        footer = parse_footer(url, entry.footer)
+        footer = kept[number]
     except ValueError as error:
         raise ValueError(
             f"the summary {where} is wrong about {url}: {error}. Run "

@@ -288,8 +288,7 @@ class ParquetLoader:
             own = read_footer_bytes(plan.storage, url, plan.identities[file][0])
         except (OSError, ValueError):
             return
-        kept = plan.summary_footers.get(file)
-        if kept is not None and kept != own:
+        if plan.footers.data(file) != own:
             raise StorageFailure(
                 f"the summary {where} is wrong about {url}: the footer it keeps for the file "
                 "is not the file's (the summary was edited, or written for other data). Run "

@@ -57,6 +57,9 @@ __all__ = [
     "entry_of",
     "index_command",
     "read_summary",
+    "restore",
+    "shared_values",
+    "strip",
     "write_summary",
 ]
 
@@ -78,20 +81,40 @@ def index_command(urls: str | Iterable[str], *, force: bool = False) -> str:
     return f"python -m loader index '{shown}'" + (" --force" if force else "")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FileEntry:
-    """One file in a summary: its identity when indexed, rows, row groups and footer bytes."""
+    """One file in a summary: its identity when indexed, rows, row groups and footer bytes
+    (:attr:`footer`). ``kept`` is the footer itself, or, with ``shared`` (a summary's values
+    kept once), its bytes without them, zlib-compressed, ``cuts`` saying where they go
+    (:func:`strip`): a summary's entries stay that small until a footer is asked for."""
 
     size: int
     version: str
     rows: int
     #: per row group: its rows and each column chunk's [start, end)
     groups: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
-    footer: bytes
+    kept: bytes
+    cuts: tuple[tuple[int, int], ...] = ()
+    shared: tuple[bytes, ...] | None = None
 
     @property
     def identity(self) -> Identity:
         return (self.size, self.version)
+
+    @property
+    def footer(self) -> bytes:
+        """The file's footer, its bytes as read."""
+        if self.shared is None:
+            return self.kept
+        return restore(zlib.decompress(self.kept), self.cuts, list(self.shared))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FileEntry):
+            return NotImplemented
+        mine = (self.size, self.version, self.rows, self.groups, self.footer)
+        return mine == (other.size, other.version, other.rows, other.groups, other.footer)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def chunk_range(column: Any) -> tuple[int, int]:
@@ -142,7 +165,7 @@ def encode(entries: Mapping[str, FileEntry], first: Any | None = None) -> bytes:
     shared = shared_values(ordered[0][1].footer) if ordered else []
     rows = []
     for name, entry in ordered:
-        stripped, cuts = _stripped(entry.footer, shared)
+        stripped, cuts = strip(entry.footer, shared)
         groups = [[rows, [list(chunk) for chunk in chunks]] for rows, chunks in entry.groups]
         footer = [_text(zlib.compress(stripped, 6)), cuts]
         rows.append([name, entry.size, entry.version, entry.rows, groups, footer])
@@ -171,7 +194,7 @@ def shared_values(footer: bytes) -> list[bytes]:
     return sorted({v for v in metadata.values() if len(v) >= _SHARED_FROM}, key=len, reverse=True)
 
 
-def _stripped(footer: bytes, shared: list[bytes]) -> tuple[bytes, list[list[int]]]:
+def strip(footer: bytes, shared: list[bytes]) -> tuple[bytes, list[list[int]]]:
     """``footer`` without the occurrences of ``shared`` values (their bytes are written in the
     Thrift as they are), and where each went: ``[offset in the footer, index in shared]``,
     in order."""
@@ -191,8 +214,8 @@ def _stripped(footer: bytes, shared: list[bytes]) -> tuple[bytes, list[list[int]
     return b"".join(parts), [[at, index] for at, index in cuts]
 
 
-def _restored(stripped: bytes, cuts: Iterable[Any], shared: list[bytes]) -> bytes:
-    """The footer :func:`_stripped` gave ``stripped`` and ``cuts`` for."""
+def restore(stripped: bytes, cuts: Iterable[Any], shared: list[bytes]) -> bytes:
+    """The footer :func:`strip` gave ``stripped`` and ``cuts`` for."""
     parts, taken, position = [], 0, 0
     for at, index in cuts:
         value = shared[int(index)]
@@ -207,12 +230,17 @@ def _restored(stripped: bytes, cuts: Iterable[Any], shared: list[bytes]) -> byte
     return b"".join(parts)
 
 
-def _footer_of(stored: Any, shared: list[bytes], version: int) -> bytes:
-    """A file's footer as its entry stores it (version 1: zlib and base64 of it all)."""
+def _kept_of(
+    stored: Any, shared: tuple[bytes, ...], version: int
+) -> tuple[bytes, tuple[tuple[int, int], ...], tuple[bytes, ...] | None]:
+    """A file's footer as its entry keeps it (:class:`FileEntry`'s ``kept``, ``cuts`` and
+    ``shared``), checked to decompress (version 1: zlib and base64 of it all)."""
     if version == 1:
-        return zlib.decompress(base64.b64decode(stored))
+        return zlib.decompress(base64.b64decode(stored)), (), None
     data, cuts = stored
-    return _restored(zlib.decompress(base64.b64decode(data)), cuts, shared)
+    packed = base64.b64decode(data)
+    zlib.decompress(packed)  # (a cut or damaged one: named now, with the summary)
+    return packed, tuple((int(at), int(index)) for at, index in cuts), shared
 
 
 def decode(data: bytes, where: str) -> dict[str, FileEntry]:
@@ -222,7 +250,7 @@ def decode(data: bytes, where: str) -> dict[str, FileEntry]:
     )
     entries = {}
     try:
-        shared = [zlib.decompress(base64.b64decode(v)) for v in document.get("shared", ())]
+        shared = tuple(zlib.decompress(base64.b64decode(v)) for v in document.get("shared", ()))
         for name, size, version, rows, groups, footer in document["files"]:
             entries[str(name)] = FileEntry(
                 int(size),
@@ -232,7 +260,7 @@ def decode(data: bytes, where: str) -> dict[str, FileEntry]:
                     (int(count), tuple((int(s), int(e)) for s, e in chunks))
                     for count, chunks in groups
                 ),
-                _footer_of(footer, shared, document["version"]),
+                *_kept_of(footer, shared, document["version"]),
             )
     except (KeyError, TypeError, ValueError, zlib.error) as error:
         raise ValueError(f"{where} has a malformed file entry ({error})") from None
