@@ -220,7 +220,9 @@ class ParquetPlan:
         kinds: list[ColumnKind],
         storage: Storage,
         skip_damaged: bool = False,
+        parsed: Iterable[Any] | None = None,
     ) -> None:
+        """``parsed``: the files' footers, parsed (else taken from ``footers`` one by one)."""
         self.urls, self.identities, self.footers = urls, identities, footers
         self.kinds, self.storage = kinds, storage
         #: per file, the summary its identity and footer come from (not yet confirmed by the
@@ -236,7 +238,8 @@ class ParquetPlan:
         #: apart by more than a small gap read apart: see :func:`read_ranges`)
         self.ranges: list[tuple[tuple[int, int], ...]] = []
         self.damaged: list[str] = []
-        for number, (url, footer) in enumerate(zip(urls, footers, strict=True)):
+        given = footers if parsed is None else parsed
+        for number, (url, footer) in enumerate(zip(urls, given, strict=True)):
             size = identities[number][0]
             self.file_rows.append(int(footer.num_rows))
             self.group_rows.append(
@@ -338,14 +341,21 @@ def checked_schemas(urls: list[str], schemas: Iterable[Any], columns: tuple[str,
         if schema is last:
             continue
         last = schema
-        theirs = column_kinds(schema, columns, url)
-        for mine, other in zip(kinds, theirs, strict=True):
-            if mine.type != other.type:
-                raise ValueError(
-                    f"column {mine.name!r} is {mine.type} in {urls[0]} but {other.type} in "
-                    f"{url}: the files of one dataset must share their columns' types"
-                )
+        _agree(kinds, urls[0], url, schema, columns)
     return kinds
+
+
+def _agree(
+    kinds: list[ColumnKind], first: str, url: str, schema: Any, columns: tuple[str, ...]
+) -> None:
+    """``ValueError`` naming both files and the column when a column of ``url`` (its Arrow
+    ``schema``) has another type than in the first file (``kinds``)."""
+    for mine, other in zip(kinds, column_kinds(schema, columns, url), strict=True):
+        if mine.type != other.type:
+            raise ValueError(
+                f"column {mine.name!r} is {mine.type} in {first} but {other.type} in "
+                f"{url}: the files of one dataset must share their columns' types"
+            )
 
 
 def open_plan(
@@ -402,32 +412,43 @@ def open_plan(
     )
     for number, (entry, _where) in fresh.items():
         kept.put(number, entry)  # (kept as the summary keeps it)
-    kinds = checked_schemas(files, _schemas(files, kept, fresh, urls), columns)
-    plan = ParquetPlan(files, identities, kept, kinds, storage, skip_damaged)
+    kinds, checked = _checked_footers(files, kept, fresh, urls, columns)
+    plan = ParquetPlan(files, identities, kept, kinds, storage, skip_damaged, parsed=checked)
     plan.vouched = [fresh[n][1] if n in fresh else None for n in range(len(files))]
     return plan
 
 
-def _schemas(
-    files: list[str], kept: KeptFooters, fresh: dict[int, tuple[FileEntry, str]], given: Any
-) -> Iterator[Any]:
-    """Each file's Arrow schema, its footer parsed (and, where a summary gave it, checked
-    against the summary's entry: :func:`_summarised`); a file whose Parquet schema and Arrow
-    schema metadata are the first file's is given the first file's, made once."""
-    first: tuple[Any, Any, Any] | None = None
-    for number, url in enumerate(files):
+def _checked_footers(
+    files: list[str],
+    kept: KeptFooters,
+    fresh: dict[int, tuple[FileEntry, str]],
+    given: Any,
+    columns: tuple[str, ...],
+) -> tuple[list[ColumnKind], Iterator[Any]]:
+    """The kinds of ``columns`` (the first file's), and each file's footer parsed once, in
+    order, checked as it comes: against the summary's entry where a summary gave it
+    (:func:`_summarised`), and its columns' types against the first file's (a file whose Parquet
+    schema and Arrow schema metadata are the first's is not looked at again)."""
+
+    def footer_of(number: int) -> Any:
         if number in fresh:
-            footer = _summarised(url, kept, number, *fresh[number], given)
-        else:
-            footer = kept[number]
-        arrow_metadata = (footer.metadata or {}).get(b"ARROW:schema")
-        if first is not None and arrow_metadata == first[1] and footer.schema.equals(first[2]):
-            yield first[0]
-            continue
-        schema = footer.schema.to_arrow_schema()
-        if first is None:
-            first = (schema, arrow_metadata, footer.schema)
-        yield schema
+            return _summarised(files[number], kept, number, *fresh[number], given)
+        return kept[number]
+
+    first = footer_of(0)
+    first_arrow = (first.metadata or {}).get(b"ARROW:schema")
+    kinds = column_kinds(first.schema.to_arrow_schema(), columns, files[0])
+
+    def each() -> Iterator[Any]:
+        yield first
+        for number in range(1, len(files)):
+            footer = footer_of(number)
+            arrow = (footer.metadata or {}).get(b"ARROW:schema")
+            if arrow != first_arrow or not footer.schema.equals(first.schema):
+                _agree(kinds, files[0], files[number], footer.schema.to_arrow_schema(), columns)
+            yield footer
+
+    return kinds, each()
 
 
 def _identities(
