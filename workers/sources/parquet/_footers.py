@@ -28,7 +28,6 @@ from ._arrow import pyarrow_modules
 __all__ = [
     "FOOTER_CACHE",
     "footer_from_tail",
-    "node_footers",
     "node_footers_into",
     "parse_footer",
     "read_footer_bytes",
@@ -137,23 +136,6 @@ def _keep(path: Path, footer: bytes) -> None:
     os.replace(temporary, path)
 
 
-def node_footers(
-    storage: Storage,
-    urls: Sequence[str],
-    identities: Sequence[Identity],
-    read: Callable[[int], bytes],
-) -> Any:
-    """The footers of ``urls`` (``read(number)``: the footer bytes of file ``number``), parsed
-    when asked for (:class:`~workers.sources.parquet._kept.KeptFooters`): read here for local
-    files, through this node's cache for remote ones (see the module docstring). A remote
-    one's bytes that do not parse are read again from the store."""
-    from ._kept import KeptFooters
-
-    kept = KeptFooters(urls, reread=None if storage.local else read)
-    node_footers_into(storage, urls, identities, read, kept.put)
-    return kept
-
-
 def node_footers_into(
     storage: Storage,
     urls: Sequence[str],
@@ -161,8 +143,9 @@ def node_footers_into(
     read: Callable[[int], bytes],
     put: Put,
 ) -> None:
-    """``put(number, footer bytes)`` for each of ``urls``, found as :func:`node_footers` finds
-    them, one at a time (never all of them in memory at once)."""
+    """``put(number, footer bytes)`` for each of ``urls`` (``read(number)``: the footer bytes of
+    file ``number``): read here for local files, through this node's cache for remote ones (see
+    the module docstring), one at a time (never all of them in memory at once)."""
     if storage.local:
         _each(read, list(range(len(urls))), put)
     else:

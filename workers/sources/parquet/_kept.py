@@ -19,10 +19,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ._footers import parse_footer
+from ..storage import Identity, Storage
+from ._footers import node_footers_into, parse_footer
 from ._summary import FileEntry, restore, shared_values, strip
 
-__all__ = ["PARSED", "KeptFooters"]
+__all__ = ["PARSED", "KeptFooters", "node_footers"]
 
 #: Footers kept parsed at once (the most recently asked for).
 PARSED = 16
@@ -107,3 +108,18 @@ class KeptFooters(Sequence[Any]):
             raise IndexError(f"no footer was put for file {number} ({self._urls[number]})")
         packed, cuts, shared = kept
         return restore(zlib.decompress(packed), cuts, list(self._shared[shared] or ()))
+
+
+def node_footers(
+    storage: Storage,
+    urls: Sequence[str],
+    identities: Sequence[Identity],
+    read: Callable[[int], bytes],
+) -> Any:
+    """The footers of ``urls`` (``read(number)``: the footer bytes of file ``number``), parsed
+    when asked for (:class:`KeptFooters`): read here for local
+    files, through this node's cache for remote ones (see the module docstring). A remote
+    one's bytes that do not parse are read again from the store."""
+    kept = KeptFooters(urls, reread=None if storage.local else read)
+    node_footers_into(storage, urls, identities, read, kept.put)
+    return kept

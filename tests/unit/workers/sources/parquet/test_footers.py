@@ -9,11 +9,8 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from workers.sources.parquet._footers import (  # noqa: E402
-    FOOTER_CACHE,
-    node_footers,
-    read_footer_bytes,
-)
+from workers.sources.parquet._footers import FOOTER_CACHE, read_footer_bytes  # noqa: E402
+from workers.sources.parquet._kept import node_footers  # noqa: E402
 from workers.sources.storage import cache_dir, storage_for  # noqa: E402
 from workers.sources.storage._storage import LocalStorage  # noqa: E402
 
