@@ -8,6 +8,11 @@ command's wall time, its CPU (all its threads), the S3 server's CPU over the sam
 requests and bytes the proxy served, and the wall time per file. The target (issue: "10,000 files
 in at most 60 s on the same server") is read off the ``seconds`` column.
 
+Then, for Parquet, one start of the loader over the indexed bucket (:mod:`bench._index_start`:
+``ParquetDataset`` of the label and id columns, 2 workers, an empty node cache): construct ->
+first batch, the requests before it (a constant with the summary, whatever the number of files),
+and the trainer's and each worker's resident memory at that moment.
+
 The Parquet files are written as ``datasets`` writes them (an ``Image`` struct column, a
 ``ClassLabel`` of 1,000 names and an ``id``, the ``huggingface`` schema metadata and pyarrow's
 Arrow schema in the footer, no statistics for the image column; two row groups of two rows
@@ -137,6 +142,38 @@ def parser() -> argparse.ArgumentParser:
     return H.parser("index_scale", __doc__, add_arguments)
 
 
+def start(
+    url: str, server: S3Server, proxy: CountingProxy, root: Path, count: int
+) -> dict[str, Any]:
+    """One start of the loader over ``url`` (:mod:`bench._index_start`): what it said, and the
+    requests served before its first batch."""
+    proxy.reset()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench._index_start",
+            url,
+            json.dumps(server.options(proxy.endpoint)),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, DALI_LOADER_CACHE_DIR=str(root / f"start-cache-{count}")),
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    line = process.stdout.readline()
+    said: dict[str, Any] = json.loads(line) if line.strip() else {}
+    served = proxy.records()
+    said["requests"] = len(served)
+    said["of_files"] = sum(1 for s in served if s.path.endswith(".parquet"))
+    process.stdin.write("\n")
+    process.stdin.flush()
+    process.wait(timeout=120)
+    return said
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     server = S3Server(threaded=False)
@@ -144,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     process = server._process
     assert process is not None
     rows = []
+    starts: list[tuple[int, dict[str, Any]]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="index-scale-") as temporary:
             root = Path(temporary)
@@ -167,6 +205,10 @@ def main(argv: list[str] | None = None) -> None:
                         flush=True,
                     )
                     rows.append((fmt, count, found))
+                    if fmt == "parquet" and found["ok"]:
+                        starts.append(
+                            (count, start(f"s3://{bucket}/train/", server, proxy, root, count))
+                        )
     finally:
         proxy.close()
         server.close()
@@ -181,6 +223,24 @@ def main(argv: list[str] | None = None) -> None:
             f"{found['mb']:10.1f}"
         )
     print("\ntarget: 10,000 files of either format in at most 60 s")
+    if starts:
+        print(
+            f"\n{'Parquet, indexed':16s} {'construct -> first batch, s':>28s} "
+            f"{'requests before it':>19s} {'of them other than the files':>29s} "
+            f"{'trainer MB':>11s} {'each worker MB':>15s}"
+        )
+        for count, said in starts:
+            workers = "/".join(str(m) for m in said.get("workers_rss_mb", [])) or "-"
+            print(
+                f"{count:>7d} files    {said.get('first', float('nan')):>28.2f} "
+                f"{said.get('requests', 0):>19d} "
+                f"{said.get('requests', 0) - said.get('of_files', 0):>29d} "
+                f"{said.get('rss_mb', 0):>11.0f} {workers:>15s}"
+            )
+        print(
+            "(the requests of the files are the row groups the first batches read, and those "
+            "read ahead: batches of 32 rows from row groups of 2)"
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
