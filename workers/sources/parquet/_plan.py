@@ -207,6 +207,20 @@ def read_ranges(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple((start, end) for start, end in ranges)
 
 
+def _outside(url: str, group: int, meta: Any, size: int, footer_size: int) -> str | None:
+    """Why row group ``group`` (its metadata ``meta``) of ``url`` cannot be read, where one of
+    its column chunks (read or not) lies outside the file's data, before its footer; else
+    None."""
+    whole = [_chunk_range(meta.column(k)) for k in range(meta.num_columns)]
+    first, last = min(s for s, _e in whole), max(e for _s, e in whole)
+    if first >= 4 and last <= size - 8 - footer_size:
+        return None
+    return (
+        f"{url}: row group {group} (bytes {first}-{last}) lies outside the file's data "
+        f"({size} bytes, its footer included): the file is truncated or damaged"
+    )
+
+
 class ParquetPlan:
     """The row groups of a Parquet dataset and what one epoch needs of them (see the module
     docstring). ``counts``/``starts``: rows per row group and the first sample id of each, for
@@ -257,15 +271,8 @@ class ParquetPlan:
                 spans = [_chunk_range(meta.column(k)) for k in leaves]
                 begin, end = min(s for s, _e in spans), max(e for _s, e in spans)
                 pieces = read_ranges(spans)
-                # (every column's chunks, read or not, must lie before the footer)
-                whole = [_chunk_range(meta.column(k)) for k in range(meta.num_columns)]
-                first, last = min(s for s, _e in whole), max(e for _s, e in whole)
-                if first < 4 or last > size - 8 - footer.serialized_size:
-                    why = (
-                        f"{url}: row group {group} (bytes {first}-{last}) lies outside the "
-                        f"file's data ({size} bytes, its footer included): the file is "
-                        "truncated or damaged"
-                    )
+                why = _outside(url, group, meta, size, footer.serialized_size)
+                if why is not None:
                     if not skip_damaged:
                         raise ValueError(why)
                     self.damaged.append(f"{why}; its {meta.num_rows} rows are left out")
