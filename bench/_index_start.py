@@ -8,6 +8,7 @@ closes the loader."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -20,8 +21,6 @@ def step(label: Any, ids: Any) -> dict[str, Any]:
 
 
 def resident_mb(pid: int) -> float:
-    import os
-
     with open(f"/proc/{pid}/statm") as file:
         return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
 
@@ -35,7 +34,7 @@ def main(url: str, options: str) -> None:
         pids = [w.pid for w in loader.stats().workers if w.pid is not None]
         said = {
             "first": seconds,
-            "rss_mb": resident_mb(__import__("os").getpid()),
+            "rss_mb": resident_mb(os.getpid()),
             "workers_rss_mb": [round(resident_mb(pid)) for pid in pids],
         }
         sys.stdout.write(json.dumps(said) + "\n")

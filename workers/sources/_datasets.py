@@ -26,7 +26,7 @@ from typing import Any
 from ..spec import Shard
 from .files import MAX_IMAGE_PIXELS, checked_limit
 from .plan import BatchedSamples, Batching, OpenedSource
-from .storage import AHEAD_BYTES, RETRIES
+from .storage import AHEAD_BYTES, RETRIES, url_protocols
 
 
 class Definition(ABC):
@@ -78,12 +78,11 @@ def protocols_of(urls: Any) -> tuple[str, ...]:
     """``protocol:<name>`` for each remote protocol among ``urls`` (a URL, a path or a sequence
     of them), in order, once."""
     given = [urls] if isinstance(urls, (str, os.PathLike)) else urls
-    found: dict[str, None] = {}
-    for url in given if isinstance(given, Sequence) else ():
-        text = os.fspath(url) if isinstance(url, (str, os.PathLike)) else ""
-        if "://" in text:
-            found[f"protocol:{text.split('://', 1)[0].lower()}"] = None
-    return tuple(found)
+    if not isinstance(given, Sequence):
+        return ()
+    texts = [os.fspath(u) for u in given if isinstance(u, (str, os.PathLike))]
+    found = dict.fromkeys(protocol.lower() for protocol in url_protocols(texts))
+    return tuple(f"protocol:{protocol}" for protocol in found)
 
 
 class _Opened(Definition):

@@ -28,8 +28,6 @@ __all__ = ["ParquetProgress", "index_parquet", "names_parquet"]
 
 #: Footers read at once by default (threads: the work is waiting on the store).
 THREADS = 32
-#: Seconds between two progress reports while the footers are read.
-PROGRESS_EVERY = 1.0
 
 
 @dataclass
@@ -155,7 +153,6 @@ def _read_footers(
         except ValueError as error:
             state.done += 1
             state.failed.append(f"{url}: ValueError: {error}")
-    shown = time.monotonic()
     for k, tail in read_each(storage, reads, workers):
         number = ready[k]
         url, identity = files[number], identities[number]
@@ -168,11 +165,8 @@ def _read_footers(
             state.read_bytes += len(data)
         except (OSError, ValueError, EOFError) as error:
             state.failed.append(f"{url}: {type(error).__name__}: {error}")
-        if progress is not None and time.monotonic() - shown >= PROGRESS_EVERY:
-            shown = time.monotonic()
+        if progress is not None:  # (the printer says how often it prints)
             progress(state)
-    if progress is not None:
-        progress(state)
 
 
 def _save(

@@ -23,7 +23,7 @@ from ._failures import Identity, IdentityChanged, StorageFailure, storage_failur
 from ._index_file import locked
 from ._index_file import read as read_index_file
 from ._index_file import write as write_index_file
-from ._libraries import StorageLibraryError, check_storage_libraries
+from ._libraries import StorageLibraryError, check_storage_libraries, url_protocols
 from ._many import read_each
 from ._reads import count_read, reads_so_far
 from ._storage import (
@@ -60,6 +60,7 @@ __all__ = [
     "reads_so_far",
     "storage_failure",
     "storage_for",
+    "url_protocols",
     "write_document",
     "write_index_file",
 ]

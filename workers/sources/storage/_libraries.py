@@ -78,11 +78,16 @@ def storage_library_problem(protocol: str) -> str | None:
 def check_storage_libraries(urls: Iterable[str]) -> None:
     """:class:`StorageLibraryError` when a library that one of ``urls``' protocols needs is
     missing or too old (the first such protocol's; see :func:`storage_library_problem`)."""
-    protocols = dict.fromkeys(url.split("://", 1)[0] for url in urls if _is_url(url))
-    for protocol in protocols:
+    for protocol in url_protocols(urls):
         problem = storage_library_problem(protocol)
         if problem is not None:
             raise StorageLibraryError(problem)
+
+
+def url_protocols(urls: Iterable[str]) -> list[str]:
+    """The protocol of each URL among ``urls`` (``s3`` of ``s3://...``; local paths and
+    ``file://`` left out), in order, once."""
+    return list(dict.fromkeys(url.split("://", 1)[0] for url in urls if _is_url(url)))
 
 
 def _is_url(path: str) -> bool:
