@@ -341,3 +341,26 @@ def test_a_null_in_a_required_column_is_a_named_skip(tmp_path: Path) -> None:
         assert run.stats().defaulted == {}
     assert seen == set(range(30)) - {17}
     assert len(skipped) == 1 and skipped[0].endswith("captioned.parquet, row group 1, row 7")
+
+
+def test_the_worker_server_imports_what_the_parquet_definition_opens_before_the_workers(
+    tmp_path: Path,
+) -> None:
+    """The loader's first request names the definition's needs (pyarrow for Parquet); the
+    server imports them before it forks the workers, under its own span of the trace."""
+    P.write_parquet(tmp_path / "data", [12, 8], 4)
+    dataset = ParquetDataset(str(tmp_path / "data"), ("label", "id"))
+    with Loader(dataset, P.label_id_step, batch_size=4, num_workers=2) as loader:
+        next(iter(loader))
+        trace = json.loads(loader.save_trace(tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"]
+    tracks = {
+        e["tid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    server = [e for e in events if e.get("ph") == "X" and tracks.get(e["tid"]) == "worker server"]
+    readers = [e for e in server if e["name"] == "the dataset's readers"]
+    assert len(readers) == 1, [e["name"] for e in server]
+    forks = [e["ts"] for e in events if e.get("ph") == "X" and e["name"] == "worker start"]
+    assert forks and readers[0]["ts"] + readers[0]["dur"] <= min(forks) + 1
