@@ -93,7 +93,7 @@ def run_job(argv: list[str]) -> int:
         with make_loader(args, root) as loader:
             if data_format(root) == "folder":
                 total = len(list_images(root)[0])
-            else:  # (each rank's share, padding included)
+            else:  # (each rank's share, padding included: the bar ends on the real count)
                 total = len(loader) * args.batch_size
             for epoch in range(args.epochs):
                 with tqdm(
@@ -106,6 +106,9 @@ def run_job(argv: list[str]) -> int:
                     for batch in loader:
                         bar.update(len(batch["label"]) - batch.info.padded)
                         del batch
+                    if bar.n < bar.total:  # (the last batch's padding: never delivered)
+                        bar.total = bar.n
+                        bar.refresh()
             print(_table(loader.stats(), loader.diagnose()))
     except (LoaderError, ValueError, TypeError, RuntimeError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)

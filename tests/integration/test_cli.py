@@ -89,3 +89,17 @@ def test_main_job_reads_parquet_as_it_reads_an_image_folder(tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr
     assert f"parquet data at {tmp_path / 'pq'}" in result.stdout
     assert "samples            48" in result.stdout  # (every row once, padding not counted)
+
+
+def test_the_progress_bar_ends_on_the_rows_delivered_when_the_last_batch_is_padded(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("datasets")
+    from tests import parquet_pipelines as P
+
+    P.write_parquet(tmp_path / "pq", (30, 13), 10)  # 43 rows: the last batches padded
+    result = run_cli("--data", str(tmp_path / "pq"), "--epochs", "1", "--batch-size", "8")
+    assert result.returncode == 0, result.stderr
+    last = [line for line in result.stdout.replace("\r", "\n").splitlines() if "epoch 0" in line]
+    assert last and "100%" in last[-1] and "43/43" in last[-1], last[-3:]
