@@ -18,8 +18,8 @@ process (the trainer's pid) holds one track (thread) for the trainer and one per
   workers', what the server still did after the loader was made: ``import DALI``, ``DALI's
   source analysis``, ``storage backends`` (:mod:`workers.startup._warm_storage`), ``main
   module``, ``the loader's modules``, ``the dataset's readers`` (what the definition opens:
-  its store's backend, pyarrow for Parquet). A start right after ``import loader`` shows the server's
-  import of DALI before every worker's fork; the first batch's trace (``dali`` of step 0)
+  its store's backend, pyarrow for Parquet). A start right after ``import loader`` shows the
+  server's import of DALI before every worker's fork; the first batch's trace (``dali`` of step 0)
   follows ``sources``.
 
 One file per rank: under a launcher with more than one rank, each rank writes its own file
