@@ -26,7 +26,7 @@ from ..storage import storage_for
 from ._arrow import pyarrow_modules
 from ._columns import values_of
 from ._plan import ParquetPlan, checked_schemas
-from ._reader import ParquetLoader
+from ._reader import Held, ParquetLoader
 
 __all__ = ["ArrowFiles", "ArrowLoader", "ArrowPlan", "arrow_files_of"]
 
@@ -162,10 +162,11 @@ class ArrowLoader(ParquetLoader):
         super().__init__(plan, 0, None, max_pixels, optional)
         self.arrow_plan = plan
 
-    def _read_unit(self, unit: int, epoch: int | None) -> Any:
+    def _read_unit(self, unit: int, epoch: int | None, rows: tuple[int, int] | None = None) -> Any:
+        """Record batch ``unit``, whole (a view of the mapping: ``rows`` saves nothing)."""
         pa, _pq = pyarrow_modules()
         plan = self.arrow_plan
         batch = plan.batches[int(plan.files[unit])][int(plan.groups[unit])]
         with self._lock:
             self.bytes_read += int(plan.ends[unit])
-        return values_of(plan.kinds, pa.Table.from_batches([batch]))
+        return Held(0, batch.num_rows, values_of(plan.kinds, pa.Table.from_batches([batch])))

@@ -17,12 +17,13 @@ itself: a file rewritten since the start is named, never read as another's rows)
 from __future__ import annotations
 
 import io
+import logging
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -36,18 +37,29 @@ from ..storage import (
     storage_failure,
     storage_for,
 )
+from . import _pages as pages
 from ._arrow import pyarrow_modules
 from ._columns import Values, default_value, values_of
 from ._footers import read_footer_bytes
-from ._plan import ParquetPlan
+from ._plan import ParquetPlan, read_ranges
 from ._summary import index_command
 
-__all__ = ["DamagedRowGroup", "ParquetLoader", "SparseFile", "optional_defaults"]
+__all__ = ["DamagedRowGroup", "Held", "ParquetLoader", "SparseFile", "optional_defaults"]
+
+_log = logging.getLogger(__name__)
 
 #: Row groups read outside an epoch's plan (a ``load`` called on its own) that are kept.
 _KEPT = 2
 #: Background threads that read row groups.
 _THREADS = 4
+
+
+class Held(NamedTuple):
+    """Rows ``[first, end)`` of a row group, read: each requested column's values."""
+
+    first: int
+    end: int
+    values: list[Values]
 
 
 class DamagedRowGroup(ValueError):
@@ -120,27 +132,30 @@ def optional_defaults(
 class _Ahead:
     """Reads row groups on background threads as an epoch's batches come near them (see the
     module docstring): ``plan`` per epoch, ``passed`` per batch, ``get`` per load. ``read(unit,
-    epoch)``: a row group read for ``epoch`` (what the read counts go under)."""
+    epoch, rows)``: a row group read for ``epoch`` (what the read counts go under), ``rows``
+    ``[lo, hi)`` of it the epoch needs."""
 
     def __init__(self, read: Any, ahead: int, ahead_bytes: int | None, sizes: Any) -> None:
         self.read, self.ahead, self.ahead_bytes, self.sizes = read, ahead, ahead_bytes, sizes
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._held: dict[int, Future[list[Values]]] = {}
+        self._held: dict[int, Future[Held]] = {}
         self._needs: list[tuple[int, int, int]] = []  # unit, first step, last step
+        self._rows: dict[int, tuple[int, int]] = {}  # unit -> rows [lo, hi) the epoch needs
         self._next, self._step = 0, -1
         #: the epoch planned last (None before the first)
         self.epoch: int | None = None
 
-    def plan(self, epoch: int, needs: list[tuple[int, int, int]]) -> None:
+    def plan(
+        self, epoch: int, needs: list[tuple[int, int, int]], rows: dict[int, tuple[int, int]]
+    ) -> None:
         with self._lock:
-            wanted = {unit for unit, _f, _l in needs}
-            kept = {u: f for u, f in self._held.items() if u in wanted}
+            kept = {u: f for u, f in self._held.items() if rows.get(u) == self._rows.get(u)}
             for unit, future in self._held.items():
                 if unit not in kept:
                     future.cancel()
             self._held = kept
-            self._needs, self._next, self._step = needs, 0, -1
+            self._needs, self._rows, self._next, self._step = needs, rows, 0, -1
             self.epoch = epoch
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(_THREADS, "parquet-read")
@@ -163,7 +178,8 @@ class _Ahead:
             if unit not in self._held:
                 if first > loading and not self._may_read_ahead(first, loading, unit):
                     return
-                self._held[unit] = self._pool.submit(self.read, unit, self.epoch)
+                rows = self._rows.get(unit)
+                self._held[unit] = self._pool.submit(self.read, unit, self.epoch, rows)
             self._next += 1
 
     def _may_read_ahead(self, first: int, loading: int, unit: int) -> bool:
@@ -175,7 +191,7 @@ class _Ahead:
         held = sum(int(self.sizes[u]) for u in waiting)
         return held + int(self.sizes[unit]) <= self.ahead_bytes
 
-    def get(self, unit: int) -> Future[list[Values]] | None:
+    def get(self, unit: int) -> Future[Held] | None:
         with self._lock:
             return self._held.get(unit)
 
@@ -247,13 +263,18 @@ class ParquetLoader:
         count_read(row_groups, 1, end - start, epoch)
         return data
 
-    def _read_unit(self, unit: int, epoch: int | None) -> list[Values]:
+    def _read_unit(self, unit: int, epoch: int | None, rows: tuple[int, int] | None = None) -> Held:
         """Read and decode row group ``unit`` for ``epoch`` (on a background thread, or on the
-        loading one)."""
-        pa, pq = pyarrow_modules()
+        loading one): rows ``[lo, hi)`` of it by their pages where that is worth it
+        (:mod:`._pages`), else the whole row group."""
         plan = self.plan
+        count = int(plan.counts[unit])
+        if rows is not None and pages.worth_it(int(plan.sizes[unit]), count, *rows):
+            held = self._read_pages(unit, epoch, *rows)
+            if held is not None:
+                return held
+        pa, pq = pyarrow_modules()
         file, group = int(plan.files[unit]), int(plan.groups[unit])
-        begin, end = int(plan.begins[unit]), int(plan.ends[unit])
         url = plan.urls[file]
         pieces = {
             start: self._read_bytes(file, start, stop, epoch, row_groups=int(k == 0))
@@ -263,17 +284,74 @@ class ParquetLoader:
         try:
             reader = pq.ParquetFile(pa.PythonFile(sparse, mode="r"), metadata=plan.footers[file])
             table = reader.read_row_group(group, columns=self.names, use_threads=False)
-            return values_of(plan.kinds, table)
+            return Held(0, count, values_of(plan.kinds, table))
         except Exception as error:
-            self._check_summary(file)
-            damaged = DamagedRowGroup(
-                f"{url}: row group {group} (bytes {begin}-{end}) cannot be read "
-                f"({type(error).__name__}: {error}); its {int(plan.counts[unit])} rows are "
-                'left out under on_error="skip"'
-            )
-            with self._lock:
-                self._damaged[unit] = damaged
-            raise damaged from None
+            raise self._damaged_by(unit, error) from None
+
+    def _damaged_by(self, unit: int, error: Exception) -> DamagedRowGroup:
+        """Row group ``unit`` did not decode (``error``): a summary that lies is named (see
+        :meth:`_check_summary`); else the row group is damaged, and kept so."""
+        plan = self.plan
+        file, group = int(plan.files[unit]), int(plan.groups[unit])
+        begin, end = int(plan.begins[unit]), int(plan.ends[unit])
+        self._check_summary(file)
+        damaged = DamagedRowGroup(
+            f"{plan.urls[file]}: row group {group} (bytes {begin}-{end}) cannot be read "
+            f"({type(error).__name__}: {error}); its {int(plan.counts[unit])} rows are "
+            'left out under on_error="skip"'
+        )
+        with self._lock:
+            self._damaged[unit] = damaged
+        return damaged
+
+    def _read_pages(self, unit: int, epoch: int | None, lo: int, hi: int) -> Held | None:
+        """Rows ``[lo, hi)`` of row group ``unit`` from the pages that hold them: one read of
+        the columns' offset indexes, then their pages' ranges; None (the row group is read
+        whole) where the file has no page index, or one that does not describe its pages."""
+        plan = self.plan
+        file, group = int(plan.files[unit]), int(plan.groups[unit])
+        try:
+            footer = pages.decode_footer(plan.footers.data(file))
+            columns = pages.leaves_of(footer, self.names)
+            flat = [leaf for leaves in columns or () for leaf in leaves]
+            where = pages.index_range(footer, group, flat) if columns else None
+            if columns is None or where is None or where[1] > plan.identities[file][0]:
+                return None
+            index = self._read_bytes(file, *where, epoch, row_groups=0).tobytes()
+            parts = pages.pages_for(footer, group, flat, index, where[0], lo, hi)
+        except ValueError as error:
+            _log.debug("%s: read whole, its page index not used: %s", plan.name(unit), error)
+            return None
+        spans = [span for part in parts for span in (part.dictionary, part.pages) if span]
+        pieces = [
+            (start, self._read_bytes(file, start, stop, epoch, row_groups=int(k == 0)))
+            for k, (start, stop) in enumerate(read_ranges(spans))
+        ]
+
+        def piece(span: tuple[int, int] | None) -> bytes:
+            if span is None:
+                return b""
+            start, data = next(p for p in pieces if p[0] <= span[0] < p[0] + len(p[1]))
+            return data[span[0] - start : span[1] - start].tobytes()
+
+        try:
+            pa, pq = pyarrow_modules()
+            arrays = {}
+            for part in parts:
+                made = pages.leaf_file(
+                    footer, group, part, piece(part.dictionary), piece(part.pages)
+                )
+                array = pages.read_leaf(pq, pa, made, pages.leaf_path(footer, part.leaf))
+                if len(array) != part.rows[1] - part.rows[0]:
+                    raise ValueError(f"leaf {part.leaf}'s pages hold {len(array)} rows")
+                arrays[part.leaf] = array.slice(lo - part.rows[0], hi - lo)
+            values = [
+                Values(kind.kind, pages.put_together(pa, [arrays[leaf] for leaf in leaves]))
+                for kind, leaves in zip(plan.kinds, columns, strict=True)
+            ]
+        except Exception as error:
+            raise self._damaged_by(unit, error) from None
+        return Held(lo, hi, values)
 
     def _check_summary(self, file: int) -> None:
         """A row group of ``file`` did not decode: when its footer came from a summary, read the
@@ -296,23 +374,25 @@ class ParquetLoader:
                 "footer again and rewrites its entry), then restart the job"
             )
 
-    def _values(self, unit: int) -> list[Values]:
+    def _values(self, unit: int, row: int) -> tuple[int, list[Values]]:
+        """The values of row group ``unit`` that hold ``row``, and the row they begin at."""
         damaged = self._damaged.get(unit)
         if damaged is not None:  # (read once: its other rows fail at once, not read again)
             raise DamagedRowGroup(str(damaged))
         future = self._ahead.get(unit)
         if future is not None:
-            return future.result()
+            held = future.result()
+            if held.first <= row < held.end:
+                return held.first, held.values
         with self._lock:
             kept = self._kept.get(unit)
-        if kept is not None:
-            return kept
-        values = self._read_unit(unit, self._ahead.epoch)
-        with self._lock:
-            self._kept[unit] = values
-            while len(self._kept) > _KEPT:
-                self._kept.popitem(last=False)
-        return values
+        if kept is None:
+            kept = self._read_unit(unit, self._ahead.epoch).values
+            with self._lock:
+                self._kept[unit] = kept
+                while len(self._kept) > _KEPT:
+                    self._kept.popitem(last=False)
+        return 0, kept
 
     # -- the source's interface --------------------------------------------------------------
 
@@ -323,7 +403,8 @@ class ParquetLoader:
 
     def __call__(self, index: int) -> tuple[np.ndarray[Any, Any], ...]:
         unit, row = self.plan.unit_of(index)
-        columns = self._values(unit)
+        first, columns = self._values(unit, row)
+        row -= first
         outputs, defaulted = [], []
         for name, values, default in zip(self.names, columns, self.defaults, strict=True):
             value = values.row(row)
@@ -382,11 +463,17 @@ class ParquetLoader:
         found, first_at = np.unique(units, return_index=True)
         last_step = np.zeros(len(found), np.int64)
         np.maximum.at(last_step, np.searchsorted(found, units), steps)
+        rows = flat - self.plan.starts[units]
+        low = np.full(len(found), np.iinfo(np.int64).max, np.int64)
+        high = np.zeros(len(found), np.int64)
+        np.minimum.at(low, np.searchsorted(found, units), rows)
+        np.maximum.at(high, np.searchsorted(found, units), rows + 1)
         order = np.argsort(first_at, kind="stable")
         needs = [
             (int(found[k]), int(steps[first_at[k]]), int(last_step[k])) for k in order.tolist()
         ]
-        self._ahead.plan(epoch, needs)
+        spans = {int(u): (int(a), int(b)) for u, a, b in zip(found, low, high, strict=True)}
+        self._ahead.plan(epoch, needs, spans)
 
     def passed(self, epoch: int, step: int) -> None:
         self._ahead.passed(step)
