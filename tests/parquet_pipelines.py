@@ -145,3 +145,8 @@ def caption_step(jpegs: Any, caption: Any, ids: Any) -> dict[str, Any]:
     """The images decoded; captions (UTF-8 bytes) and ids as they are."""
     images = ndd.decoders.image(jpegs, device="cpu")
     return {"image": images, "caption": caption, "id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def bytes_step(jpegs: Any, ids: Any) -> dict[str, Any]:
+    """The image column's bytes as they are (not decoded), and the ids."""
+    return {"image": jpegs, "id": ndd.cast(ids, dtype=ndd.int64)}

@@ -1,0 +1,120 @@
+"""A large row group cut between workers, and one resumed part way: each worker reads the pages
+that hold its rows (the file's page index, as ``datasets`` writes it), not the whole row group;
+every row once, with its own bytes, the same stream on the same layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("datasets")
+
+from loader import Loader, ParquetDataset
+from tests import parquet_pipelines as P
+
+pytestmark = pytest.mark.timeout(240)
+
+ROWS = 480
+
+
+def blob(i: int) -> bytes:
+    return bytes([i % 256, (i // 256) % 256]) * (6_000 + 5 * i)
+
+
+def page_sizes(path: Path) -> tuple[int, int]:
+    """The bytes of ``path``'s requested chunks (image, id), and its largest image page."""
+    import pyarrow.parquet as pq
+
+    from workers.sources.parquet import _pages as pages
+    from workers.sources.parquet import _thrift as thrift
+
+    meta = pq.ParquetFile(path).metadata
+    group = meta.row_group(0)
+    chunks = sum(
+        group.column(k).total_compressed_size
+        for k in range(group.num_columns)
+        if group.column(k).path_in_schema in ("image.bytes", "image.path", "id")
+    )
+    data = path.read_bytes()
+    footer = pages.decode_footer(data[-8 - int.from_bytes(data[-8:-4], "little") : -8])
+    chunk = footer.get_value(4)[1][0].get_value(1)[1][0]  # (image.bytes)
+    index, _end = thrift.decode(data, chunk.get_value(4))
+    return chunks, max(int(page.get_value(2)) for page in index.get_value(1)[1])
+
+
+@pytest.fixture(scope="module")
+def one_row_group(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One file of one row group written by ``datasets`` (its page index, its image column
+    plain and uncompressed), in pages of 32-128 KB (its content-defined chunking, narrowed)."""
+    import datasets
+
+    features = datasets.Features({"image": datasets.Image(), "id": datasets.Value("int64")})
+    rows = {
+        "image": [{"bytes": blob(i), "path": None} for i in range(ROWS)],
+        "id": list(range(ROWS)),
+    }
+    path = tmp_path_factory.mktemp("pages") / "train.parquet"
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(
+        str(path),
+        batch_size=ROWS,
+        use_content_defined_chunking={"min_chunk_size": 32 << 10, "max_chunk_size": 128 << 10},
+    )
+    return path
+
+
+def loader_over(path: Path, workers: int, shuffle: bool = True) -> Loader:
+    dataset = ParquetDataset(str(path), columns=("image", "id"), shuffle=shuffle)
+    return Loader(dataset, P.bytes_step, batch_size=8, num_workers=workers, copy=True)
+
+
+def rows_of(batch: Any) -> list[int]:
+    """The batch's ids, each image checked to be its row's own bytes."""
+    ids = [int(v) for v in np.asarray(batch["id"]).ravel()]
+    ids = ids[: len(ids) - batch.info.padded]
+    for i, image in zip(ids, batch["image"], strict=False):
+        assert np.asarray(image).tobytes() == blob(i), i
+    return ids
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_workers_sharing_a_row_group_read_their_pages_and_resume_reads_the_pages_owed(
+    one_row_group: Path, shuffle: bool
+) -> None:
+    """Three workers over one 6.9 MB row group: an epoch reads about the requested chunks once
+    (not three times: each worker its pages, and two pages at most at each cut); resumed part
+    way, the rest of the epoch reads the pages of the rows still owed (unshuffled: the owed
+    share of the chunks; shuffled, the owed rows lie across each worker's part: about the
+    chunks, where each worker read its whole row group before), the same stream as before; on
+    two workers, every row once."""
+    chunks, page = page_sizes(one_row_group)
+    assert chunks > 4 << 20 and page <= 160 << 10
+    ends = 3 * 2 * page + (64 << 10)  # (the pages at each worker's ends; the offset indexes)
+    with loader_over(one_row_group, 3, shuffle) as loader:
+        epochs, reads = [], []
+        for _ in range(2):
+            epochs.append([rows_of(batch) for batch in loader])
+            reads.append(loader.stats().bytes_read - sum(reads))
+    assert sorted(i for ids in epochs[0] for i in ids) == list(range(ROWS))
+    assert all(chunks <= nbytes <= chunks + ends for nbytes in reads), reads
+
+    with loader_over(one_row_group, 3, shuffle) as loader:
+        iterator = iter(loader)
+        taken = [rows_of(next(iterator)) for _ in range(9)]
+        state = json.loads(json.dumps(loader.state_dict()))
+    owed = ROWS - sum(len(ids) for ids in taken)
+    with loader_over(one_row_group, 3, shuffle) as loader:
+        loader.load_state_dict(state)
+        rest = [rows_of(batch) for batch in loader]
+        again = loader.stats().bytes_read
+    assert taken + rest == epochs[0]
+    assert again <= (chunks if shuffle else chunks * owed / ROWS) + ends, (again, chunks, owed)
+
+    with loader_over(one_row_group, 2, shuffle) as loader:
+        loader.load_state_dict(state)
+        rest = [rows_of(batch) for batch in loader]
+    assert sorted(i for ids in taken + rest for i in ids) == list(range(ROWS))
