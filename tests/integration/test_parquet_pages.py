@@ -118,3 +118,43 @@ def test_workers_sharing_a_row_group_read_their_pages_and_resume_reads_the_pages
         loader.load_state_dict(state)
         rest = [rows_of(batch) for batch in loader]
     assert sorted(i for ids in taken + rest for i in ids) == list(range(ROWS))
+
+
+def test_two_ranks_on_s3_read_the_pages_of_their_share_once(one_row_group: Path) -> None:
+    """One large row group on an S3-protocol server behind a counting proxy, two ranks of two
+    workers: the ranges read (footer aside; the next epoch's read-ahead reads the same ones)
+    add up to the requested chunks once, with the pages at each of the four parts' ends (before:
+    every worker's GET of the whole row group, 4x), a few ranged reads a worker (its offset
+    indexes, its pages); ``stats()`` counts the same of the epoch."""
+    from bench._s3 import CountingProxy, S3Server
+
+    chunks, page = page_sizes(one_row_group)
+    server = S3Server(threaded=True)
+    proxy = CountingProxy(server.endpoint)
+    try:
+        server.bucket("pages")
+        client = server.client()
+        client.upload_file(str(one_row_group), "pages", one_row_group.name)
+        client.close()
+        dataset = ParquetDataset(
+            "s3://pages", columns=("image", "id"), storage_options=server.options(proxy.endpoint)
+        )
+        seen, counted = [], 0
+        for rank in range(2):
+            with Loader(
+                dataset, P.bytes_step, batch_size=8, num_workers=2, rank=rank, world_size=2
+            ) as loader:
+                seen += [i for batch in loader for i in rows_of(batch)]
+                counted += loader.stats().bytes_read
+        served = [s for s in proxy.records() if s.method == "GET" and "bytes=" in s.range]
+    finally:
+        proxy.close()
+        server.close()
+    assert sorted(seen) == list(range(ROWS))
+    size = one_row_group.stat().st_size
+    reads = {s.range: s.bytes for s in served if not s.range.endswith(f"-{size - 1}")}
+    ends = 4 * 2 * page + (64 << 10)
+    assert chunks <= sum(reads.values()) <= chunks + ends, reads
+    assert chunks <= counted <= chunks + ends
+    assert all(nbytes < chunks / 2 for nbytes in reads.values())
+    assert len(reads) <= 4 * 4, reads
