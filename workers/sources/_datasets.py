@@ -230,6 +230,7 @@ class ParquetDataset(_Opened):
     ahead_bytes: int | None = AHEAD_BYTES
     max_image_pixels: int | None = MAX_IMAGE_PIXELS
     optional: Mapping[str, Any] | None = None
+    page_index: bool = True
     _: KW_ONLY
     shuffle: bool = True
     drop_last: bool = False

@@ -162,6 +162,7 @@ def sharded_parquet(
     ahead_bytes: int | None = AHEAD_BYTES,
     max_image_pixels: int | None = MAX_IMAGE_PIXELS,
     optional: Mapping[str, Any] | None = None,
+    page_index: bool = True,
 ) -> Any:
     """An ``ndd.ExternalSource`` root over Parquet files: one output per column of ``columns``.
 
@@ -182,7 +183,10 @@ def sharded_parquet(
     such a row gets (``{"caption": b""}``: bytes or a ``str`` for image, binary and string
     columns, a number for numeric ones, a sequence for lists), counted per column in
     ``stats().defaulted``, not skipped; a null in a column that is not optional fails the sample
-    (a skip, named, under ``on_error="skip"``). Needs pyarrow (``pip install
+    (a skip, named, under ``on_error="skip"``). ``page_index``: where a worker needs only some
+    rows of a large row group (its part of one the layout cuts, or the rows a resume still owes)
+    and the file has a page index (``datasets`` >= 4.6 writes one), read only the pages that
+    hold them (False: the whole row group). Needs pyarrow (``pip install
     'dali-capture-loader[parquet]'``).
     """
     batching = Batching.pick(locals())
@@ -196,5 +200,6 @@ def sharded_parquet(
         ahead_bytes,
         max_image_pixels,
         optional,
+        page_index,
     )
     return dataset._batched(shard, batching)

@@ -67,9 +67,12 @@ def open_parquet_source(
     shuffle: bool = True,
     max_image_pixels: int | None = MAX_IMAGE_PIXELS,
     optional: Mapping[str, Any] | None = None,
+    page_index: bool = True,
 ) -> OpenedSource:
     """The opened source of ``shard``'s part of the Parquet files ``urls``; ``optional``: the
-    columns whose nulls give a default (column -> default), counted in ``stats().defaulted``."""
+    columns whose nulls give a default (column -> default), counted in ``stats().defaulted``;
+    ``page_index``: some rows of a row group read by their pages where the file has a page
+    index (:mod:`._pages`)."""
     names = checked_columns(columns)
     max_pixels = checked_limit(max_image_pixels)
     checked = [("retries", retries, 0), ("ahead", ahead, 0)]
@@ -80,6 +83,8 @@ def open_parquet_source(
     for name, value, low in checked:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not isinstance(page_index, bool):
+        raise TypeError(f"page_index must be True or False, got {page_index!r}")
     load: ParquetLoader
     if isinstance(urls, ArrowFiles):
         arrow = ArrowPlan(urls, names)
@@ -87,7 +92,7 @@ def open_parquet_source(
         load = ArrowLoader(arrow, max_pixels, optional)
     else:
         plan = open_plan_once(urls, names, storage_options, retries)
-        load = ParquetLoader(plan, ahead, ahead_bytes, max_pixels, optional)
+        load = ParquetLoader(plan, ahead, ahead_bytes, max_pixels, optional, page_index)
     units = len(plan.counts)
     if shuffle_window is not None:
         window = shuffle_window

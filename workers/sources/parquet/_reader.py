@@ -213,8 +213,9 @@ class ParquetLoader:
         ahead_bytes: int | None = None,
         max_pixels: int | None = None,
         optional: Mapping[str, Any] | None = None,
+        page_index: bool = True,
     ) -> None:
-        self.plan, self.max_pixels = plan, max_pixels
+        self.plan, self.max_pixels, self.page_index = plan, max_pixels, page_index
         self.names = [kind.name for kind in plan.kinds]
         #: per column, the default a null gives (None: a null fails the sample)
         self.defaults = optional_defaults(plan.kinds, optional)
@@ -269,7 +270,11 @@ class ParquetLoader:
         (:mod:`._pages`), else the whole row group."""
         plan = self.plan
         count = int(plan.counts[unit])
-        if rows is not None and pages.worth_it(int(plan.sizes[unit]), count, *rows):
+        if (
+            rows is not None
+            and self.page_index
+            and pages.worth_it(int(plan.sizes[unit]), count, *rows)
+        ):
             held = self._read_pages(unit, epoch, *rows)
             if held is not None:
                 return held

@@ -165,6 +165,11 @@ def test_a_worker_needing_part_of_a_large_row_group_reads_its_pages_only(tmp_pat
     blob, ids = load(10)
     assert int(ids[0]) == 10 and blob.tobytes() == bytes([10]) * 9_070
     assert load.bytes_read > size
+    # page_index=False: the row group is read whole
+    whole = ParquetLoader(plan, page_index=False)
+    whole.expect(0, [np.arange(200, 300)])
+    assert [int(whole(i)[1][0]) for i in range(200, 300)] == list(range(200, 300))
+    assert whole.bytes_read == size and whole.requests == len(plan.ranges[0])
 
 
 def spoil_offset_index(path: Path) -> None:
