@@ -151,7 +151,7 @@ def pages_for(
     return found
 
 
-def _values(data: bytes) -> tuple[int, int]:
+def _values(data: bytes | memoryview) -> tuple[int, int]:
     """The values the pages in ``data`` hold, and their uncompressed size (headers and pages),
     walking their headers; ``ValueError`` when they do not fill ``data`` exactly."""
     at = values = uncompressed = 0
@@ -172,12 +172,20 @@ def _values(data: bytes) -> tuple[int, int]:
 
 
 def leaf_file(
-    footer: Struct, group: int, part: LeafPages, dictionary: bytes, pages: bytes
+    footer: Struct,
+    group: int,
+    part: LeafPages,
+    dictionary: bytes | memoryview,
+    pages: bytes | memoryview,
 ) -> bytes:
     """A Parquet file of one row group holding ``part``'s rows: its leaf's ``dictionary`` page
     (empty without one) and ``pages``, behind ``footer`` (the real file's) made to describe
     them. Only that leaf may be read of it."""
-    values, uncompressed = _values(dictionary + pages)
+    (dictionary_values, dictionary_size), (values, uncompressed) = (
+        _values(dictionary),
+        _values(pages),
+    )
+    values, uncompressed = values + dictionary_values, uncompressed + dictionary_size
     rows = part.rows[1] - part.rows[0]
     meta = Struct(_columns(footer, group)[part.leaf].get_value(3))
     meta[5] = (I64, values)

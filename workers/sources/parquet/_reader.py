@@ -333,11 +333,11 @@ class ParquetLoader:
             for k, (start, stop) in enumerate(read_ranges(spans))
         ]
 
-        def piece(span: tuple[int, int] | None) -> bytes:
+        def piece(span: tuple[int, int] | None) -> memoryview:
             if span is None:
-                return b""
+                return memoryview(b"")
             start, data = next(p for p in pieces if p[0] <= span[0] < p[0] + len(p[1]))
-            return data[span[0] - start : span[1] - start].tobytes()
+            return data[span[0] - start : span[1] - start].data
 
         try:
             pa, pq = pyarrow_modules()
