@@ -10,7 +10,8 @@ is the same.
 [--force]`` indexes every shard of a dataset (local paths or fsspec URLs, brace patterns
 allowed), remote shards N threads at a time (default 32), local ones with N processes: a shard
 whose ``.idx`` exists and fits it is read, any other is scanned once and its ``.idx`` written
-beside it; then the summary is written beside the shards (a job writes neither there unless
+beside it (a small one, of at most 4 KB, kept in the summary instead, unless ``--idx-files``);
+then the summary is written beside the shards (a job writes neither there unless
 asked: ``publish_index=True``). Run it again to finish an
 interrupted run: what is done is not done again. After it, a worker's start costs a few requests
 whatever the number of shards, on every node.
@@ -123,6 +124,12 @@ def _index_arguments(index: argparse.ArgumentParser) -> None:
     )
     index.add_argument(
         "--force", action="store_true", help="scan every shard again, whatever exists"
+    )
+    index.add_argument(
+        "--idx-files",
+        action="store_true",
+        help="write every shard's .idx beside it (for DALI's readers.webdataset); by default "
+        "a small shard's index (at most 4 KB of .idx) is kept in the summary instead",
     )
 
 
@@ -251,6 +258,7 @@ def _index(args: argparse.Namespace) -> int:
             threads=args.threads,
             force=args.force,
             progress=_Shown("shards", _tar_details),
+            idx_files=args.idx_files,
         )
     )
     if isinstance(state, int):
@@ -260,6 +268,11 @@ def _index(args: argparse.Namespace) -> int:
         f"({state.samples:,} samples) in {time.monotonic() - state.started:.1f} s; "
         f"summary: {', '.join(state.summaries) or ('up to date' if state.up_to_date else 'none')}"
     )
+    if state.inlined:
+        print(
+            f"{state.inlined} small shards' indexes are kept in the summary, not beside them "
+            "(--idx-files writes their .idx files, which DALI's readers.webdataset reads)"
+        )
     if state.not_beside:
         print(
             f"error: {state.not_beside} index(es) could not be written beside their shards "

@@ -491,12 +491,16 @@ def test_a_worker_that_reads_whole_shards_reads_each_with_one_request_and_no_ind
     assert 40 <= kinds["GET .tar"] <= 48, kinds
 
 
+@pytest.mark.parametrize("idx_files", [False, True])
 def test_the_index_command_reads_each_shard_with_one_get_and_no_head(
-    counted: Counted, tmp_path: Path
+    counted: Counted, tmp_path: Path, idx_files: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``python -m loader.tars index`` over 12 S3 shards, through the proxy: one listing, then
-    per shard one GET of its bytes (whose ETag and size are the identity it is indexed as) and
-    one PUT of its ``.idx``, and the summary: no HEAD (before: a HEAD per shard)."""
+    per shard one GET of its bytes (whose ETag and size are the identity it is indexed as), and
+    the summary: no HEAD (before: a HEAD per shard). Their indexes are small: the summary keeps
+    them (no PUT of an ``.idx``; before: one a shard), and workers that read parts of shards
+    fetch no ``.idx`` (on another node: nothing in its cache); ``--idx-files`` writes them
+    beside the shards, which those workers fetch."""
     counted.upload(T.write_payload_tars(tmp_path, 12, 5, 500))
     options = json.dumps(counted.server.options(counted.proxy.endpoint))
     counted.proxy.reset()
@@ -508,6 +512,7 @@ def test_the_index_command_reads_each_shard_with_one_get_and_no_head(
             "index",
             counted.url("train-{0000..0011}.tar"),
             *("--storage-options", options, "--workers", "2"),
+            *(["--idx-files"] if idx_files else []),
         ],
         capture_output=True,
         text=True,
@@ -515,7 +520,14 @@ def test_the_index_command_reads_each_shard_with_one_get_and_no_head(
     assert done.returncode == 0, done.stdout + done.stderr
     assert "12 of 12 shards indexed" in done.stdout
     kinds = _kinds(counted.proxy.records())
-    assert kinds == Counter({"LIST": 1, "GET .tar": 12, "PUT .idx": 12, "PUT .json": 1}), kinds
+    expected = {"LIST": 1, "GET .tar": 12, "PUT .json": 1}
+    assert kinds == Counter(expected, **({"PUT .idx": 12} if idx_files else {})), kinds
+    counted.proxy.reset()
+    monkeypatch.setenv("DALI_LOADER_CACHE_DIR", str(tmp_path / "another-node"))
+    with counted.loader("train-{0000..0011}.tar", 5) as loader:  # (5 parts cut the shards)
+        assert sorted(i for batch in loader for i in ids(batch)) == list(range(60))
+    fetched = _kinds(counted.proxy.records())["GET .idx"]
+    assert (fetched > 0) if idx_files else (fetched == 0), fetched
 
 
 def test_a_resume_builds_its_sources_again_from_the_shards_its_workers_opened(

@@ -55,11 +55,21 @@ class Indexer:
     the shard, where the store allows it)."""
 
     def __init__(
-        self, storage: Storage, *, skip_damaged: bool = False, publish: bool = False
+        self,
+        storage: Storage,
+        *,
+        skip_damaged: bool = False,
+        publish: bool = False,
+        inline_max: int = 0,
     ) -> None:
         self.storage = storage
         #: write the indexes it makes beside their shards (reading never does unless asked)
         self.publish = publish
+        #: with ``publish``, an index whose ``.idx`` text is at most this long is not written
+        #: beside its shard but kept in :attr:`inlined`, for the summary (the index command)
+        self.inline_max = inline_max
+        #: url -> ``.idx`` text of the indexes kept for the summary
+        self.inlined: dict[str, str] = {}
         #: a shard that is not whole gives the index of its samples before the damage (its
         #: ``damage`` says what is wrong; kept in this node's cache only) instead of raising
         #: (``on_error="skip"``)
@@ -203,7 +213,11 @@ class Indexer:
         shard as ``.idx`` (where the store allows it)."""
         text = format_idx(index) if self.publish else None
         wrote = False
-        if self.publish and text is None:
+        inline = text is not None and len(text) <= self.inline_max
+        if inline:
+            assert text is not None
+            self.inlined[url] = text.decode()
+        elif self.publish and text is None:
             logger.info("%s has a member name with white space: its index stays in the cache", url)
         elif text is not None and self.writable:
             where = idx_url(url)
@@ -220,7 +234,7 @@ class Indexer:
                     CACHE_DIR_ENV,
                     index_command(url),
                 )
-        if not keep_cached(self.storage, index, identity) and not wrote:
+        if not keep_cached(self.storage, index, identity) and not wrote and not inline:
             logger.warning(
                 "no writable place for the index of %s: it is made again by every worker at "
                 "every start; set %s to a writable directory, or index the dataset once (%s)",

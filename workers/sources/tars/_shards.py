@@ -59,7 +59,7 @@ from ._summary import (
     write_summary,
 )
 from ._walk import WalkProgress, walk
-from ._wds_idx import idx_url
+from ._wds_idx import fits, idx_url, parse_idx
 
 logger = logging.getLogger("workers")
 
@@ -91,6 +91,8 @@ class TarShards:
     #: the indexes made while reading are written beside their shards (``publish_index=True``),
     #: not only kept in this node's cache
     publish: bool = False
+    #: per shard, the ``.idx`` text its summary keeps ("": none; the index is fetched or made)
+    inline: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -131,6 +133,9 @@ class TarShards:
         url = self.urls[shard]
         if shard in self.damaged:
             return self.damaged[shard]
+        kept = self._kept_index(shard)
+        if kept is not None:
+            return kept
         identity, listed = self.identities[shard], self.listed_idx[shard]
         vouched = self.vouched[shard] if self.vouched else None
         found = indexer.get(url, identity, listed=listed, probe=False, scan=vouched is None)
@@ -151,6 +156,23 @@ class TarShards:
             index = found[0]
         if not self._matches(shard, index):
             raise self.mismatch(shard, index)
+        return index
+
+    def _kept_index(self, shard: int) -> TarIndex | None:
+        """The index the summary keeps of ``shard`` (no request), when it keeps one that parses,
+        fits the shard's size and agrees with the entry's samples and keys; else None (the
+        index is fetched or made, and a disagreement named, as for an ``.idx``)."""
+        text = self.inline[shard] if self.inline else ""
+        if not text:
+            return None
+        url, where = self.urls[shard], self.planned_from[shard] if self.planned_from else None
+        try:
+            index = parse_idx(url, f"{where} (its index of {url})", text.encode())
+        except ValueError as error:
+            logger.warning("ignored the index the summary keeps: %s", error)
+            return None
+        if not fits(index, self.identities[shard][0]) or not self._matches(shard, index):
+            return None
         return index
 
     def mismatch(self, shard: int, index: TarIndex, told_by: str | None = None) -> StorageFailure:
@@ -259,7 +281,7 @@ def open_shards(
     listed, summaries = start_facts(storage, expanded, places)
     count = len(expanded)
     counts = np.zeros(count, dtype=np.int64)
-    hashes = [""] * count
+    hashes, inline = [""] * count, [""] * count
     planned: list[str | None] = [None] * count
     rest: list[int] = []
     stale: dict[str, list[tuple[int, ShardEntry]]] = {}
@@ -268,6 +290,7 @@ def open_shards(
         entry = None if summary is None else summary[0].get(name)
         if entry is not None and summary is not None and entry.identity == listed.identities[k]:
             counts[k], hashes[k], planned[k] = entry.samples, entry.keys, summary[1]
+            inline[k] = entry.idx
             continue
         if entry is not None and summary is not None:
             stale.setdefault(summary[1], []).append((k, entry))
@@ -277,7 +300,7 @@ def open_shards(
             _report_stale(where, entries, expanded, listed, storage, urls, publish)
     if not rest:
         shards = _opened(expanded, storage, counts, hashes, listed)
-        shards.planned_from, shards.publish = planned, publish
+        shards.planned_from, shards.publish, shards.inline = planned, publish, inline
         return shards
     indexer = Indexer(storage, skip_damaged=skip_damaged, publish=publish)
 
@@ -291,7 +314,7 @@ def open_shards(
     shards = _after_walk(
         urls, expanded, storage, counts, hashes, listed, summaries, rest, indexer, lead, started
     )
-    shards.planned_from, shards.publish = planned, publish
+    shards.planned_from, shards.publish, shards.inline = planned, publish, inline
     return shards
 
 
@@ -422,12 +445,14 @@ def shard_entries(
     counts: _Int64s,
     hashes: Sequence[str],
     identities: Sequence[Identity],
+    indexes: Sequence[str] = (),
 ) -> dict[str, dict[str, ShardEntry]]:
-    """Summary entries of ``urls``, by directory."""
+    """Summary entries of ``urls``, by directory (``indexes``: the ``.idx`` text each keeps)."""
     by_directory: dict[str, dict[str, ShardEntry]] = {}
     for k, url in enumerate(urls):
         size, version = identities[k]
-        entry = ShardEntry(size, version, int(counts[k]), hashes[k])
+        idx = indexes[k] if indexes else ""
+        entry = ShardEntry(size, version, int(counts[k]), hashes[k], idx)
         by_directory.setdefault(storage.dirname(url), {})[storage.basename(url)] = entry
     return by_directory
 

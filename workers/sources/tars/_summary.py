@@ -12,7 +12,15 @@ about to read that shard (:mod:`sources.tars._shards`)::
     {"format": "dali-capture-loader tar summary", "version": 1,
      "columns": ["name", "size", "version", "samples", "keys"],
      "shards": [["train-000000.tar", 1843200, "ETag:9b2c...", 1251, "3f9a0c5e7d21b844"], ...],
-     "samples": 1281167}
+     "samples": 1281167,
+     "indexes": {"train-000007.tar": "v1.2 4\\ncls 512 1 s0.cls ...", ...}}
+
+``indexes`` (optional) holds the ``.idx`` text of the shards whose index is small (at most
+:data:`INLINE_IDX` bytes: a few dozen samples): the index command keeps it there instead of
+writing an ``.idx`` beside each (one request a shard fewer to index a dataset of many small
+shards, and to read one), unless asked for the files (``--idx-files``: DALI's own
+``readers.webdataset`` reads ``.idx`` files). A loader that does not know the key ignores it
+(and reads or makes the shard's index as before).
 
 An entry whose shard's size or version differs from the listing is *stale*: it is not used (the
 shard's index is read or made instead) and the shards that differ are named. Entries of shards a
@@ -39,16 +47,20 @@ SUMMARY = "loader-summary.json"
 FORMAT = "dali-capture-loader tar summary"
 VERSION = 1
 _COLUMNS = ["name", "size", "version", "samples", "keys"]
+#: The largest ``.idx`` text the index command keeps in the summary instead of beside its shard.
+INLINE_IDX = 4096
 
 
 @dataclass(frozen=True)
 class ShardEntry:
-    """One shard in a summary: its identity when indexed, its samples and its keys' hash."""
+    """One shard in a summary: its identity when indexed, its samples and its keys' hash, and
+    its ``.idx`` text where the summary keeps it ("": beside the shard, or nowhere)."""
 
     size: int
     version: str
     samples: int
     keys: str
+    idx: str = ""
 
     @property
     def identity(self) -> Identity:
@@ -68,6 +80,9 @@ def encode(entries: Mapping[str, ShardEntry]) -> bytes:
         "shards": rows,
         "samples": sum(entry.samples for entry in entries.values()),
     }
+    indexes = {name: entry.idx for name, entry in sorted(entries.items()) if entry.idx}
+    if indexes:
+        document["indexes"] = indexes
     return (json.dumps(document, separators=(",", ":")) + "\n").encode()
 
 
@@ -75,9 +90,13 @@ def decode(data: bytes, where: str) -> dict[str, ShardEntry]:
     """The entries of a summary; ``ValueError`` naming ``where`` when it is not one."""
     document = open_document(data, where, FORMAT, VERSION, _COLUMNS, "python -m loader.tars index")
     entries = {}
+    indexes = document.get("indexes") or {}
     try:
+        if not isinstance(indexes, dict) or not all(isinstance(v, str) for v in indexes.values()):
+            raise TypeError("its indexes are not a map of shard name -> .idx text")
         for name, size, version, samples, keys in document["shards"]:
-            entries[str(name)] = ShardEntry(int(size), str(version), int(samples), str(keys))
+            idx = indexes.get(name, "")
+            entries[str(name)] = ShardEntry(int(size), str(version), int(samples), str(keys), idx)
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{where} has a malformed shard entry ({error})") from None
     return entries

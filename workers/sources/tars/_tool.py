@@ -37,7 +37,7 @@ from ..storage import RETRIES, Identity, storage_for
 from ._indexer import Indexer
 from ._listing import check_urls, list_shards
 from ._shards import shard_entries
-from ._summary import ShardEntry, read_summary, updated, write_summary
+from ._summary import INLINE_IDX, ShardEntry, read_summary, updated, write_summary
 
 #: Seconds between two saves of the summary while shards are indexed.
 SAVE_EVERY = 30.0
@@ -56,6 +56,7 @@ class Indexed:
     scanned_bytes: int = 0
     wrote_beside: bool = True
     error: str = ""
+    idx: str = ""  # its ``.idx`` text, kept in the summary instead of beside it
 
 
 @dataclass
@@ -71,6 +72,8 @@ class Progress:
     scanned_bytes: int = 0
     failed: list[str] = field(default_factory=list)
     not_beside: int = 0
+    #: indexes kept in the summary instead of beside their shards
+    inlined: int = 0
     started: float = field(default_factory=time.monotonic)
     summaries: list[str] = field(default_factory=list)
     samples: int = 0
@@ -90,10 +93,13 @@ def index_one(
     identity: Identity,
     listed: bool | None,
     force: bool,
+    inline_max: int = 0,
 ) -> Indexed:
-    """Index one shard (run in a pool process): its ``.idx`` when it fits, else a scan."""
+    """Index one shard (run in a pool process): its ``.idx`` when it fits, else a scan; an
+    index made whose ``.idx`` is at most ``inline_max`` bytes is given back for the summary,
+    not written beside the shard."""
     storage = storage_for(url, options, retries)
-    indexer = Indexer(storage, publish=True)
+    indexer = Indexer(storage, publish=True, inline_max=inline_max)
     try:
         found = indexer.get(
             url, identity, listed=listed, force=force, publish_cached=True, recheck=False
@@ -109,6 +115,7 @@ def index_one(
         source,
         indexer.scanned_bytes,
         wrote_beside=indexer.writable,
+        idx=indexer.inlined.get(url, ""),
     )
 
 
@@ -121,11 +128,15 @@ def index_dataset(
     force: bool = False,
     retries: int = RETRIES,
     progress: Callable[[Progress], None] | None = None,
+    idx_files: bool = False,
 ) -> Progress:
     """Index every shard of ``urls`` and write the summary (see the module docstring):
     ``threads`` at once for remote shards (default :data:`THREADS`), ``processes`` for local
-    ones (default: the CPUs this process may use)."""
+    ones (default: the CPUs this process may use). A shard's index of at most
+    :data:`INLINE_IDX` bytes of ``.idx`` is kept in the summary, not written beside it, unless
+    ``idx_files`` (every one beside: DALI's ``readers.webdataset`` reads ``.idx`` files)."""
     job = _IndexJob(check_urls(urls, storage_options, retries), storage_options, retries)
+    job.inline_max = 0 if idx_files else INLINE_IDX
     todo = job.plan(force)
     pool, workers = pool_for(job.storage.local, len(todo), processes, threads)
     kind = "processes" if job.storage.local else "threads"
@@ -166,6 +177,9 @@ class _IndexJob:
         count = len(expanded)
         self.counts = np.zeros(count, dtype=np.int64)
         self.hashes = [""] * count
+        #: per shard, the ``.idx`` text the summary keeps of it ("": beside it)
+        self.indexes = [""] * count
+        self.inline_max = 0
         self.done = np.zeros(count, dtype=bool)
         self.summaries = {
             d: read_summary(self.storage, d, listing) for d, listing in self.listed.listings.items()
@@ -180,9 +194,11 @@ class _IndexJob:
             summary = self.summaries[storage.dirname(url)]
             entry = None if summary is None else summary[0].get(storage.basename(url))
             fresh = entry is not None and entry.identity == listed.identities[k]
-            if fresh and listed.listed_idx[k] and not force:
+            kept = fresh and entry is not None and bool(entry.idx) and self.inline_max > 0
+            if fresh and (listed.listed_idx[k] or kept) and not force:
                 assert entry is not None
                 self.counts[k], self.hashes[k], self.done[k] = entry.samples, entry.keys, True
+                self.indexes[k] = entry.idx if kept else ""
                 self.state.up_to_date += 1
             else:
                 todo.append(k)
@@ -197,6 +213,7 @@ class _IndexJob:
             self.counts[self.done],
             [self.hashes[k] for k in indices],
             [self.listed.identities[k] for k in indices],
+            [self.indexes[k] for k in indices],
         )
         self.state.summaries = []
         for directory, new in entries.items():
@@ -216,6 +233,7 @@ class _IndexJob:
             listed.identities[k],
             listed.listed_idx[k],
             force,
+            self.inline_max,
         )
 
     def run(
@@ -243,14 +261,7 @@ class _IndexJob:
                         break
                     finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
                     for future in finished:
-                        _record(
-                            future.result(),
-                            self.expanded,
-                            self.counts,
-                            self.hashes,
-                            self.done,
-                            self.state,
-                        )
+                        _record(future.result(), self)
                     if time.monotonic() - saved > SAVE_EVERY and self.done.any():
                         self.save()
                         saved = time.monotonic()
@@ -266,20 +277,16 @@ class _IndexJob:
             self.save()
 
 
-def _record(
-    result: Indexed,
-    urls: list[str],
-    counts: np.ndarray[Any, Any],
-    hashes: list[str],
-    done: np.ndarray[Any, Any],
-    state: Progress,
-) -> None:
+def _record(result: Indexed, job: _IndexJob) -> None:
+    state = job.state
     state.done += 1
     if result.error:
-        state.failed.append(f"{urls[result.shard]}: {result.error}")
+        state.failed.append(f"{job.expanded[result.shard]}: {result.error}")
         return
     k = result.shard
-    counts[k], hashes[k], done[k] = result.samples, result.keys, True
+    job.counts[k], job.hashes[k], job.done[k] = result.samples, result.keys, True
+    job.indexes[k] = result.idx
+    state.inlined += bool(result.idx)
     if result.source == "scan":
         state.scanned += 1
         state.scanned_bytes += result.scanned_bytes
