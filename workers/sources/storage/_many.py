@@ -1,4 +1,4 @@
-"""Many small ranged reads at once (the index command's footers): :func:`read_each`.
+"""Many small reads at once (the index command's footers and small shards): :func:`read_each`.
 
 On an asynchronous fsspec filesystem (s3fs, gcsfs, HTTP) every read runs on the filesystem's own
 event loop, ``at_once`` in flight: no thread per read handing each one to the loop and waiting
@@ -16,23 +16,29 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ._failures import Identity, IdentityChanged
 from ._storage import BACKOFF, Storage
 
 __all__ = ["read_each"]
 
 
 def read_each(
-    storage: Storage, reads: Sequence[tuple[str, int, int]], at_once: int
+    storage: Storage,
+    reads: Sequence[tuple[str, int, int]],
+    at_once: int,
+    expect: Sequence[Identity] | None = None,
 ) -> Iterator[tuple[int, bytes | Exception]]:
     """Each of ``reads`` (a URL, and the byte range ``[start, end)`` of it), ``at_once`` in
     flight, as (its number in ``reads``, its bytes or the error it ended in), in the order they
-    finish. The errors are those :meth:`Storage.read` raises (``EOFError`` for a short read)."""
+    finish. The errors are those :meth:`Storage.read` raises (``EOFError`` for a short read).
+    ``expect``: each object's identity, checked where the read tells it (S3: the GET's ETag and
+    size; ``IdentityChanged`` when it differs)."""
     if not reads:
         return
     fs = getattr(storage, "fs", None)
     loop = getattr(fs, "loop", None)
     if fs is None or not getattr(fs, "async_impl", False) or loop is None:
-        yield from _threaded(storage, reads, at_once)
+        yield from _threaded(storage, reads, at_once, expect)
         return
     done: queue.SimpleQueue[tuple[int, bytes | Exception]] = queue.SimpleQueue()
 
@@ -40,7 +46,8 @@ def read_each(
         url, start, end = reads[number]
         async with gate:
             try:
-                found: bytes | Exception = await _read(storage, fs, url, start, end)
+                identity = expect[number] if expect is not None else None
+                found: bytes | Exception = await _read(storage, fs, url, start, end, identity)
             except Exception as error:  # (handed to the caller, as a thread's would be)
                 found = error
         done.put((number, found))
@@ -58,17 +65,27 @@ def read_each(
         future.cancel()
 
 
-async def _read(storage: Any, fs: Any, url: str, start: int, end: int) -> bytes:
+async def _read(
+    storage: Any, fs: Any, url: str, start: int, end: int, expect: Identity | None = None
+) -> bytes:
     what = f"reading bytes {start}-{end}"
     delay = BACKOFF
+    told = expect is not None and storage.read_tells(expect)
     for attempt in range(storage.retries + 1):
         try:
-            data: bytes = await fs._cat_file(url, start=start, end=end)
+            data: bytes
+            if told:
+                data, found = await storage.s3_get(url, start, end)
+            else:
+                data = await fs._cat_file(url, start=start, end=end)
             break
         except Exception as error:
             storage.after_failure(error, attempt, delay, what, url)
             await asyncio.sleep(delay)
             delay *= 2
+    if told and found != expect:
+        assert expect is not None
+        raise IdentityChanged(url, expect, found)
     if len(data) != end - start:
         raise EOFError(
             f"{url} gave {len(data)} bytes at {start}, not {end - start}: the object was "
@@ -78,12 +95,16 @@ async def _read(storage: Any, fs: Any, url: str, start: int, end: int) -> bytes:
 
 
 def _threaded(
-    storage: Storage, reads: Sequence[tuple[str, int, int]], at_once: int
+    storage: Storage,
+    reads: Sequence[tuple[str, int, int]],
+    at_once: int,
+    expect: Sequence[Identity] | None = None,
 ) -> Iterator[tuple[int, bytes | Exception]]:
     def read(number: int) -> tuple[int, bytes | Exception]:
         url, start, end = reads[number]
+        identity = expect[number] if expect is not None else None
         try:
-            return number, storage.read(url, start, end).tobytes()
+            return number, storage.read(url, start, end, expect=identity).tobytes()
         except Exception as error:
             return number, error
 

@@ -357,22 +357,22 @@ class RemoteStorage(Storage):
         the object's (size, ETag) as that response tells."""
         from fsspec.asyn import sync
 
+        found: tuple[bytes, Identity] = sync(self.fs.loop, self.s3_get, path, start, end)
+        return found
+
+    async def s3_get(self, path: str, start: int, end: int | None) -> tuple[bytes, Identity]:
+        """:meth:`_s3_read` on the filesystem's event loop (s3fs)."""
         bucket, key, version = self.fs.split_path(path)
         extra = {"VersionId": version} if version else {}
         if end is not None:
             extra["Range"] = f"bytes={start}-{end - 1}"
-
-        async def get() -> tuple[bytes, dict[str, Any]]:
-            response: dict[str, Any] = await self.fs._call_s3(
-                "get_object", Bucket=bucket, Key=key, **extra
-            )
-            try:
-                body: bytes = await response["Body"].read()
-            finally:
-                response["Body"].close()
-            return body, response
-
-        data, response = sync(self.fs.loop, get)
+        response: dict[str, Any] = await self.fs._call_s3(
+            "get_object", Bucket=bucket, Key=key, **extra
+        )
+        try:
+            data: bytes = await response["Body"].read()
+        finally:
+            response["Body"].close()
         total = str(response.get("ContentRange") or "").rpartition("/")[2]
         size = int(total) if total.isdigit() else int(response.get("ContentLength") or 0)
         return data, (size, _version({"ETag": response.get("ETag")}))

@@ -15,6 +15,7 @@ Library code: progress goes to a callback (the CLI prints it), not to stdout.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import time
 from collections.abc import Callable, Iterable
@@ -33,16 +34,22 @@ import numpy as np
 
 from ipc.limits import usable_cpus
 
-from ..storage import RETRIES, Identity, storage_for
+from ..storage import RETRIES, Identity, read_each, storage_for
+from ._index import TarIndex, load_cached, scan_bytes
 from ._indexer import Indexer
 from ._listing import check_urls, list_shards
 from ._shards import shard_entries
 from ._summary import INLINE_IDX, ShardEntry, read_summary, updated, write_summary
+from ._wds_idx import format_idx
+
+logger = logging.getLogger("workers")
 
 #: Seconds between two saves of the summary while shards are indexed.
 SAVE_EVERY = 30.0
 #: Remote shards indexed at once, by default (threads of the index command's process).
 THREADS = 32
+#: Remote shards without an ``.idx`` of at most this many bytes are read on the event loop.
+SMALL_SHARD = 4 << 20
 
 
 @dataclass
@@ -138,6 +145,8 @@ def index_dataset(
     job = _IndexJob(check_urls(urls, storage_options, retries), storage_options, retries)
     job.inline_max = 0 if idx_files else INLINE_IDX
     todo = job.plan(force)
+    if not job.storage.local:
+        todo = _small_on_loop(job, todo, threads or THREADS, force, progress)
     pool, workers = pool_for(job.storage.local, len(todo), processes, threads)
     kind = "processes" if job.storage.local else "threads"
     job.state.pool = f"indexing {len(todo)} with {workers} {kind}"
@@ -277,7 +286,116 @@ class _IndexJob:
             self.save()
 
 
-def _record(result: Indexed, job: _IndexJob) -> None:
+def _small_on_loop(
+    job: _IndexJob,
+    todo: list[int],
+    at_once: int,
+    force: bool,
+    progress: Callable[[Progress], None] | None,
+) -> list[int]:
+    """Index the small remote shards of ``todo`` without an ``.idx`` beside them (at most
+    :data:`SMALL_SHARD` bytes: the request is the cost, not the bytes): this node's cached
+    index where it has one, else the shard read whole on the store client's event loop
+    (``at_once`` in flight; its identity checked by the GET itself, as a thread's scan checks
+    it) and scanned here (``force``: every one read and scanned); its ``.idx`` kept for the
+    summary or, too long for it, written beside the shard by a few threads. No thread, lock
+    or cache file a shard (for 10,000 shards, the command's CPU; :mod:`bench.index_scale`).
+    The shards left, for the pool."""
+    listed, storage = job.listed, job.storage
+    small = [
+        k for k in todo if listed.listed_idx[k] is False and listed.identities[k][0] <= SMALL_SHARD
+    ]
+    if not small:
+        return todo
+    indexer = Indexer(storage, publish=True)
+    reads, saved = [], time.monotonic()
+    for k in small:
+        cached = None if force else load_cached(storage, job.expanded[k], listed.identities[k])
+        if cached is not None and not cached.damage:
+            _record(_kept(job, k, cached, "cache", indexer, None), job)
+        else:
+            reads.append(k)
+    urls = [(job.expanded[k], 0, listed.identities[k][0]) for k in reads]
+    identities = [listed.identities[k] for k in reads]
+    with ThreadPoolExecutor(8, "idx-writes") as writes:
+        pending: list[Future[Indexed]] = []
+        try:
+            for number, found in read_each(storage, urls, at_once, identities):
+                k = reads[number]
+                _record(_scanned(job, k, found, indexer, writes, pending), job)
+                for future in [f for f in pending if f.done()]:
+                    pending.remove(future)
+                    _record(future.result(), job)
+                if time.monotonic() - saved > SAVE_EVERY and job.done.any():
+                    job.save()
+                    saved = time.monotonic()
+                if progress is not None:
+                    progress(job.state)
+            for future in pending:
+                _record(future.result(), job)
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            if job.state.done:
+                job.save()
+            raise
+    done = set(small)
+    return [k for k in todo if k not in done]
+
+
+def _scanned(
+    job: _IndexJob,
+    k: int,
+    found: bytes | Exception,
+    indexer: Indexer,
+    writes: Executor,
+    pending: list[Future[Indexed]],
+) -> Indexed | None:
+    """Shard ``k``'s index from its bytes (``found``: or the error its read ended in); None
+    when its ``.idx`` goes beside it (a write in ``pending``, recorded when it is done)."""
+    if isinstance(found, Exception):
+        return Indexed(k, error=f"{type(found).__name__}: {found}")
+    url = job.expanded[k]
+    index, damage = scan_bytes(url, found)
+    if damage is not None:
+        return Indexed(k, error=f"ValueError: {damage}")
+    logger.info("indexed %s: %d samples", url, index.samples)
+    return _kept(job, k, index, "scan", indexer, (writes, pending))
+
+
+def _kept(
+    job: _IndexJob,
+    k: int,
+    index: TarIndex,
+    source: str,
+    indexer: Indexer,
+    writes: tuple[Executor, list[Future[Indexed]]] | None,
+) -> Indexed | None:
+    """What indexing shard ``k`` found (``index``, from ``source``): its ``.idx`` kept for the
+    summary where it is short enough, else written beside the shard (on ``writes``' threads,
+    its result added to their list: None here; without them, now)."""
+    url, identity = job.expanded[k], job.listed.identities[k]
+    scanned = identity[0] if source == "scan" else 0
+    text = format_idx(index)
+    found = Indexed(k, index.samples, index.keys_hash, source, scanned)
+    if text is not None and len(text) <= job.inline_max:
+        found.idx = text.decode()
+        return found
+
+    def write() -> Indexed:
+        indexer.keep(url, index, identity)
+        found.wrote_beside = indexer.writable
+        return found
+
+    if writes is None:
+        return write()
+    writes[1].append(writes[0].submit(write))
+    return None
+
+
+def _record(result: Indexed | None, job: _IndexJob) -> None:
+    if result is None:
+        return
     state = job.state
     state.done += 1
     if result.error:
