@@ -652,3 +652,39 @@ def test_a_worker_sets_its_store_client_up_ahead_and_without_a_request(counted: 
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True", "False"]
     assert counted.proxy.records() == []
+
+
+def test_the_index_command_names_a_truncated_small_shard_and_indexes_the_others(
+    counted: Counted, tmp_path: Path
+) -> None:
+    """Six small S3 shards, one cut short: the command (which reads small shards on the store
+    client's event loop) exits with 1 naming that shard, and keeps the five others' indexes in
+    the summary, which a second run finds up to date (then only the cut shard is read again)."""
+    from workers.sources.tars._summary import decode
+
+    paths = T.write_payload_tars(tmp_path, 6, 5, 500)
+    data = paths[3].read_bytes()
+    paths[3].write_bytes(data[: len(data) // 2 + 100])
+    counted.upload(paths)
+    options = json.dumps(counted.server.options(counted.proxy.endpoint))
+    command = [
+        sys.executable,
+        *("-m", "loader.tars", "index", counted.url("train-{0000..0005}.tar")),
+        *("--storage-options", options),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "train-0003.tar" in done.stdout + done.stderr
+    assert "5 of 6 shards indexed" in done.stdout, done.stdout
+    client = counted.server.client()
+    try:
+        body = client.get_object(Bucket=counted.bucket, Key="loader-summary.json")["Body"].read()
+    finally:
+        client.close()
+    entries = decode(body, "summary")
+    assert sorted(entries) == [f"train-{k:04d}.tar" for k in (0, 1, 2, 4, 5)]
+    assert all(entry.idx.startswith("v1.2 5\n") for entry in entries.values())
+    counted.proxy.reset()
+    again = subprocess.run(command, capture_output=True, text=True)
+    assert again.returncode == 1 and "5 up to date" in again.stdout, again.stdout
+    assert _kinds(counted.proxy.records())["GET .tar"] == 1

@@ -1,16 +1,20 @@
 """Indexing a whole dataset of tar shards at once: what ``python -m loader.tars index`` runs.
 
-:func:`index_dataset` lists the shards' directories, skips the shards that are up to date (an
-``.idx`` beside them and a fresh entry in the summary), and gives the others to a pool: for
-remote shards, :data:`THREADS` threads of this process (the work is waiting on the store: one
-GET of each shard, one PUT of its ``.idx``; the filesystem client is shared), for local ones
-processes (spawned: reading a tar's headers from a local disk is the CPU's work). Each finds the
-shard's ``.idx`` (checked against the shard) or scans the shard and writes its ``.idx`` beside
-it (the index command publishes: it is the one place, with ``publish_index=True``, that writes
-beside the data). The summary is written
-every :data:`SAVE_EVERY` seconds and at the end, so an interrupted run leaves what it did usable,
-and a second run finishes the job (shards whose ``.idx`` exists are read, not scanned).
-Library code: progress goes to a callback (the CLI prints it), not to stdout.
+:func:`index_dataset` lists the shards' directories, skips the shards that are up to date (a
+fresh entry in the summary, with an ``.idx`` beside the shard or the index in the entry), and
+indexes the others. Small remote shards without an ``.idx`` (at most :data:`SMALL_SHARD` bytes)
+are read whole on the store client's event loop, many at once, and scanned here
+(:func:`_small_on_loop`). The rest go to a pool: for remote shards, :data:`THREADS` threads of
+this process (the work is waiting on the store; the filesystem client is shared), for local
+ones processes (spawned: reading a tar's headers from a local disk is the CPU's work). Each
+finds the shard's ``.idx`` (checked against the shard) or scans the shard. An index made is
+kept in the summary where its ``.idx`` text is at most :data:`INLINE_IDX` bytes (a few dozen
+samples), else written beside the shard as ``.idx`` (every one with ``idx_files``: DALI's
+``readers.webdataset`` reads them); the index command publishes: it is the one place, with
+``publish_index=True``, that writes beside the data. The summary is written every
+:data:`SAVE_EVERY` seconds and at the end, so an interrupted run leaves what it did usable, and a
+second run finishes the job (shards whose index exists are read, not scanned). Library code:
+progress goes to a callback (the CLI prints it), not to stdout.
 """
 
 from __future__ import annotations
