@@ -5,7 +5,10 @@ A row group is read whole, over the requested columns only: one ranged read of t
 its first requested chunk to the end of its last (:attr:`ParquetPlan.begins`/``ends``), handed to
 pyarrow as the only bytes of a sparse file of the real file's size (with the footer the plan
 read: pyarrow asks for nothing else), and decoded to :class:`~._columns.Values`. A sample is then
-a row of those: slices of Arrow's buffers, no copy and no Python object per row.
+a row of those: slices of Arrow's buffers, no copy and no Python object per row. Where an epoch
+needs only some rows of a large row group (a worker's part of one the layout cuts, the rows a
+resume still owes) and the file has a page index, only the pages that hold them are read
+(:mod:`._pages`; ``page_index=False`` reads the whole row group).
 
 The loader is told each epoch's batches (``expect``) and each batch loaded (``passed``): a row
 group is read on a background thread when the batch being loaded needs it, or shortly before
