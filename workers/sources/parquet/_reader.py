@@ -138,8 +138,12 @@ class _Ahead:
     epoch, rows)``: a row group read for ``epoch`` (what the read counts go under), ``rows``
     ``[lo, hi)`` of it the epoch needs."""
 
-    def __init__(self, read: Any, ahead: int, ahead_bytes: int | None, sizes: Any) -> None:
+    def __init__(
+        self, read: Any, ahead: int, ahead_bytes: int | None, sizes: Any, counts: Any, pages: bool
+    ) -> None:
         self.read, self.ahead, self.ahead_bytes, self.sizes = read, ahead, ahead_bytes, sizes
+        #: per unit, its rows; whether units may be read by their pages
+        self.counts, self.pages = counts, pages
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._held: dict[int, Future[Held]] = {}
@@ -191,8 +195,17 @@ class _Ahead:
             return False
         if self.ahead_bytes is None or not waiting:
             return True
-        held = sum(int(self.sizes[u]) for u in waiting)
-        return held + int(self.sizes[unit]) <= self.ahead_bytes
+        held = sum(self._bytes(u) for u in waiting)
+        return held + self._bytes(unit) <= self.ahead_bytes
+
+    def _bytes(self, unit: int) -> int:
+        """What reading ``unit`` for this epoch takes: its rows' share of its bytes where the
+        epoch needs few enough of its rows to read their pages, else all of them."""
+        size, rows = int(self.sizes[unit]), self._rows.get(unit)
+        count = int(self.counts[unit])
+        if rows is None or not self.pages or not pages.worth_it(size, count, *rows):
+            return size
+        return size * (rows[1] - rows[0]) // max(1, count)
 
     def get(self, unit: int) -> Future[Held] | None:
         with self._lock:
@@ -224,7 +237,9 @@ class ParquetLoader:
         self.defaults = optional_defaults(plan.kinds, optional)
         self._lock = threading.Lock()
         self._kept: OrderedDict[int, list[Values]] = OrderedDict()
-        self._ahead = _Ahead(self._read_unit, ahead, ahead_bytes, plan.sizes)
+        self._ahead = _Ahead(
+            self._read_unit, ahead, ahead_bytes, plan.sizes, plan.counts, page_index
+        )
         #: row groups found undecodable, and why
         self._damaged: dict[int, DamagedRowGroup] = {}
         #: ranged reads made and their bytes (row groups and images kept as files)

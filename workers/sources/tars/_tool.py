@@ -275,17 +275,27 @@ class _IndexJob:
                     finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
                     for future in finished:
                         _record(future.result(), self)
-                    if time.monotonic() - saved > SAVE_EVERY and self.done.any():
-                        self.save()
-                        saved = time.monotonic()
-                    if progress is not None:
-                        progress(self.state)
+                    saved = self.tick(saved, progress)
             except BaseException:
-                for future in pending:
-                    future.cancel()
-                if self.state.done:
-                    self.save()
+                self.interrupted(pending)
                 raise
+        if self.state.done:
+            self.save()
+
+    def tick(self, saved: float, progress: Callable[[Progress], None] | None) -> float:
+        """Save the summaries when :data:`SAVE_EVERY` seconds passed since ``saved`` (and
+        something is done), tell ``progress``; when the summaries were saved last."""
+        if time.monotonic() - saved > SAVE_EVERY and self.done.any():
+            self.save()
+            saved = time.monotonic()
+        if progress is not None:
+            progress(self.state)
+        return saved
+
+    def interrupted(self, pending: Iterable[Future[Any]]) -> None:
+        """Stopped (an error, ^C): cancel ``pending``, save what is done."""
+        for future in pending:
+            future.cancel()
         if self.state.done:
             self.save()
 
@@ -330,18 +340,11 @@ def _small_on_loop(
                 for future in [f for f in pending if f.done()]:
                     pending.remove(future)
                     _record(future.result(), job)
-                if time.monotonic() - saved > SAVE_EVERY and job.done.any():
-                    job.save()
-                    saved = time.monotonic()
-                if progress is not None:
-                    progress(job.state)
+                saved = job.tick(saved, progress)
             for future in pending:
                 _record(future.result(), job)
         except BaseException:
-            for future in pending:
-                future.cancel()
-            if job.state.done:
-                job.save()
+            job.interrupted(pending)
             raise
     done = set(small)
     return [k for k in todo if k not in done]

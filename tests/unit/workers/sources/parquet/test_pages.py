@@ -196,3 +196,25 @@ def test_an_offset_index_that_lies_is_not_used(tmp_path: Path) -> None:
     load.expect(0, [np.arange(200, 300)])
     assert [int(load(i)[1][0]) for i in range(200, 300)] == list(range(200, 300))
     assert load.bytes_read > plan.sizes[0]
+
+
+def test_the_bytes_read_ahead_count_the_pages_a_worker_reads_not_the_row_groups(
+    tmp_path: Path,
+) -> None:
+    """Three large row groups of which an epoch needs a sixth each: within ``ahead_bytes`` of
+    3 MiB, the third one's pages are read ahead with the second's (about 1.1 MB each), where
+    their whole row groups (6.7 MB each) would have kept it waiting; with ``page_index=False``
+    it waits."""
+    import shutil
+
+    path = big_file(tmp_path)
+    for name in ("b", "c"):
+        shutil.copy(path, tmp_path / f"{name}.parquet")
+    plan = open_plan(str(tmp_path), ("blob", "id"))
+    assert len(plan.counts) == 3 and int(plan.sizes[0]) > 5 << 20
+    batches = [np.arange(600 * k, 600 * k + 100) for k in range(3)]
+    for page_index in (True, False):
+        load = ParquetLoader(plan, ahead=2, ahead_bytes=3 << 20, page_index=page_index)
+        load.expect(0, batches)
+        assert (load._ahead.get(2) is not None) == page_index
+        assert [int(load(int(i))[1][0]) for i in batches[0][:3]] == [0, 1, 2]
