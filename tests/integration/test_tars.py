@@ -429,3 +429,48 @@ def test_a_worker_silent_for_startup_timeout_names_what_it_was_doing(tmp_path: P
         text,
     ), text
     assert "--- worker stack (faulthandler) ---" in text, text
+
+
+@pytest.mark.parametrize("spoil", ["garbage", "another shard's"])
+def test_an_index_the_summary_keeps_that_does_not_fit_its_shard_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, spoil: str
+) -> None:
+    """The index command keeps these small shards' indexes in the summary; one of them spoilt
+    there (text that is no index, or another shard's index, which fits its size): workers that
+    read part of that shard do not use it (one of them makes the shard's index from its bytes;
+    the garbage is named) and every sample comes once with its own id."""
+    import os
+    import subprocess
+    import sys
+
+    from workers.sources.storage import CACHE_DIR_ENV
+    from workers.sources.tars._summary import SUMMARY
+
+    paths = T.write_id_tars(tmp_path / "data", TOTAL, 7)
+    pattern = str(tmp_path / "data" / "train-{000..004}.tar")
+    env = {**os.environ, CACHE_DIR_ENV: str(tmp_path / "indexing-node")}
+    done = subprocess.run(
+        [sys.executable, "-m", "loader.tars", "index", pattern],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 0 and "5 small shards' indexes" in done.stdout, done.stdout
+    assert not list((tmp_path / "data").glob("*.idx"))
+    summary = tmp_path / "data" / SUMMARY
+    document = json.loads(summary.read_text())
+    names = [path.name for path in paths]
+    bad = document["indexes"][names[0]] if spoil != "garbage" else "not an index\n"
+    document["indexes"][names[1]] = bad
+    summary.write_text(json.dumps(document))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "another-node"))
+    caplog.set_level(logging.INFO)
+    with loader_over(pattern, workers=3) as loader:  # (3 parts: shard 1 is cut)
+        seen = sorted(i for batch in loader for i in real(batch, "id"))
+    assert seen == list(range(TOTAL))
+    told = "\n".join(record.getMessage() for record in caplog.records)
+    # (the shard indexed from its bytes; the spoilt index never used, so never found out)
+    assert re.search(r"indexed \S*train-001\.tar: 7 samples", told), told
+    assert "does not describe" not in told, told
+    if spoil == "garbage":
+        assert "ignored the index the summary keeps" in told, told
