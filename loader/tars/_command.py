@@ -10,7 +10,7 @@ is the same.
 [--force]`` indexes every shard of a dataset (local paths or fsspec URLs, brace patterns
 allowed), remote shards N threads at a time (default 32), local ones with N processes: a shard
 whose ``.idx`` exists and fits it is read, any other is scanned once and its ``.idx`` written
-beside it (a small one, of at most 4 KB, kept in the summary instead, unless ``--idx-files``);
+beside it (a small one, of at most 1 KB, kept in the summary instead, unless ``--idx-files``);
 then the summary is written beside the shards (a job writes neither there unless
 asked: ``publish_index=True``). Run it again to finish an
 interrupted run: what is done is not done again. After it, a worker's start costs a few requests
@@ -129,7 +129,7 @@ def _index_arguments(index: argparse.ArgumentParser) -> None:
         "--idx-files",
         action="store_true",
         help="write every shard's .idx beside it (for DALI's readers.webdataset); by default "
-        "a small shard's index (at most 4 KB of .idx) is kept in the summary instead",
+        "a small shard's index (at most 1 KB of .idx) is kept in the summary instead",
     )
 
 

@@ -16,7 +16,7 @@ about to read that shard (:mod:`sources.tars._shards`)::
      "indexes": {"train-000007.tar": "v1.2 4\\ncls 512 1 s0.cls ...", ...}}
 
 ``indexes`` (optional) holds the ``.idx`` text of the shards whose index is small (at most
-:data:`INLINE_IDX` bytes: a few dozen samples): the index command keeps it there instead of
+:data:`INLINE_IDX` bytes: about a dozen samples): the index command keeps it there instead of
 writing an ``.idx`` beside each (one request a shard fewer to index a dataset of many small
 shards, and to read one), unless asked for the files (``--idx-files``: DALI's own
 ``readers.webdataset`` reads ``.idx`` files). A loader that does not know the key ignores it
@@ -48,7 +48,7 @@ FORMAT = "dali-capture-loader tar summary"
 VERSION = 1
 _COLUMNS = ["name", "size", "version", "samples", "keys"]
 #: The largest ``.idx`` text the index command keeps in the summary instead of beside its shard.
-INLINE_IDX = 4096
+INLINE_IDX = 1024
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ are read whole on the store client's event loop, many at once, and scanned here
 this process (the work is waiting on the store; the filesystem client is shared), for local
 ones processes (spawned: reading a tar's headers from a local disk is the CPU's work). Each
 finds the shard's ``.idx`` (checked against the shard) or scans the shard. An index made is
-kept in the summary where its ``.idx`` text is at most :data:`INLINE_IDX` bytes (a few dozen
+kept in the summary where its ``.idx`` text is at most :data:`INLINE_IDX` bytes (about a dozen
 samples), else written beside the shard as ``.idx`` (every one with ``idx_files``: DALI's
 ``readers.webdataset`` reads them); the index command publishes: it is the one place, with
 ``publish_index=True``, that writes beside the data. The summary is written every
