@@ -66,10 +66,10 @@ class LeafPages:
     rows: tuple[int, int]
 
 
-def worth_it(size: int, rows: int, lo: int, hi: int) -> bool:
-    """Whether rows ``[lo, hi)`` of a row group of ``rows`` rows and ``size`` bytes are worth
-    reading by their pages."""
-    return size >= MIN_BYTES and (hi - lo) <= SHARE * rows
+def worth_it(size: int, count: int, rows: tuple[int, int] | None) -> bool:
+    """Whether ``rows`` ``[lo, hi)`` of a row group of ``count`` rows and ``size`` bytes are
+    worth reading by their pages (None: all of them are needed)."""
+    return rows is not None and size >= MIN_BYTES and (rows[1] - rows[0]) <= SHARE * count
 
 
 def _columns(footer: Struct, group: int) -> list[Struct]:
@@ -187,7 +187,8 @@ def leaf_file(
     )
     values, uncompressed = values + dictionary_values, uncompressed + dictionary_size
     rows = part.rows[1] - part.rows[0]
-    meta = Struct(_columns(footer, group)[part.leaf].get_value(3))
+    columns = _columns(footer, group)
+    meta = Struct(columns[part.leaf].get_value(3))
     meta[5] = (I64, values)
     meta[6] = (I64, uncompressed)
     meta[7] = (I64, len(dictionary) + len(pages))
@@ -196,12 +197,11 @@ def leaf_file(
         meta[11] = (I64, 4)
     for gone in (10, 11, 12, 14, 15, 16) if not dictionary else (10, 12, 14, 15, 16):
         meta.pop(gone, None)  # (another page's offset, statistics of all the rows, a bloom filter)
-    chunk = Struct(_columns(footer, group)[part.leaf])
+    chunk = Struct(columns[part.leaf])
     for gone in (4, 5, 6, 7):  # (its page index)
         chunk.pop(gone, None)
     chunk[2] = (I64, 4)
     chunk[3] = (STRUCT, meta)
-    columns = _columns(footer, group)
     columns[part.leaf] = chunk
     row_group = Struct(footer.get_value(4)[1][group])
     row_group[1] = (LIST, (STRUCT, columns))

@@ -203,7 +203,7 @@ class _Ahead:
         epoch needs few enough of its rows to read their pages, else all of them."""
         size, rows = int(self.sizes[unit]), self._rows.get(unit)
         count = int(self.counts[unit])
-        if rows is None or not self.pages or not pages.worth_it(size, count, *rows):
+        if not self.pages or rows is None or not pages.worth_it(size, count, rows):
             return size
         return size * (rows[1] - rows[0]) // max(1, count)
 
@@ -287,12 +287,8 @@ class ParquetLoader:
         loading one): rows ``[lo, hi)`` of it by their pages where that is worth it
         (:mod:`._pages`), else the whole row group."""
         plan = self.plan
-        count = int(plan.counts[unit])
-        if (
-            rows is not None
-            and self.page_index
-            and pages.worth_it(int(plan.sizes[unit]), count, *rows)
-        ):
+        count, size = int(plan.counts[unit]), int(plan.sizes[unit])
+        if self.page_index and rows is not None and pages.worth_it(size, count, rows):
             held = self._read_pages(unit, epoch, *rows)
             if held is not None:
                 return held

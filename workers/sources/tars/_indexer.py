@@ -208,18 +208,27 @@ class Indexer:
         self.warn(message)
         return None
 
+    def inline(self, url: str, text: bytes | None) -> str:
+        """``text`` (the ``.idx`` of ``url``'s index) kept for the summary in :attr:`inlined`
+        when it is at most :attr:`inline_max` bytes long; "" when it is not kept."""
+        if text is None or len(text) > self.inline_max:
+            return ""
+        self.inlined[url] = text.decode()
+        return self.inlined[url]
+
     def keep(self, url: str, index: TarIndex, identity: Identity) -> None:
         """Keep ``index`` in this node's cache and, with :attr:`publish`, write it beside its
-        shard as ``.idx`` (where the store allows it)."""
-        text = format_idx(index) if self.publish else None
+        shard as ``.idx`` (where the store allows it) or keep it for the summary
+        (:meth:`inline`)."""
+        self.keep_text(url, index, identity, format_idx(index) if self.publish else None)
+
+    def keep_text(self, url: str, index: TarIndex, identity: Identity, text: bytes | None) -> None:
+        """:meth:`keep` with the index's ``.idx`` ``text`` made already."""
         wrote = False
-        inline = text is not None and len(text) <= self.inline_max
-        if inline:
-            assert text is not None
-            self.inlined[url] = text.decode()
-        elif self.publish and text is None:
+        inline = bool(self.inline(url, text))
+        if self.publish and text is None:
             logger.info("%s has a member name with white space: its index stays in the cache", url)
-        elif text is not None and self.writable:
+        elif text is not None and not inline and self.writable:
             where = idx_url(url)
             try:
                 self.storage.write(local_path(where), text)

@@ -146,8 +146,8 @@ def index_dataset(
     ones (default: the CPUs this process may use). A shard's index of at most
     :data:`INLINE_IDX` bytes of ``.idx`` is kept in the summary, not written beside it, unless
     ``idx_files`` (every one beside: DALI's ``readers.webdataset`` reads ``.idx`` files)."""
-    job = _IndexJob(check_urls(urls, storage_options, retries), storage_options, retries)
-    job.inline_max = 0 if idx_files else INLINE_IDX
+    expanded = check_urls(urls, storage_options, retries)
+    job = _IndexJob(expanded, storage_options, retries, 0 if idx_files else INLINE_IDX)
     todo = job.plan(force)
     if not job.storage.local:
         todo = _small_on_loop(job, todo, threads or THREADS, force, progress)
@@ -181,9 +181,14 @@ class _IndexJob:
     """One run of :func:`index_dataset`: what is known of every shard, and the summaries."""
 
     def __init__(
-        self, expanded: list[str], storage_options: dict[str, Any] | None, retries: int
+        self,
+        expanded: list[str],
+        storage_options: dict[str, Any] | None,
+        retries: int,
+        inline_max: int,
     ) -> None:
-        self.expanded, self.retries = expanded, retries
+        """``inline_max``: the longest ``.idx`` kept in the summary (0: none)."""
+        self.expanded, self.retries, self.inline_max = expanded, retries, inline_max
         self.options = dict(storage_options or {})
         self.storage = storage_for(expanded[0], storage_options, retries)
         self.listed = list_shards(self.storage, expanded)
@@ -192,7 +197,6 @@ class _IndexJob:
         self.hashes = [""] * count
         #: per shard, the ``.idx`` text the summary keeps of it ("": beside it)
         self.indexes = [""] * count
-        self.inline_max = 0
         self.done = np.zeros(count, dtype=bool)
         self.summaries = {
             d: read_summary(self.storage, d, listing) for d, listing in self.listed.listings.items()
@@ -321,7 +325,7 @@ def _small_on_loop(
     ]
     if not small:
         return todo
-    indexer = Indexer(storage, publish=True)
+    indexer = Indexer(storage, publish=True, inline_max=job.inline_max)
     reads, saved = [], time.monotonic()
     for k in small:
         cached = None if force else load_cached(storage, job.expanded[k], listed.identities[k])
@@ -385,12 +389,12 @@ def _kept(
     scanned = identity[0] if source == "scan" else 0
     text = format_idx(index)
     found = Indexed(k, index.samples, index.keys_hash, source, scanned)
-    if text is not None and len(text) <= job.inline_max:
-        found.idx = text.decode()
+    found.idx = indexer.inline(url, text)
+    if found.idx:
         return found
 
     def write() -> Indexed:
-        indexer.keep(url, index, identity)
+        indexer.keep_text(url, index, identity, text)
         found.wrote_beside = indexer.writable
         return found
 
