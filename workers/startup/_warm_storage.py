@@ -71,7 +71,7 @@ _S3 = frozenset({"s3", "s3a"})
 _KEYS = ("protocols", "modules")
 #: The modules a reader may note with :func:`used` (and a server import ahead): no other name
 #: from a record file is ever imported.
-READER_MODULES = frozenset({"pyarrow.parquet"})
+READER_MODULES = frozenset({"pyarrow.parquet", "pyarrow.compute"})
 #: Reader modules this process has noted already.
 _noted_modules: set[str] = set()
 

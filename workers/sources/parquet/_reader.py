@@ -41,7 +41,7 @@ from ..storage import (
     storage_for,
 )
 from . import _pages as pages
-from ._arrow import pyarrow_modules
+from ._arrow import note_compute, pyarrow_modules
 from ._columns import Values, default_value, values_of
 from ._footers import read_footer_bytes
 from ._plan import ParquetPlan, read_ranges
@@ -355,6 +355,7 @@ class ParquetLoader:
 
         try:
             pa, pq = pyarrow_modules()
+            note_compute()
             arrays = {}
             for part in parts:
                 made = pages.leaf_file(

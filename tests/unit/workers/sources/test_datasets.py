@@ -43,18 +43,19 @@ def test_each_definition_names_what_its_workers_will_open_for_the_server() -> No
 
     from loader import FilesDataset, MixDataset, ParquetDataset, TarsDataset
 
+    ARROW = ("module:pyarrow.parquet", "module:pyarrow.compute")  # (compute: page reads)
     tars = TarsDataset(["s3://b/a-{0..3}.tar", "S3://b/c.tar", "gs://x/d.tar", "/local/e.tar"])
     assert tars.server_needs() == ("protocol:s3", "protocol:gs")
     assert TarsDataset(Path("/data/shards")).server_needs() == ()
     assert FilesDataset("/data/images").server_needs() == ()
     assert ParquetDataset("hf://datasets/org/name@main/*.parquet").server_needs() == (
         "protocol:hf",
-        "module:pyarrow.parquet",
+        *ARROW,
     )
-    assert ParquetDataset("/data/pq").server_needs() == ("module:pyarrow.parquet",)
+    assert ParquetDataset("/data/pq").server_needs() == ARROW
     assert SamplesDataset(10, _load).server_needs() == ()
     mix = MixDataset(
         {"a": tars, "b": ParquetDataset(["s3://b/x.parquet"]), "c": SamplesDataset(4, _load)},
         {"a": 1.0, "b": 1.0, "c": 1.0},
     )
-    assert mix.server_needs() == ("protocol:s3", "protocol:gs", "module:pyarrow.parquet")
+    assert mix.server_needs() == ("protocol:s3", "protocol:gs", *ARROW)
