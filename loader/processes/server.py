@@ -46,6 +46,7 @@ import inspect
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import sys
@@ -171,6 +172,14 @@ def server_fds() -> set[int]:
     return {fd} if fd >= 0 else set()
 
 
+def wait_released(timeout: float = 5.0) -> bool:
+    """Wait up to ``timeout`` seconds until this process's server no longer holds copies of the
+    descriptors this process had when it was forked (:meth:`WorkerServer.wait_released`); True
+    at once when none runs or it is a fresh interpreter."""
+    server = _running
+    return server is None or server.wait_released(timeout)
+
+
 def started_how() -> str | None:
     """``fork`` or ``exec``: how the running server was started; None when none runs."""
     server = _running
@@ -287,6 +296,10 @@ class WorkerServer:
         self._sock = sock
         self._send_lock = threading.Lock()
         self._exited = False
+        #: whether it holds none of this process's descriptors (a fork holds copies of all of
+        #: them until it has released them)
+        self._released = how != "fork"
+        self._release_lock = threading.Lock()
 
     @classmethod
     def start(cls, how: str) -> WorkerServer:
@@ -306,6 +319,22 @@ class WorkerServer:
     def fileno(self) -> int:
         """The socket's descriptor (-1 once closed)."""
         return self._sock.fileno()
+
+    def wait_released(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a forked server to say it has released the
+        descriptors it inherited (until then a pipe this process closes stays open there, and a
+        leak check that counts what the server holds as the server's could miss it, or later
+        find it). True once it has said so, has exited, or is no fork."""
+        with self._release_lock:
+            if self._released or self._sock.fileno() < 0:
+                return True
+            with contextlib.suppress(OSError, ValueError):
+                ready, _, _ = select.select([self._sock], [], [], timeout)
+                if not ready:
+                    return False
+                self._sock.recv(64, socket.MSG_DONTWAIT)  # its word, or its end (b"")
+            self._released = True
+            return True
 
     def alive(self) -> bool:
         """False once the server has exited (and is reaped: it is this process's child)."""

@@ -255,6 +255,9 @@ def _shm_made_here(new: set[str]) -> list[str]:
 
 
 def snapshot() -> Snapshot:
+    # (a worker server forked a moment ago still holds copies of this process's pipes, which
+    # would count as the server's now and as this test's once it has released them)
+    worker_server.wait_released()
     return Snapshot(
         frozenset(_live_children()), frozenset(_watched_fds()), frozenset(_shm_entries())
     )

@@ -573,3 +573,34 @@ def test_a_main_module_that_only_defines_is_imported_while_the_trainer_sets_up(
     finally:
         trainer.kill()
         trainer.wait(10)
+
+
+RELEASE_SCRIPT = """
+import json, os
+read_end, write_end = os.pipe()  # open as the server is forked (a test session's pipes)
+pipe = os.readlink(f"/proc/self/fd/{read_end}")
+import loader  # (the server is forked at the end of the import)
+from loader.processes import server as _server
+
+released = _server.wait_released(60)
+pid = _server.server_pid()
+held = [os.readlink(f"/proc/{pid}/fd/{name}") for name in os.listdir(f"/proc/{pid}/fd")]
+print(json.dumps({"how": _server.started_how(), "released": released, "pipe": pipe,
+                  "held": held, "again": _server.wait_released(0)}))
+"""
+
+
+def test_a_forked_server_has_released_the_trainers_pipes_once_it_says_so(
+    tmp_path: Path,
+) -> None:
+    """A server forked from the trainer holds copies of the trainer's descriptors until it has
+    released them; ``wait_released`` returns once it has (a leak check's snapshot waits for it:
+    a test's first snapshot taken before the release counted the trainer's pipes as the
+    server's, and its last one then found them as the test's leak)."""
+    script = tmp_path / "released.py"
+    script.write_text(RELEASE_SCRIPT)
+    found = json.loads(run_python(tmp_path, str(script)).stdout.strip().splitlines()[-1])
+    assert found["how"] == "fork"
+    assert found["released"] is True and found["again"] is True
+    assert found["pipe"].startswith("pipe:")
+    assert found["pipe"] not in found["held"], found
