@@ -34,16 +34,18 @@ from bench._s3 import CountingProxy, S3Server
 CONTENDERS = (
     "pq-loader",
     "pq-loader-summary",
+    "pq-loader-ordered",
     "pq-datasets",
     "pq-datasets-reshard",
     "pq-datasets-ordered",
     "pq-datasets-reshard-ordered",
     "pq-litdata",
 )
-OURS = ("pq-loader", "pq-loader-summary")
+OURS = ("pq-loader", "pq-loader-summary", "pq-loader-ordered")
 NAMES = {
     "pq-loader": "loader",
     "pq-loader-summary": "loader+summary",
+    "pq-loader-ordered": "loader, unshuffled",
     "pq-datasets": "datasets (files)",
     "pq-datasets-reshard": "datasets reshard()",
     "pq-datasets-ordered": "datasets, unshuffled",
@@ -351,7 +353,7 @@ def targets(runs: dict[str, list[tuple[Any, Any]]]) -> str:
     lines = []
     for label, pick, lowest in measures:
         theirs = best(anchors, pick, lowest)
-        for ours in OURS:
+        for ours in (n for n in OURS if n in runs):
             mine = best([ours], pick, lowest)
             if theirs is None or mine is None:
                 continue

@@ -18,10 +18,10 @@ package: so nothing here imports them at the top). ``MODE``:
 The Parquet contenders of ``bash bench/anchors.sh --format parquet`` (:mod:`bench._anchor_parquet`)
 read the place ``BENCH_ANCHORS_PLACE`` names (``local`` or ``s3``): ``pq-loader`` and
 ``pq-loader-summary`` (this loader's ``ParquetDataset``, over the files alone or beside the index
-command's summary), ``pq-datasets`` and ``pq-datasets-reshard`` (Hugging Face ``datasets``
-streaming, a file a shard or, after ``reshard()``, a row group a shard; both from
-``.venv-datasets``, which has ``datasets`` and ``torchdata``), ``pq-litdata`` (LitData's
-``ParquetLoader``).
+command's summary), ``pq-loader-ordered`` (over the files, unshuffled), ``pq-datasets`` and
+``pq-datasets-reshard`` (Hugging Face ``datasets`` streaming, a file a shard or, after
+``reshard()``, a row group a shard; both from ``.venv-datasets``, which has ``datasets`` and
+``torchdata``), ``pq-litdata`` (LitData's ``ParquetLoader``).
 
 Each run is a training script's start: ``torch`` first, then the loader's library, then the loader.
 Each run speaks one JSON object a line on stdout: ``{"at": "imported"}`` once its imports are done,
@@ -87,6 +87,7 @@ def main(argv: list[str]) -> None:
         "mosaic": run_mosaic,
         "pq-loader": run_parquet_loader,
         "pq-loader-summary": functools.partial(run_parquet_loader, key="summary"),
+        "pq-loader-ordered": functools.partial(run_parquet_loader, shuffle=False),
         "pq-datasets": run_datasets,
         "pq-datasets-reshard": functools.partial(run_datasets, reshard=True),
         "pq-datasets-ordered": functools.partial(run_datasets, shuffle=False),
@@ -394,10 +395,17 @@ def _parquet(key: str = "files") -> tuple[str, int, str]:
 
 
 def run_parquet_loader(
-    mode: str, endpoint: str, prefix: str, state: str, cache: str, key: str = "files"
+    mode: str,
+    endpoint: str,
+    prefix: str,
+    state: str,
+    cache: str,
+    key: str = "files",
+    shuffle: bool = True,
 ) -> None:
     """This loader's ``ParquetDataset`` over the directory (``key="summary"``: the copy the
-    index command wrote its summary beside), under ``Loader`` with 2 workers."""
+    index command wrote its summary beside), under ``Loader`` with 2 workers; ``shuffle=False``:
+    in the files' order, as the unshuffled anchors read."""
     os.environ["DALI_LOADER_CACHE_DIR"] = cache  # (a new node's: no footer cached)
     import bench._anchor_steps  # noqa: F401  (imported as a script does, timed apart)
     from loader import ParquetDataset
@@ -407,7 +415,9 @@ def run_parquet_loader(
     url, total, place = _parquet(key)
     options = _s3fs_options(endpoint) if place == "s3" else None
     started = time.monotonic()
-    dataset = ParquetDataset(url, columns=("image", "label", "id"), storage_options=options)
+    dataset = ParquetDataset(
+        url, columns=("image", "label", "id"), storage_options=options, shuffle=shuffle
+    )
     _drive_loader(dataset, mode, started, total, state)
 
 
