@@ -61,9 +61,6 @@ logger = logging.getLogger("loader")
 
 _serving = False
 
-#: What a forked server sends once it has released the trainer's descriptors it inherited.
-RELEASED = b"released"
-
 #: Seconds a server whose trainer is gone waits for that trainer's workers to exit.
 ORPHANED_WAIT = 30.0
 
@@ -77,9 +74,7 @@ def serve_forked(sock: socket.socket, partial_modules: Iterable[str]) -> NoRetur
     """The entry point of a server forked from the trainer, in the child of that fork: release
     what the trainer's copy holds, drop the modules that were still executing at the fork (their
     code never finishes here; they are imported again when needed), then serve. Never returns."""
-    _release_inherited(keep={0, 1, 2, sock.fileno()})
-    with contextlib.suppress(OSError):  # (the trainer may ask: WorkerServer.wait_released)
-        sock.send(RELEASED)
+    _release_inherited(keep={0, 1, 2, sock.fileno()})  # (the trainer sees its release pipe end)
     for name in partial_modules:
         if name != "__main__":
             sys.modules.pop(name, None)

@@ -296,23 +296,32 @@ class WorkerServer:
         self._sock = sock
         self._send_lock = threading.Lock()
         self._exited = False
-        #: whether it holds none of this process's descriptors (a fork holds copies of all of
-        #: them until it has released them)
-        self._released = how != "fork"
+        #: a forked server's release pipe: its end of stream tells that the server holds
+        #: none of this process's descriptors any more (None: told, or no fork)
+        self._release: int | None = None
         self._release_lock = threading.Lock()
 
     @classmethod
     def start(cls, how: str) -> WorkerServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # A fork holds copies of every descriptor of this process until it has released them
+        # (workers.server._release_inherited), the write end of this pipe among them: the
+        # read end's end of stream tells when (wait_released).
+        release = os.pipe() if how == "fork" else None
         try:
             with blocked_for_start():  # a Ctrl-C while it starts is the trainer's (ipc.signals)
                 pid = _fork_server(ours, theirs) if how == "fork" else _exec_server(theirs)
         except BaseException:
             ours.close()
+            if release is not None:
+                os.close(release[0])
             raise
         finally:
             theirs.close()
+            if release is not None:
+                os.close(release[1])
         server = cls(pid, how, ours)
+        server._release = release[0] if release is not None else None
         server.send(_setup())
         return server
 
@@ -321,20 +330,21 @@ class WorkerServer:
         return self._sock.fileno()
 
     def wait_released(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a forked server to say it has released the
-        descriptors it inherited (until then a pipe this process closes stays open there, and a
-        leak check that counts what the server holds as the server's could miss it, or later
-        find it). True once it has said so, has exited, or is no fork."""
+        """Wait up to ``timeout`` seconds for a forked server to release the descriptors it
+        inherited (until then a pipe this process closes stays open there, and a leak check
+        that counts what the server holds as the server's could miss it, or later find it).
+        True once it has (or has exited), or when it is no fork."""
         with self._release_lock:
-            if self._released or self._sock.fileno() < 0:
+            if self._release is None:
                 return True
-            with contextlib.suppress(OSError, ValueError):
-                ready, _, _ = select.select([self._sock], [], [], timeout)
-                if not ready:
-                    return False
-                self._sock.recv(64, socket.MSG_DONTWAIT)  # its word, or its end (b"")
-            self._released = True
-            return True
+            poll = select.poll()
+            poll.register(self._release, select.POLLIN)
+            told = bool(poll.poll(max(0, int(timeout * 1000))))  # (end of stream: never data)
+            # (not told: a process forked from this one in the moment the pipe's write end was
+            # open here holds it; not waited for again)
+            os.close(self._release)
+            self._release = None
+            return told
 
     def alive(self) -> bool:
         """False once the server has exited (and is reaped: it is this process's child)."""
@@ -348,6 +358,10 @@ class WorkerServer:
     def forget(self) -> None:
         """Close the socket: a server that still runs stops serving (module docstring)."""
         self._sock.close()
+        with self._release_lock:
+            if self._release is not None:
+                os.close(self._release)
+                self._release = None
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the server to exit; True once it has."""
