@@ -74,7 +74,8 @@ def serve_forked(sock: socket.socket, partial_modules: Iterable[str]) -> NoRetur
     """The entry point of a server forked from the trainer, in the child of that fork: release
     what the trainer's copy holds, drop the modules that were still executing at the fork (their
     code never finishes here; they are imported again when needed), then serve. Never returns."""
-    _release_inherited(keep={0, 1, 2, sock.fileno()})  # (the trainer sees its release pipe end)
+    # (the write end of the trainer's release pipe is among them: the trainer sees it end)
+    _release_inherited(keep={0, 1, 2, sock.fileno()})
     for name in partial_modules:
         if name != "__main__":
             sys.modules.pop(name, None)

@@ -290,7 +290,7 @@ def _executing_modules() -> list[str]:
 class WorkerServer:
     """The trainer's handle on its running server: its pid, how it started, the socket to it."""
 
-    def __init__(self, pid: int, how: str, sock: socket.socket) -> None:
+    def __init__(self, pid: int, how: str, sock: socket.socket, release: int | None = None) -> None:
         self.pid = pid
         self.how = how
         self._sock = sock
@@ -298,7 +298,7 @@ class WorkerServer:
         self._exited = False
         #: a forked server's release pipe: its end of stream tells that the server holds
         #: none of this process's descriptors any more (None: told, or no fork)
-        self._release: int | None = None
+        self._release = release
         self._release_lock = threading.Lock()
 
     @classmethod
@@ -320,8 +320,7 @@ class WorkerServer:
             theirs.close()
             if release is not None:
                 os.close(release[1])
-        server = cls(pid, how, ours)
-        server._release = release[0] if release is not None else None
+        server = cls(pid, how, ours, release[0] if release is not None else None)
         server.send(_setup())
         return server
 

@@ -590,7 +590,7 @@ print(json.dumps({"how": _server.started_how(), "released": released, "pipe": pi
 """
 
 
-def test_a_forked_server_has_released_the_trainers_pipes_once_it_says_so(
+def test_a_forked_server_has_released_the_trainers_pipes_once_wait_released_returns(
     tmp_path: Path,
 ) -> None:
     """A server forked from the trainer holds copies of the trainer's descriptors until it has
