@@ -168,8 +168,9 @@ def _reap_retired() -> None:
 def server_fds() -> set[int]:
     """The descriptors this process keeps open for its server (to tell them from leaks)."""
     server = _running
-    fd = server.fileno() if server is not None else -1
-    return {fd} if fd >= 0 else set()
+    if server is None:
+        return set()
+    return {fd for fd in (server.fileno(), server.release_fd()) if fd >= 0}
 
 
 def wait_released(timeout: float = 5.0) -> bool:
@@ -327,6 +328,11 @@ class WorkerServer:
     def fileno(self) -> int:
         """The socket's descriptor (-1 once closed)."""
         return self._sock.fileno()
+
+    def release_fd(self) -> int:
+        """The release pipe's read end (-1 once closed, or for no fork)."""
+        release = self._release
+        return release if release is not None else -1
 
     def wait_released(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a forked server to release the descriptors it
