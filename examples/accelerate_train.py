@@ -170,6 +170,9 @@ def train(args: argparse.Namespace, log: JsonLog) -> None:
                     log.write(event="saved", rank=rank, global_step=progress.global_step)
                     if progress.global_step == args.kill_at_step:
                         log.write(event="killed", rank=rank, global_step=progress.global_step)
+                        # every rank's record is written before the first dies (the launcher
+                        # then stops the others with SIGTERM)
+                        accelerator.wait_for_everyone()
                         os.kill(os.getpid(), signal.SIGKILL)
         log.write(
             event="end",

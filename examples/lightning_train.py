@@ -214,6 +214,7 @@ def fit(args: argparse.Namespace, loader: Loader, log: JsonLog) -> None:
             super().on_train_batch_end(trainer, *args, **kwargs)  # saves; all ranks wait for it
             if self.kill_at is not None and trainer.global_step == self.kill_at:
                 log.write(event="killed", rank=trainer.global_rank, global_step=trainer.global_step)
+                trainer.strategy.barrier()  # (every rank's record written before the first dies)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     torch.manual_seed(args.seed)
