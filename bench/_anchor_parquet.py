@@ -334,9 +334,16 @@ def table(runs: dict[str, list[tuple[Any, Any]]], layout: dict[str, Any], remote
     return H.table(columns, shown)
 
 
+#: The contenders that read in the files' order (the rest shuffle).
+UNSHUFFLED = frozenset({"pq-loader-ordered", "pq-datasets-ordered", "pq-datasets-reshard-ordered"})
+
+
 def targets(runs: dict[str, list[tuple[Any, Any]]]) -> str:
     """This loader against the best anchor (the best of each one's runs): first batch and resume
-    (lower is better), epoch samples/s (higher is better)."""
+    (lower is better), epoch samples/s (higher is better); then like for like, each against the
+    best anchor that orders as it does (shuffled against shuffled, unshuffled against
+    unshuffled): a shuffle's first batch draws from many row groups, an unshuffled one from
+    the first."""
     anchors = [n for n in runs if n not in OURS]
     if not anchors:
         return ""
@@ -350,18 +357,25 @@ def targets(runs: dict[str, list[tuple[Any, Any]]]) -> str:
         ("resume", lambda f, r: r.first_s if r is not None else None, True),
         ("epoch samples/s", lambda f, r: f.epoch_samples / f.epoch_s if f.epoch_s else None, False),
     )
-    lines = []
-    for label, pick, lowest in measures:
-        theirs = best(anchors, pick, lowest)
-        for ours in (n for n in OURS if n in runs):
-            mine = best([ours], pick, lowest)
-            if theirs is None or mine is None:
-                continue
-            lines.append(
-                f"  {NAMES[ours]} {label}: {mine[0]:.2f} / best anchor ({NAMES[theirs[1]]}) "
-                f"{theirs[0]:.2f} = {mine[0] / theirs[0]:.2f}x"
-            )
+
+    def compared(alike: bool) -> list[str]:
+        lines = []
+        for label, pick, lowest in measures:
+            for ours in (n for n in OURS if n in runs):
+                same = [a for a in anchors if (a in UNSHUFFLED) == (ours in UNSHUFFLED)]
+                theirs = best(same if alike else anchors, pick, lowest)
+                mine = best([ours], pick, lowest)
+                if theirs is None or mine is None:
+                    continue
+                lines.append(
+                    f"  {NAMES[ours]} {label}: {mine[0]:.2f} / best anchor ({NAMES[theirs[1]]}) "
+                    f"{theirs[0]:.2f} = {mine[0] / theirs[0]:.2f}x"
+                )
+        return lines
+
     return (
         "against the best anchor (target: first batch and resume <= 1x, epoch >= 0.95x):\n"
-        + "\n".join(lines)
+        + "\n".join(compared(False))
+        + "\nlike for like (shuffled against the best shuffled anchor, unshuffled against the "
+        "best unshuffled one):\n" + "\n".join(compared(True))
     )

@@ -40,3 +40,20 @@ def test_targets_compare_with_the_best_anchor_of_each_measure() -> None:
 
 def test_targets_without_anchors_is_empty() -> None:
     assert targets({"pq-loader": [_run(1.0, 1.0, 1.0)]}) == ""
+
+
+def test_targets_also_compare_like_for_like_by_order() -> None:
+    """An unshuffled anchor's start is the best overall, but a shuffled loader is also set
+    beside the best shuffled anchor, and the unshuffled loader beside the best unshuffled one."""
+    runs = {
+        "pq-loader": [_run(0.2, 1.0, 0.2)],
+        "pq-loader-ordered": [_run(0.12, 1.0, 0.12)],
+        "pq-datasets": [_run(0.3, 1.0, 0.4)],
+        "pq-datasets-ordered": [_run(0.1, 1.0, 0.15)],
+    }
+    text = targets(runs)
+    overall, alike = text.split("like for like")
+    assert "loader first batch: 0.20 / best anchor (datasets, unshuffled) 0.10 = 2.00x" in overall
+    assert "  loader first batch: 0.20 / best anchor (datasets (files)) 0.30 = 0.67x" in alike
+    assert "loader, unshuffled first batch: 0.12 / best anchor (datasets, unshuffled) 0.10" in alike
+    assert "loader resume: 0.20 / best anchor (datasets (files)) 0.40 = 0.50x" in alike
