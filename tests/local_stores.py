@@ -99,6 +99,7 @@ class LocalHub:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # (as the counting proxy: bench._s3)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
