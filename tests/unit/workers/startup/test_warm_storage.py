@@ -315,3 +315,57 @@ def test_a_server_that_imports_s3fs_loads_botocores_s3_data_for_its_workers_sess
     assert found["shared"] is True
     assert found["loaded_by_the_client"] == [], found  # (all of it found in the shared loader)
     assert found["profile"] is False and found["users"] == 1 and found["gcs"] is False
+
+
+def test_the_header_timestamp_parser_gives_what_botocores_gives() -> None:
+    """S3's header dates (every GET's Last-Modified) are read without dateutil's general
+    parser, to the same datetime, time zone object included; any other form, and a bad one,
+    goes to botocore's parser (its result, its error)."""
+    import random
+
+    from botocore.utils import parse_timestamp
+
+    days, months = (
+        ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"),
+        (["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"]),
+    )
+    draw = random.Random(7)
+    values: list[Any] = [
+        f"{draw.choice(days)}, {draw.randint(1, 28):02d} {draw.choice(months)} "
+        f"{draw.randint(1971, 2099)} {draw.randint(0, 23):02d}:{draw.randint(0, 59):02d}:"
+        f"{draw.randint(0, 59):02d} GMT"
+        for _ in range(200)
+    ]
+    values += ["2026-12-07T16:00:00.000Z", "2026-12-07T16:00:00+02:00", 1700000000, "1700000000"]
+    for value in values:
+        mine, theirs = _warm_storage.header_timestamp(value), parse_timestamp(value)
+        assert mine == theirs and type(mine.tzinfo) is type(theirs.tzinfo), value
+    for bad in ("Mon, 99 Dec 2026 16:00:00 GMT", "not a date at all, really GMT"):
+        with pytest.raises(ValueError) as mine_error:
+            _warm_storage.header_timestamp(bad)
+        with pytest.raises(ValueError) as their_error:
+            parse_timestamp(bad)
+        assert str(mine_error.value) == str(their_error.value)
+
+
+def test_an_s3_filesystem_gets_its_threads_session_with_the_quick_timestamp_parser() -> None:
+    """Options s3fs would make a plain session for get this thread's session, the same one
+    each time (fsspec's cache of filesystems then finds a thread's earlier one), another on
+    another thread; its clients parse timestamps with ``header_timestamp``. Options with a
+    session of the user's, or keywords s3fs gives its own session (a profile), keep theirs."""
+    import concurrent.futures
+
+    from botocore.parsers import RestXMLParser
+
+    plain = {"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"}
+    session = _warm_storage.with_session("s3", plain)["session"]
+    assert _warm_storage.with_session("s3", dict(plain))["session"] is session
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(_warm_storage.with_session, "s3", plain).result()["session"]
+    assert other is not session
+    parser = session.get_component("response_parser_factory").create_parser("rest-xml")
+    assert isinstance(parser, RestXMLParser)
+    assert parser._timestamp_parser is _warm_storage.header_timestamp
+    assert "session" not in _warm_storage.with_session("s3", {**plain, "profile": "p"})
+    assert _warm_storage.with_session("s3", {**plain, "session": 1})["session"] == 1
+    assert "session" not in _warm_storage.with_session("gcs", plain)
