@@ -314,3 +314,27 @@ def wds2idx(tar: Path, out: Path) -> bytes:
         pytest.skip("DALI's wds2idx is not installed")
     subprocess.run([tool, str(tar), str(out)], check=True, capture_output=True)
     return out.read_bytes()
+
+
+class GatedIds(Ids):
+    """:class:`Ids` whose samples from ``gated_from`` on wait until the file ``gate`` exists (at
+    most ``patience`` seconds, and none after a wait gave up), and note in ``gate + ".waited"``
+    how each wait ended: "opened" (the file came) or "gave up"."""
+
+    def __init__(self, gate: str, gated_from: int, patience: float = 10.0) -> None:
+        super().__init__(0)
+        self.gate, self.gated_from, self.patience = gate, gated_from, patience
+        self.gave_up = False
+
+    def __call__(self, index: int) -> Any:
+        import os
+        import time
+
+        if index >= self.gated_from:
+            until = time.monotonic() + (0 if self.gave_up else self.patience)
+            while not os.path.exists(self.gate) and time.monotonic() < until:
+                time.sleep(0.01)
+            self.gave_up = not os.path.exists(self.gate)
+            with open(self.gate + ".waited", "a") as notes:
+                notes.write("gave up\n" if self.gave_up else "opened\n")
+        return super().__call__(index)

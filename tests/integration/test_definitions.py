@@ -159,3 +159,23 @@ def test_a_sharded_function_given_another_batch_size_fails_the_start_naming_the_
         with Loader(source, P.cast_step, batch_size=4, num_workers=1) as loader:
             next(iter(loader))
     assert "pass the dataset's definition to the Loader" in str(info.value)
+
+
+def test_the_first_batch_does_not_wait_for_the_workers_second(tmp_path: Path) -> None:
+    """The trainer hands out no batch before every worker's signature, which says whether DALI
+    captured the traced step: a worker sends it once DALI has built the pipeline and asks the
+    source for the next batch, before that batch is loaded and run. Here the second batch's
+    samples wait for a file the test writes only once it holds the first batch: a worker that
+    sent its signature only after its second step would keep the first batch back until the
+    samples gave up waiting."""
+    gate = tmp_path / "gate"
+    dataset = SamplesDataset(16, T.GatedIds(str(gate), gated_from=4), shuffle=False)
+    with Loader(dataset, P.cast_step, batch_size=4, num_workers=1) as loader:
+        iterator = iter(loader)
+        first = real(next(iterator))
+        gate.touch()
+        rest = [real(batch) for batch in iterator]
+    assert first == [0, 1, 2, 3]
+    assert [i for batch in rest for i in batch] == list(range(4, 16))
+    notes = (tmp_path / "gate.waited").read_text().splitlines()
+    assert notes and set(notes) == {"opened"}, notes

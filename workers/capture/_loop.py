@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -254,6 +255,7 @@ class Worker:
         iterator: Iterator[Any] | None = None
         try:
             steps = loops.epoch_steps(sources, epoch, tracing)  # None: ends with the source
+            sources.feed.at_next_pull(None)  # (an aborted epoch's signature is not sent)
             iterator = loops.open(sources, self.ctx, epoch, steps is not None)
             self.run_steps(epoch, steps, iterator, tracing, signature)
             self.send_signature(signature)
@@ -354,12 +356,13 @@ class Worker:
         )
         self.native_lines.batch_done()
         self.relay_held()
+        if step == 0 and tracing:  # (sent once DALI built the pipeline: see _signature.py)
+            sources.feed.at_next_pull(functools.partial(self.send_signature, signature))
         return True
 
     def send_signature(self, signature: Signature) -> None:
         """Send the epoch's signature when it is due (once)."""
-        record = signature.take()
-        if record is not None:
+        if (record := signature.take()) is not None:
             self.channel.send(record)
 
     # ----------------------------------------------------------------------- bad samples

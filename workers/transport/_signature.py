@@ -4,8 +4,12 @@ worker, on its main thread.
 A signature (:class:`ipc.wire.Signature`) is due for an epoch that traces its capture loop, and
 for the first epoch after the sources were built (see ``Activity.signature_due``). Its content is
 gathered at the epoch's first step (the outputs' schema and the batch size) and it is sent after
-the traced step, once DALI has ended the trace (at the loop's next call: step 1), or at the
-epoch's end when the epoch had a single step. :class:`Signature` holds one epoch's.
+the traced step, once DALI has ended the trace: over a sampled source (a dataset definition, a
+``sharded_*`` function) when DALI first asks it for a batch after the traced one, before that
+batch is loaded and run (``FeedState.at_next_pull``), which step 1's ``next(iterator)`` would
+wait for (a first batch 20-40 ms sooner, as the trainer hands out no batch before every
+worker's signature); otherwise when the loop's next call returns (step 1); at the epoch's end
+when the epoch had a single step. :class:`Signature` holds one epoch's.
 """
 
 from __future__ import annotations

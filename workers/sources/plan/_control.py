@@ -111,12 +111,14 @@ class FeedState:
 
     ``continuous``: one iteration of the source runs every epoch in turn (set by the worker with
     :meth:`set_continuous` before it starts the capture loop; see ``BatchedSamples.__iter__``).
+    :meth:`at_next_pull`: what to run when DALI next asks the source for a batch, once.
     """
 
     def __init__(self) -> None:
         self._continuous = False
         #: one record per batch handed to DALI and not yet delivered, oldest first
         self._fed: deque[FedBatch] = deque()
+        self._at_next_pull: Callable[[], None] | None = None
 
     @property
     def continuous(self) -> bool:
@@ -126,6 +128,19 @@ class FeedState:
     def set_continuous(self, continuous: bool) -> None:
         """How the next iteration of the source runs: every epoch in turn, or one epoch."""
         self._continuous = continuous
+
+    def at_next_pull(self, call: Callable[[], None] | None) -> None:
+        """Run ``call`` when DALI next asks the source for a batch, before the batch is made
+        (once; None: nothing). The worker sends its traced epoch's signature so: DALI asks for
+        the traced step's next batch once it has built the pipeline from the trace, before it
+        runs it (and the batch after, its prefetch)."""
+        self._at_next_pull = call
+
+    def pulling(self) -> None:
+        """DALI asks the source for a batch: run what :meth:`at_next_pull` set, once."""
+        call, self._at_next_pull = self._at_next_pull, None
+        if call is not None:
+            call()
 
     def fed(self, batch: FedBatch) -> None:
         """The source handed ``batch`` to DALI."""

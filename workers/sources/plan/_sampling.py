@@ -371,6 +371,7 @@ class BatchedSamples:
             load = self._timed_load_batch
             pending: Future[LoadedSamples] = prefetch.submit(load, batches[0][0], epoch)
             for step, (_chunk, pad_rows) in enumerate(batches):
+                self._feed.pulling()  # (DALI asks for this batch now)
                 waited = time.perf_counter_ns()
                 loaded = pending.result()
                 self.wait_ns += time.perf_counter_ns() - waited
