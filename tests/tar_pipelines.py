@@ -321,7 +321,7 @@ class GatedIds(Ids):
     most ``patience`` seconds, and none after a wait gave up), and note in ``gate + ".waited"``
     how each wait ended: "opened" (the file came) or "gave up"."""
 
-    def __init__(self, gate: str, gated_from: int, patience: float = 10.0) -> None:
+    def __init__(self, gate: str, gated_from: int, patience: float = 30.0) -> None:
         super().__init__(0)
         self.gate, self.gated_from, self.patience = gate, gated_from, patience
         self.gave_up = False
