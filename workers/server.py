@@ -21,8 +21,10 @@ It stops serving at the end of stream on its socket (the trainer exited, or call
 ``loader.shutdown_worker_server()``) and exits once the workers it forked have exited (those
 of a trainer that is gone exit on their own liveness pipes, and are waited for at most
 :data:`ORPHANED_WAIT` seconds). Its title is ``dali-loader-server`` (:mod:`workers.process._title`).
-A worker whose main module the server could not import imports it itself, as a spawned worker
-does, so its error reaches the trainer the same way.
+Those still there then (a worker stuck before it watches that pipe: in a main module's
+top-level work) are killed. A worker forked from a server whose import of the main module failed
+writes that import's traceback to its stderr and exits with 1, as a spawned worker whose import
+fails does, so its error reaches the trainer the same way (it does not run the script again).
 
 Everything here goes through public APIs (``os.fork``, ``socket.recv_fds``, ``signal``,
 ``runpy``), none of ``multiprocessing``'s internals.
@@ -264,6 +266,7 @@ class Server:
         self._setup = setup
         self._statuses: dict[int, socket.socket] = {}  # pid -> status socket, until reaped
         self._main_state = "pending"  # "imported", "failed" or "none" once warm
+        self._main_error = ""  # the traceback of the main module's import, where it failed
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -303,8 +306,9 @@ class Server:
             with startup.span("main module"):
                 imported = import_main(self._setup)
             self._main_state = "imported" if imported else "none"
-        except BaseException:  # each worker imports it again and reports (docstring)
+        except BaseException:  # each worker reports it (docstring)
             self._main_state = "failed"
+            self._main_error = traceback.format_exc()
             logger.debug("worker server: the main module did not import", exc_info=True)
 
     def serve(self) -> None:
@@ -339,6 +343,7 @@ class Server:
                     now = time.monotonic()
                     orphaned_since = orphaned_since or now
                     if now - orphaned_since > ORPHANED_WAIT:
+                        self._kill_left()
                         return
 
     def _handle(self, request: sw.Request, fds: list[int]) -> None:
@@ -404,9 +409,9 @@ class Server:
             os.close(self._wake_write)
             for other in self._statuses.values():
                 other.close()
-            _start_forked_worker(
-                fds, import_main_first=self._main_state == "failed", setup=self._setup
-            )
+            if self._main_state == "failed":
+                _main_failed(self._main_error)
+            _start_forked_worker(fds)
             code = 0
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 1
@@ -414,6 +419,19 @@ class Server:
             with contextlib.suppress(Exception):
                 traceback.print_exc()
         _exit(code)
+
+    def _kill_left(self) -> None:
+        """SIGKILL the workers of a gone trainer still there after :data:`ORPHANED_WAIT` (they
+        ignore the trainer's signals, and one stuck before it watches its liveness pipe would
+        never exit), and reap them."""
+        for pid in list(self._statuses):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                logger.debug("worker server: killed pid %d, its trainer gone", pid)
+        for pid in list(self._statuses):
+            with contextlib.suppress(OSError):
+                os.waitpid(pid, 0)
+            self._statuses.pop(pid).close()
 
     def _reap(self) -> None:
         while self._statuses:
@@ -450,7 +468,23 @@ def _frozen_after() -> Iterator[None]:
             gc.enable()
 
 
-def _start_forked_worker(fds: list[int], *, import_main_first: bool, setup: sw.Setup) -> None:
+def _main_failed(error: str) -> NoReturn:
+    """A worker forked from a server whose import of the main module failed: that import's
+    traceback on this worker's stderr (where a spawned worker's own would be), and exit code 1.
+    Not imported again here: the script's top level has already run once in the server, which
+    may have started native thread pools (torch's OpenMP on a model built at the top) that no
+    fork of it has, and a second run would wait for them for ever."""
+    with contextlib.suppress(Exception):
+        sys.stderr.write(error)
+        sys.stderr.write(
+            "(raised in the worker server as it imported the trainer's main module for its "
+            "workers, as a spawned worker imports it)\n"
+        )
+        sys.stderr.flush()
+    _exit(1)
+
+
+def _start_forked_worker(fds: list[int]) -> None:
     """A forked child's start: read :class:`~ipc.server_wire.WorkerStart` from the start pipe,
     take the trainer's environment, directory and path, then run the worker
     (:func:`workers.process._entry.run_worker`, which does not return)."""
@@ -463,8 +497,6 @@ def _start_forked_worker(fds: list[int], *, import_main_first: bool, setup: sw.S
     os.environ.update(start.environ)
     os.chdir(start.cwd)
     sys.path[:] = start.sys_path
-    if import_main_first:
-        import_main(setup)  # fails here as in a spawned worker, with its traceback on stderr
     spec = pickle.loads(start.spec)
     from .process import run_worker
 

@@ -196,17 +196,33 @@ def test_forkserver_preloads_dali_and_its_workers_run_it_safely(tmp_path: Path) 
 
 NO_MAIN_GUARD_SCRIPT = """
 import numpy as np
+{imports}
 from loader import Loader
 from tests import pipelines as P
-
-loader = Loader(P.sample_source, P.cast_step, batch_size=4, num_workers=2)
+{work}
+loader = Loader(P.sample_source, P.cast_step, batch_size=4, num_workers=2, startup_timeout=120)
 print(sum(1 for _ in loader))
 """
 
+#: A model built at the top of the script before its Loader: torch's matrix products start an
+#: OpenMP pool in the process that runs them (here the worker server, as it imports the script
+#: for its workers); a fork of that process that ran them again waited for the pool's threads for
+#: ever (the workers stuck until the 300 s start timeout, then left behind by a killed trainer).
+TORCH_WORK = (
+    "import torch",
+    "weights = torch.randn(512, 512)\n"
+    "for _ in range(5):\n"
+    "    weights = torch.tanh(weights @ weights)",
+)
 
-def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> None:
+
+@pytest.mark.parametrize("imports, work", [("", ""), TORCH_WORK], ids=["plain", "torch-work"])
+def test_a_script_without_a_main_guard_is_told_to_add_one(
+    tmp_path: Path, imports: str, work: str
+) -> None:
     """A Loader made at a script's top level runs again in every spawned worker (each imports
-    the main module): the worker says why it stops and the trainer's error says what to do."""
+    the main module): the worker says why it stops and the trainer's error says what to do, in
+    seconds, also when the script's top level ran torch's matrix products before the Loader."""
     import os
     import subprocess
     import sys
@@ -214,7 +230,7 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> Non
     import psutil
 
     script = tmp_path / "no_guard.py"
-    script.write_text(NO_MAIN_GUARD_SCRIPT)
+    script.write_text(NO_MAIN_GUARD_SCRIPT.format(imports=imports, work=work))
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     process = subprocess.Popen(

@@ -4,6 +4,7 @@ main modules it imports before a loader is made (:func:`workers.server.only_defi
 from __future__ import annotations
 
 import gc
+import os
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,3 +87,30 @@ def test_a_main_module_with_work_at_its_top_or_no_guard_is_left_for_a_loader(
     assert not _defines(tmp_path, "if __name__ == '__main__':\n    pass\nelse:\n    print(1)\n")
     assert not server.only_defines(None) and not server.only_defines(str(tmp_path / "missing.py"))
     assert not _defines(tmp_path, "def (:\n")  # (not Python)
+
+
+def test_workers_left_by_a_gone_trainer_are_killed_and_reaped(tmp_path: Path) -> None:
+    """What the server does once its trainer is gone and :data:`workers.server.ORPHANED_WAIT`
+    has passed: a worker still there (it ignores the trainer's signals, and one stuck before it
+    watches its liveness pipe never exits by itself) is killed and reaped, its status closed."""
+    import socket
+    import subprocess
+    import sys
+
+    ignoring = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    stuck = subprocess.Popen([sys.executable, "-c", ignoring])
+    ours, theirs = socket.socketpair()
+    status, status_peer = socket.socketpair()
+    with ours, theirs, status_peer:
+        serving = server.Server(ours, None)  # type: ignore[arg-type]  (no setup: nothing forked)
+        try:
+            serving._statuses[stuck.pid] = status
+            serving._kill_left()
+        finally:
+            os.close(serving._wake_read)
+            os.close(serving._wake_write)
+        assert not serving._statuses
+        assert status.fileno() == -1  # closed
+    import psutil
+
+    assert not psutil.pid_exists(stuck.pid)
