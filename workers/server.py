@@ -253,6 +253,28 @@ def _is_main_guard(test: ast.expr) -> bool:
     return len(names) == 1 and len(texts) == 1
 
 
+#: What :func:`one_math_thread` sets in the server's environment: OpenMP's and the BLAS
+#: libraries' thread counts, read once, when the library first loads.
+ONE_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def one_math_thread() -> None:
+    """Before the server runs the script's own code (its main module's top level, the imports
+    of its loaders' modules): torch's and OpenMP's math on one thread in this process. A matrix
+    product on more threads starts an OpenMP pool in the thread that runs it, and a fork of
+    that thread keeps the pool's state without its threads: a worker forked afterwards whose
+    main thread ran such a product (a source that builds a model) waited for those threads for
+    ever. On one thread no pool starts. The forked workers inherit it (as torch's own
+    ``DataLoader`` workers, which set ``torch.set_num_threads(1)``); a worker's code may set
+    more, which starts a pool of its own. The workers get the trainer's environment back."""
+    for name in ONE_THREAD_VARIABLES:
+        os.environ[name] = "1"
+    torch = sys.modules.get("torch")
+    if torch is not None:  # (loaded already: it read the environment then)
+        with contextlib.suppress(Exception):
+            torch.set_num_threads(1)
+
+
 #: The main modules replaced by ``__mp_main__`` (kept alive: their functions' globals).
 _old_mains: list[types.ModuleType | None] = []
 
@@ -302,6 +324,7 @@ class Server:
         imported by each worker, which reports the error (module docstring)."""
         if self._main_state != "pending":
             return
+        one_math_thread()
         try:
             with startup.span("main module"):
                 imported = import_main(self._setup)
@@ -373,6 +396,7 @@ class Server:
         """The modules of the loader's functions, and DALI's analysis of their files."""
         from .process import warm_source_analysis
 
+        one_math_thread()
         for name in request.modules:
             if name in ("__main__", "__mp_main__"):
                 continue

@@ -604,3 +604,41 @@ def test_a_forked_server_has_released_the_trainers_pipes_once_wait_released_retu
     assert found["released"] is True and found["again"] is True
     assert found["pipe"].startswith("pipe:")
     assert found["pipe"] not in found["held"], found
+
+
+MODEL_AT_THE_TOP = """
+import numpy as np
+import torch
+
+from loader import Loader, sharded_source
+from tests import pipelines as P
+
+# a model run at the top of the script (its output's size read before training): the worker
+# server runs it too, as it imports the script for its workers
+weights = torch.randn(512, 512)
+for _ in range(5):
+    weights = torch.tanh(weights @ weights)
+
+
+def source(shard):
+    # on the worker's main thread, as a source that builds its own model would
+    scratch = torch.randn(512, 512)
+    for _ in range(3):
+        scratch = torch.tanh(scratch @ scratch)
+    return sharded_source(shard, 16, lambda i: np.array([i], dtype=np.int64), 4)
+
+
+if __name__ == "__main__":
+    with Loader(source, P.cast_step, batch_size=4, num_workers=2, startup_timeout=60) as l:
+        print(sorted(int(v) for b in l for v in b["id"].ravel()))
+"""
+
+
+def test_torch_math_at_a_scripts_top_does_not_hang_its_forked_workers(tmp_path: Path) -> None:
+    """The server runs the script's top level with torch's math on one thread: on more it
+    started an OpenMP pool there, and a worker forked from it whose main thread ran a matrix
+    product waited for that pool's threads for ever (until the start timeout)."""
+    script = tmp_path / "model_at_the_top.py"
+    script.write_text(MODEL_AT_THE_TOP)
+    done = run_python(tmp_path, str(script), timeout=150)  # (stuck: a StartupError at 60 s)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == list(range(16))
