@@ -150,3 +150,8 @@ def caption_step(jpegs: Any, caption: Any, ids: Any) -> dict[str, Any]:
 def bytes_step(jpegs: Any, ids: Any) -> dict[str, Any]:
     """The image column's bytes as they are (not decoded), and the ids."""
     return {"image": jpegs, "id": ndd.cast(ids, dtype=ndd.int64)}
+
+
+def one_output_step(values: Any) -> dict[str, Any]:
+    """The one column's (or member's) samples as they come."""
+    return {"value": values}

@@ -364,3 +364,27 @@ def test_the_worker_server_imports_what_the_parquet_definition_opens_before_the_
     assert len(readers) == 1, [e["name"] for e in server]
     forks = [e["ts"] for e in events if e.get("ph") == "X" and e["name"] == "worker start"]
     assert forks and readers[0]["ts"] + readers[0]["dur"] <= min(forks) + 1
+
+
+def test_one_column_gives_its_samples_as_several_columns_give_them(small: Path) -> None:
+    """A definition of one column (or one tar member) gives each sample the shape that column
+    has beside others: an id (1,), an image's bytes (n,); it gained a leading 1 before."""
+    from loader import TarsDataset
+    from tests import tar_pipelines as T
+
+    def first_batch(dataset: Any) -> Any:
+        with Loader(
+            dataset, P.one_output_step, batch_size=4, num_workers=1, copy=True, capture=False
+        ) as one:
+            return next(iter(one))["value"]
+
+    one_file = str(small / "train-00002.parquet")
+    ids = first_batch(ParquetDataset(one_file, columns=("id",)))
+    assert np.asarray(ids).shape == (4, 1)
+    assert all(380 <= int(v) < 420 for v in np.asarray(ids).ravel())
+    images = first_batch(ParquetDataset(one_file, columns=("image",)))
+    assert all(np.asarray(image).ndim == 1 for image in images)
+    assert all(bytes(np.asarray(image)[:2]) == b"\xff\xd8" for image in images)  # (a JPEG)
+    tars = T.write_id_tars(small.parent / "one_member_tars", 12, 6)
+    members = first_batch(TarsDataset([str(path) for path in tars], ext=("id",)))
+    assert all(np.asarray(member).ndim == 1 for member in members)

@@ -392,7 +392,7 @@ class BatchedSamples:
                 outputs = [
                     _batch_arrays(
                         [
-                            np.ascontiguousarray(sample if self.num_outputs == 1 else sample[k])
+                            np.ascontiguousarray(_output(sample, k, self.num_outputs))
                             for sample in samples
                         ]
                     )
@@ -410,6 +410,15 @@ class BatchedSamples:
             report(epoch, step, self.name(skip.index), skip)
         else:
             logger.warning("skipped %s: %s", self.describe(skip.index), skip.reason)
+
+
+def _output(sample: Any, k: int, num_outputs: int) -> Any:
+    """Output ``k`` of a loaded sample: with one output, the sample itself, or the one array of
+    a tuple of one (a reader of one column or member returns its outputs as a tuple, as with
+    several: without this the array gained a leading dimension of 1)."""
+    if num_outputs != 1:
+        return sample[k]
+    return sample[0] if isinstance(sample, tuple) and len(sample) == 1 else sample
 
 
 class Defaulted(tuple[Any, ...]):
