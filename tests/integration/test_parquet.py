@@ -302,6 +302,10 @@ def test_an_undecodable_row_group_is_left_out_whole_under_skip_and_named_under_r
     assert sorted(set(seen)) == rows
     assert sorted(skipped) == list(range(100, 200))
     assert len(stats.skipped) == 100
+    assert all(
+        re.search(r"row group 1, row \d+ \(its row group's bytes \d+-\d+ cannot", where)
+        for _index, where in stats.skipped
+    ), stats.skipped[:3]
 
 
 @pytest.mark.parametrize("form", ["dataset", "sharded"])
@@ -388,3 +392,36 @@ def test_one_column_gives_its_samples_as_several_columns_give_them(small: Path) 
     tars = T.write_id_tars(small.parent / "one_member_tars", 12, 6)
     members = first_batch(TarsDataset([str(path) for path in tars], ext=("id",)))
     assert all(np.asarray(member).ndim == 1 for member in members)
+
+
+def test_a_page_that_fails_its_checksum_is_a_damaged_row_group_not_a_wrong_sample(
+    tmp_path: Path,
+) -> None:
+    """Pages written with a CRC (``write_page_checksum=True``) are checked as they are read: a
+    bit flipped in row group 1's ``label`` page names that row group under ``raise`` and leaves
+    it out under ``skip``; it was read as a wrong label before."""
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "data"
+    root.mkdir()
+    path = root / "checked.parquet"
+    table = P.hf_dataset(range(30)).data.table
+    pq.write_table(table, path, row_group_size=10, write_page_checksum=True, compression="none")
+    meta = pq.ParquetFile(path).metadata.row_group(1)
+    names = [meta.column(k).path_in_schema for k in range(meta.num_columns)]
+    chunk = meta.column(names.index("label"))
+    data = bytearray(path.read_bytes())
+    data[chunk.data_page_offset + chunk.total_compressed_size - 5] ^= 0x01  # (in its values)
+    path.write_bytes(bytes(data))
+    with loader_over(str(root), workers=1) as loader, pytest.raises(Exception) as raised:
+        for batch in loader:  # (a wrong label fails here: labels are the ids mod 3)
+            assert real(batch, "label") == [i % 3 for i in real(batch, "id")]
+    assert re.search(
+        r"checked\.parquet: row group 1 \(bytes \d+-\d+\) cannot be read", str(raised.value)
+    ), str(raised.value)
+    with loader_over(str(root), workers=1, on_error="skip", max_skipped=10) as loader:
+        seen = []
+        for batch in loader:
+            assert real(batch, "label") == [i % 3 for i in real(batch, "id")]
+            seen += real(batch, "id")
+    assert sorted(set(seen)) == [i for i in range(30) if not 10 <= i < 20]

@@ -233,9 +233,8 @@ def leaf_path(footer: Struct, leaf: int) -> str:
 
 def read_leaf(pq: Any, pa: Any, data: bytes, path: str) -> Any:
     """The one column (an Arrow array) of a :func:`leaf_file`: leaf ``path`` (dotted)."""
-    table = pq.ParquetFile(pa.BufferReader(data)).read_row_group(
-        0, columns=[path], use_threads=False
-    )
+    reader = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
+    table = reader.read_row_group(0, columns=[path], use_threads=False)
     column = table.column(0)
     return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
 

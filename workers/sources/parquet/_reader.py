@@ -301,7 +301,11 @@ class ParquetLoader:
         }
         sparse = SparseFile(url, plan.identities[file][0], pieces)
         try:
-            reader = pq.ParquetFile(pa.PythonFile(sparse, mode="r"), metadata=plan.footers[file])
+            reader = pq.ParquetFile(
+                pa.PythonFile(sparse, mode="r"),
+                metadata=plan.footers[file],
+                page_checksum_verification=True,  # (pages written with a CRC: a bad one fails)
+            )
             table = reader.read_row_group(group, columns=self.names, use_threads=False)
             return Held(0, count, values_of(plan.kinds, table))
         except Exception as error:
@@ -417,9 +421,14 @@ class ParquetLoader:
     # -- the source's interface --------------------------------------------------------------
 
     def describe(self, index: int) -> str:
-        """``<file>, row group <k>, row <r>`` of sample ``index``."""
+        """``<file>, row group <k>, row <r>`` of sample ``index`` (and, in a row group found
+        damaged, the byte range that cannot be read)."""
         unit, row = self.plan.unit_of(index)
-        return f"{self.plan.name(unit)}, row {row}"
+        where = f"{self.plan.name(unit)}, row {row}"
+        if unit not in self._damaged:
+            return where
+        begin, end = int(self.plan.begins[unit]), int(self.plan.ends[unit])
+        return f"{where} (its row group's bytes {begin}-{end} cannot be read)"
 
     def __call__(self, index: int) -> tuple[np.ndarray[Any, Any], ...]:
         unit, row = self.plan.unit_of(index)
