@@ -179,6 +179,12 @@ def test_bad_files_fail_before_the_first_batch_naming_them(
         loader_over(str(root))
 
 
+def test_a_missing_file_among_several_is_named(small: Path) -> None:
+    typo = str(small / "train-0001.parquet")
+    with pytest.raises(FileNotFoundError, match=re.escape(typo) + ": no such file"):
+        loader_over([str(small / "train-00000.parquet"), typo])
+
+
 def test_a_missing_column_names_the_file_and_the_columns_it_has(small: Path) -> None:
     with pytest.raises(
         ValueError, match=r"train-00000\.parquet has no column 'caption'; its columns: image, "

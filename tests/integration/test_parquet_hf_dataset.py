@@ -95,3 +95,8 @@ def test_a_selection_or_a_dataset_in_memory_is_refused_saying_what_to_pass(
         ParquetDataset(P.hf_dataset(range(10)))
     with pytest.raises(Exception, match=r"holds? 40.*flatten_indices|flatten_indices"):
         loader_over(dataset.select(range(10)), workers=1)
+    import datasets
+
+    splits = datasets.DatasetDict({"train": dataset, "test": dataset})  # (load_dataset, no split)
+    with pytest.raises(TypeError, match=r"dict of splits \('train', 'test'\): pass one split"):
+        ParquetDataset(splits)

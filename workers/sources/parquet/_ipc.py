@@ -49,6 +49,13 @@ def arrow_files_of(dataset: Any) -> ArrowFiles:
             "(load_dataset(..., streaming=False) or load_from_disk), or its Parquet files' "
             "paths or URLs"
         )
+    if isinstance(dataset.cache_files, dict):  # (a DatasetDict: {split: its files})
+        splits = ", ".join(repr(name) for name in dataset)
+        first = next(iter(dataset), "train")
+        raise TypeError(
+            f"a {type(dataset).__name__} is a dict of splits ({splits}): pass one split, "
+            f"dataset[{first!r}], or load one with load_dataset(..., split={first!r})"
+        )
     files = [entry["filename"] for entry in (dataset.cache_files or [])]
     if not files:
         raise ValueError(

@@ -472,7 +472,12 @@ def _identities(
     except StorageFailure:
         raise
     except FileNotFoundError as error:
-        raise FileNotFoundError(f"{error.strerror or error}") from None
+        if not error.filename:  # (a store's own words, naming the object)
+            raise FileNotFoundError(f"{error.strerror or error}") from None
+        raise FileNotFoundError(
+            f"{error.filename}: no such file or directory (give Parquet files, a directory of "
+            "them, a glob or a URL)"
+        ) from None
 
 
 def _summarised(
