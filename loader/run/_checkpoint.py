@@ -18,6 +18,7 @@ are of another split of the epoch among workers, so it is refused with what to d
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -323,7 +324,7 @@ def _check_dataset(state: Mapping[str, Any], sampling: Sampling, strict: bool) -
         return
     if not isinstance(saved, str):
         raise ValueError(f"sampling.fingerprint: {saved!r} is not what state_dict() writes")
-    if saved == mine:
+    if saved == mine or _window_differs(saved, mine, state, sampling):
         return
     saved_total = _field(state, "sampling", Mapping).get("total")
     before = saved_total if isinstance(saved_total, int) else sampling.total
@@ -340,6 +341,33 @@ def _check_dataset(state: Mapping[str, Any], sampling: Sampling, strict: bool) -
             "load_state_dict() to resume over a dataset you changed knowingly)"
         )
     logger.warning("%s; resuming anyway (strict=False)", message)
+
+
+#: How a shuffling tar or Parquet source's fingerprint names its ``shuffle_window``.
+_WINDOW = re.compile(r"\+window(\d+)")
+
+
+def _window_differs(saved: str, mine: str, state: Mapping[str, Any], sampling: Sampling) -> bool:
+    """Fingerprints of the same data that differ in their sources' ``shuffle_window`` only:
+    ``ValueError`` naming the windows, also with ``strict=False`` (the window orders the epoch:
+    another one would deliver other samples than those the state still owes). True (checked:
+    :func:`_check_sampling` names the difference) where one side does not shuffle; False where
+    more than the window differs."""
+    if _WINDOW.sub("", saved) != _WINDOW.sub("", mine):
+        return False
+    if _field(state, "sampling", Mapping).get("shuffle") != sampling.shuffle:
+        return True
+    before, now = _WINDOW.findall(saved), _WINDOW.findall(mine)
+    if len(before) != len(now):  # (a part of a mixture that shuffles on one side only)
+        return False
+    windows = [(int(a), int(b)) for a, b in zip(before, now, strict=True) if a != b]
+    said = ", ".join(f"shuffle_window={a} (this loader's source has {b})" for a, b in windows)
+    first = windows[0][0]
+    raise ValueError(
+        f"shuffle_window: the state was taken with {said}; the window orders the epoch, so "
+        f"another one would deliver other samples than those the state owes (strict=False does "
+        f"not lift this). Build the source with shuffle_window={first} to resume this state"
+    )
 
 
 def _parts_differ(saved: Mapping[str, Any], sampling: Sampling) -> str | None:

@@ -81,3 +81,28 @@ def test_a_datasets_parts_name_what_differs_and_stay_small() -> None:
     assert describe_difference("", saved) is None
     with pytest.raises(ValueError, match="not a list of a dataset's parts"):
         decode_parts("bm90IGpzb24=")
+
+
+def test_another_shuffle_window_is_refused_naming_it_also_without_strict() -> None:
+    """The window orders the epoch: a state resumed under another one delivered other samples
+    than those it owed (68 twice and 68 never, over 387 rows). It was refused as other data,
+    with advice (strict=False) that then resumed wrongly."""
+    import dataclasses
+
+    def parse(saved: str, mine: str, *, strict: bool, shuffle: bool = True) -> Any:
+        state = _state(sampling={**_state()["sampling"], "fingerprint": saved})
+        sampling = dataclasses.replace(SAMPLING, fingerprint=mine, shuffle=shuffle)
+        return parse_state(
+            state, sampling=sampling, world_size=1, num_workers=4, rank=0, strict=strict
+        )
+
+    for strict in (True, False):
+        with pytest.raises(ValueError, match=r"shuffle_window=5 \(this loader's source has 1\)"):
+            parse("parquet:ab12+window5", "parquet:ab12+window1", strict=strict)
+    assert parse("parquet:ab12+window5", "parquet:ab12+window5", strict=True).epoch == 1
+    # not shuffled here: the shuffle is named, not the window or the data
+    with pytest.raises(ValueError, match=r"sampling\.shuffle: the state was taken with shuffle="):
+        parse("parquet:ab12+window5", "parquet:ab12", strict=True, shuffle=False)
+    # other data too: the data is named, as before
+    with pytest.raises(ValueError, match=r"dataset: the state was saved over"):
+        parse("parquet:ab12+window5", "parquet:cd34+window1", strict=True)
