@@ -206,3 +206,25 @@ def test_an_epoch_reads_the_columns_chunks_once_and_a_resume_at_most_a_row_group
     again = {units.of(s) for s in early} & delivered
     # each of 2 workers was part way through one row group: only those are read again
     assert 1 <= len(again) <= 2, (again, delivered)
+
+
+def test_an_object_cut_short_after_the_plan_is_named_as_changed(
+    counted: tuple[Counted, list[Path]],
+) -> None:
+    """A file replaced in the bucket by a few bytes of it once the job has planned: the next
+    ranged read lies past its new end and the store refuses it (416, no identity told); the
+    error says the object changed since the job planned, not only that a range failed."""
+    store, paths = counted
+    with store.loader(workers=1) as loader:
+        batches = iter(loader)
+        next(batches)
+        client = store.server.client()
+        try:
+            for path in paths:
+                client.put_object(Bucket=store.bucket, Key=path.name, Body=path.read_bytes()[:64])
+        finally:
+            client.close()
+        with pytest.raises(Exception, match=r"changed since the job planned its epochs") as raised:
+            for _batch in batches:
+                pass
+    assert "(64, 'ETag:" in str(raised.value)

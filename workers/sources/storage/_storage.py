@@ -319,7 +319,12 @@ class RemoteStorage(Storage):
     ) -> np.ndarray[Any, Any]:
         what = f"reading bytes {start}-{end}"
         if expect is not None and self._s3_reads():
-            data, found = self.retried(what, path, lambda: self._s3_read(path, start, end))
+            try:
+                data, found = self.retried(what, path, lambda: self._s3_read(path, start, end))
+            except OSError as error:
+                if not isinstance(error, (ConnectionError, FileNotFoundError)):
+                    self._raise_if_changed(path, expect, error)
+                raise
             if found != expect:
                 raise IdentityChanged(path, expect, found)
         else:
@@ -338,6 +343,18 @@ class RemoteStorage(Storage):
                 "truncated or replaced since it was indexed"
             )
         return np.frombuffer(data, dtype=np.uint8)
+
+    def _raise_if_changed(self, path: str, expect: Identity, error: OSError) -> None:
+        """After a read of ``path`` failed with ``error``: :class:`IdentityChanged` where the
+        object is no longer the one expected (a range past the end of an object cut short is
+        refused, 416, before any response tells its identity), asked of the store afresh."""
+        try:
+            self.fs.invalidate_cache(path)
+            found = self.identity(path)
+        except Exception:  # (the store says no more: the read's own error stands)
+            return
+        if found != expect:
+            raise IdentityChanged(path, expect, found) from error
 
     def _s3_reads(self) -> bool:
         """Whether reads can tell the object's identity (s3fs: the GET's ETag and size)."""
