@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob as globbing
 import logging
 import sys
 from pathlib import Path
@@ -45,9 +46,29 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="trace the loop body once and replay it (default), or run it eagerly",
     )
+    parser.add_argument(
+        "--columns",
+        type=_columns,
+        default=None,
+        metavar="IMAGE,LABEL",
+        help="the image and label columns of Parquet data (default image,label), or the "
+        "image and label members of tars (default jpg,cls)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="DALI threads per worker")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the seed of the epochs' orders and draws (>= 0)"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the loader does")
+
+
+def _columns(text: str) -> tuple[str, str]:
+    """``--columns``: two names, the image's and the label's."""
+    names = tuple(name.strip() for name in text.split(","))
+    if len(names) != 2 or not all(names):
+        raise argparse.ArgumentTypeError(
+            f"expected two names, the image's and the label's (image,label), got {text!r}"
+        )
+    return names[0], names[1]
 
 
 def _data(text: str) -> Path | str:
@@ -64,12 +85,35 @@ def data_format(data: Path | str) -> str:
         return "tars"
     if ".parquet" in base or "://" in text:
         return "parquet"
+    if any(c in base for c in "*?["):  # (a pattern without the extension: what it matches)
+        matches = globbing.glob(text)
+        if any(match.endswith(".parquet") for match in matches):
+            return "parquet"
+        if any(match.endswith(".tar") for match in matches):
+            return "tars"
     path = Path(text)
     if path.is_dir() and any(path.glob("*.parquet")):
         return "parquet"
     if path.is_dir() and any(path.glob("*.tar")):
         return "tars"
     return "folder"
+
+
+def nested_parquet(root: Path | str) -> str:
+    """Where a directory that is no ImageFolder holds Parquet files one or two levels down (as
+    ``load_dataset``'s and the Hub's layouts do: ``data/train-*.parquet``): a hint naming
+    them, else ``""``."""
+    path = Path(root)
+    if not path.is_dir():
+        return ""
+    for pattern in ("*/*.parquet", "*/*/*.parquet"):
+        found = sorted(path.glob(pattern))
+        if found:
+            return (
+                f"; it holds Parquet files under {found[0].parent}: pass --data "
+                f"'{found[0].parent}' (or a glob such as '{path}/{pattern}')"
+            )
+    return ""
 
 
 def _workers(text: str) -> int | str:
@@ -110,6 +154,12 @@ def setup(
         root: Path = ensure_sample_dataset()
     else:
         root = args.data
+    if data_format(root) == "folder" and args.columns is not None:
+        print(
+            "error: --columns names Parquet columns or tar members, not an ImageFolder's",
+            file=sys.stderr,
+        )
+        return None
     if data_format(root) != "folder":
         if not quiet:
             print(f"{data_format(root)} data at {root}; {layout(args)}")
@@ -117,7 +167,7 @@ def setup(
     try:
         files, _ = list_images(root)
     except (FileNotFoundError, NotADirectoryError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}{nested_parquet(root)}", file=sys.stderr)
         return None
     if not quiet:
         print(f"{len(files)} images in {root}; {layout(args)}")
@@ -136,9 +186,9 @@ def make_loader(args: argparse.Namespace, root: Path | str, trace: Path | None =
     source: Any
     kind = data_format(root)
     if kind == "parquet":
-        source = ParquetDataset(str(root), columns=("image", "label"))
+        source = ParquetDataset(str(root), columns=args.columns or ("image", "label"))
     elif kind == "tars":
-        source = TarsDataset(str(root), ext=("jpg", "cls"))
+        source = TarsDataset(str(root), ext=args.columns or ("jpg", "cls"))
     else:
         source = functools.partial(image_source, root=str(root))  # (batch_size: the Loader's)
     return Loader(

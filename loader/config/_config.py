@@ -27,10 +27,10 @@ from ._validate import (
     check_definition,
     check_flag,
     check_importable,
-    check_int,
     check_not_importing_main,
     check_positive_int,
     check_seconds,
+    check_seed,
     check_trace_path,
     named_urls,
     optional,
@@ -99,7 +99,7 @@ class LoaderConfig:
     output: str = keyword("numpy", check=functools.partial(check_choice, choices=OUTPUTS))
     copy: bool = keyword(False, check=check_flag)
     capture: bool = keyword(True, check=check_flag)
-    seed: int = keyword(0, check=check_int)
+    seed: int = keyword(0, check=check_seed)
     timeout: float | None = keyword(None, check=functools.partial(check_seconds, optional=True))
     start_method: str = keyword(None, check=_start_method)
     rank: int = keyword(None)  # rank and world_size: the placement discovered (_env)

@@ -222,6 +222,17 @@ def check_int(value: Any, name: str) -> int:
     return value
 
 
+def check_seed(value: Any, name: str) -> int:
+    """An ``int`` >= 0: each shard seeds its draws with it plus its index (numpy's and DALI's
+    generators take no negative seed; one failed in every worker's source, not naming it)."""
+    seed = check_int(value, name)
+    if seed < 0:
+        raise ValueError(
+            f"{name} must be >= 0 (each shard draws with {name} + its index), got {seed}"
+        )
+    return seed
+
+
 def check_flag(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -45,7 +45,13 @@ DEFAULT_AHEAD = 2
 MAX_AHEAD = 8
 
 #: A sharded root's fingerprint prefix, and the function that made it.
-SOURCE_KINDS = {"tars:": "sharded_tars", "files:": "sharded_files", "mix:": "sharded_mix"}
+SOURCE_KINDS = {
+    "tars:": "sharded_tars",
+    "files:": "sharded_files",
+    "mix:": "sharded_mix",
+    "parquet:": "sharded_parquet",
+    "hf-dataset:": "sharded_parquet",  # (a datasets.Dataset's Arrow files)
+}
 
 
 def source_kind(fingerprint: str | None) -> tuple[str, int | None]:

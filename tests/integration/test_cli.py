@@ -91,6 +91,38 @@ def test_main_job_reads_parquet_as_it_reads_an_image_folder(tmp_path: Path) -> N
     assert "samples            48" in result.stdout  # (every row once, padding not counted)
 
 
+def test_main_job_reads_parquet_by_a_glob_and_named_columns_and_points_to_nested_files(
+    tmp_path: Path,
+) -> None:
+    """A glob without ``.parquet`` in it is read as Parquet (it was taken for an ImageFolder),
+    ``--columns`` names other columns than image and label (there was no way to), and a
+    directory whose Parquet files lie one level down (``load_dataset``'s layout) is pointed to
+    them in the error."""
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("datasets")
+    import pyarrow.parquet as pq
+
+    from tests import parquet_pipelines as P
+
+    paths = P.write_parquet(tmp_path / "hub" / "data", (30, 18), 10)
+    result = run_cli("--data", str(tmp_path / "hub" / "data" / "train-*"), "--epochs", "1")
+    assert result.returncode == 0, result.stderr
+    assert "samples            48" in result.stdout
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    for path in paths:
+        table = pq.read_table(path)
+        pq.write_table(table.rename_columns(["img", "cls", "id"]), renamed / path.name)
+    result = run_cli("--data", str(renamed), "--columns", "img,cls", "--epochs", "1")
+    assert result.returncode == 0, result.stderr
+    assert "samples            48" in result.stdout
+    result = run_cli("--data", str(tmp_path / "hub"), "--epochs", "1")
+    assert result.returncode == 2
+    assert f"it holds Parquet files under {tmp_path / 'hub' / 'data'}: pass --data" in (
+        result.stderr
+    )
+
+
 def test_the_progress_bar_ends_on_the_rows_delivered_when_the_last_batch_is_padded(
     tmp_path: Path,
 ) -> None:

@@ -258,3 +258,14 @@ def test_local_files_are_read_once_per_epoch_the_first_too(tmp_path: Path) -> No
     paths = P.write_parquet(tmp_path / "data", [30, 20, 25], 10)
     source = functools.partial(P.id_parquet, urls=str(tmp_path / "data"))
     check_epoch_reads(epoch_reads(source, 3), *requested_chunks(paths))
+
+
+def test_the_index_command_takes_a_glob_of_parquet_files_without_their_extension(
+    tmp_path: Path,
+) -> None:
+    """``index 'dir/train-*'``: Parquet by what the pattern matches (it looked for tar shards and
+    said the matches were other files)."""
+    P.write_parquet(tmp_path, (20, 10), 10)
+    assert cli(["index", str(tmp_path / "train-*")]) == 0
+    summary = json.loads((tmp_path / "loader-parquet-summary.json").read_text())
+    assert len(summary["files"]) == 2

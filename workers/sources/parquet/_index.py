@@ -12,6 +12,8 @@ then reads its footer itself, and fails naming it). Library code: progress goes 
 
 from __future__ import annotations
 
+import fnmatch
+import glob as globbing
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -60,9 +62,16 @@ def names_parquet(
     items = expand_urls(urls)
     if any(item.rstrip("/").endswith(".parquet") for item in items):
         return True
-    if any(item.endswith(".tar") or "{" in item or "*" in item for item in items):
+    if any(item.endswith(".tar") or "{" in item for item in items):
         return False
     for item in items:
+        if any(c in item.rsplit("/", 1)[-1] for c in "*?["):  # (a pattern: what it matches)
+            matched = _matches(item, storage_options)
+            if any(name.endswith(".tar") for name in matched):
+                return False
+            if any(name.endswith(".parquet") for name in matched):
+                return True
+            continue
         if is_url(item) and not item.startswith("file://"):
             storage = storage_for(item, storage_options, RETRIES)
             names = list(storage.listing(item.rstrip("/")) or {})
@@ -74,6 +83,16 @@ def names_parquet(
         if any(n.endswith(".parquet") or n == SUMMARY for n in names):
             return True
     return False
+
+
+def _matches(pattern: str, storage_options: dict[str, Any] | None) -> list[str]:
+    """The names a glob's last part matches: of the local directory, or of the remote one's
+    listing."""
+    if is_url(pattern) and not pattern.startswith("file://"):
+        storage = storage_for(pattern, storage_options, RETRIES)
+        directory, _, last = pattern.rpartition("/")
+        return fnmatch.filter(list(storage.listing(directory) or {}), last)
+    return globbing.glob(pattern.removeprefix("file://"))
 
 
 def index_parquet(

@@ -60,6 +60,11 @@ BAD = [
     ({"device": "tpu"}, ValueError, "device must be one of 'cpu', 'gpu', got 'tpu'"),
     ({"seed": 1.0}, TypeError, "seed must be an int, got float"),
     ({"seed": True}, TypeError, "seed must be an int, got bool"),
+    (
+        {"seed": -1},
+        ValueError,
+        "seed must be >= 0 (each shard draws with seed + its index), got -1",
+    ),
     ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds or None, got 0"),
     (
         {"timeout": math.inf},
