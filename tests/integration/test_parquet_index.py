@@ -196,6 +196,23 @@ def test_a_local_file_rewritten_after_the_index_is_named_and_read_as_it_is(
     assert told and "train-00001.parquet" in told[0] and "python -m loader index" in told[0]
 
 
+def test_a_file_touched_after_the_index_is_named_with_its_times(tmp_path: Path) -> None:
+    """The same size, another mtime: the warning says when each was modified (it showed the
+    mtimes in nanoseconds)."""
+    import os
+
+    paths = P.write_parquet(tmp_path, [20, 20], 10)
+    assert cli(["index", str(tmp_path)]) == 0
+    os.utime(paths[0], ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with local_loader(tmp_path) as loader:
+            assert sorted(i for batch in loader for i in ids(batch)) == list(range(40))
+    told = [str(w.message) for w in caught if "stale" in str(w.message)]
+    assert told and "train-00000.parquet (modified 20" in told[0], told
+    assert "-> modified 2023-11-1" in told[0] and "mtime:" not in told[0], told
+
+
 def requested_chunks(paths: list[Path]) -> tuple[int, int]:
     """Row groups of ``paths``, and the bytes of their requested columns' chunks."""
     import pyarrow.parquet as pq

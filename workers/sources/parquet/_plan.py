@@ -28,6 +28,7 @@ Nothing is written anywhere: reading a dataset never writes beside it.
 
 from __future__ import annotations
 
+import datetime
 import glob as globbing
 import hashlib
 import os
@@ -508,6 +509,17 @@ def _shown(given: Any) -> str | list[str]:
     return os.fspath(given) if isinstance(given, (str, os.PathLike)) else [str(u) for u in given]
 
 
+def _version_shown(version: str | None) -> str:
+    """A file's version as a person reads it: a local file's mtime as a time, not nanoseconds
+    (``mtime:1796672396140416171`` -> ``modified 2026-12-07 19:39:56.140``)."""
+    if not version:
+        return "no version"
+    if version.startswith("mtime:") and version[len("mtime:") :].isdigit():
+        when = datetime.datetime.fromtimestamp(int(version[len("mtime:") :]) / 1e9)
+        return f"modified {when:%Y-%m-%d %H:%M:%S.%f}"[:-3]
+    return version
+
+
 def _warn_stale(
     stale: list[tuple[str, FileEntry, Identity]], entries: Sequence[Any], given: Any
 ) -> None:
@@ -517,8 +529,8 @@ def _warn_stale(
     shown = ", ".join(
         f"{posixpath.basename(url)} (size {entry.size} -> {identity[0]})"
         if entry.size != identity[0]
-        else f"{posixpath.basename(url)} ({entry.version or 'no version'} -> "
-        f"{identity[1] or 'no version'})"
+        else f"{posixpath.basename(url)} ({_version_shown(entry.version)} -> "
+        f"{_version_shown(identity[1])})"
         for url, entry, identity in stale[:5]
     ) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
     where = next(entry[1] for entry in entries if entry is not None)
