@@ -160,6 +160,11 @@ def setup(
             file=sys.stderr,
         )
         return None
+    text = str(root)
+    local = "://" not in text and not any(c in text for c in "*?[{")
+    if data_format(root) != "folder" and local and not Path(text).exists():
+        print(f"error: {text} does not exist", file=sys.stderr)
+        return None
     if data_format(root) != "folder":
         if not quiet:
             print(f"{data_format(root)} data at {root}; {layout(args)}")

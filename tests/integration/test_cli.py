@@ -73,10 +73,12 @@ def test_main_job_says_a_file_is_not_a_dataset(tmp_path: Path) -> None:
     assert "is a file" in result.stderr and "does not exist" not in result.stderr
 
 
-def test_main_job_rejects_a_missing_directory(tmp_path: Path) -> None:
-    result = run_cli("--data", str(tmp_path / "missing"), "--epochs", "1")
+@pytest.mark.parametrize("name", ["missing", "missing.parquet", "missing.tar"])
+def test_main_job_rejects_a_missing_directory_or_file(tmp_path: Path, name: str) -> None:
+    result = run_cli("--data", str(tmp_path / name), "--epochs", "1")
     assert result.returncode == 2
     assert "does not exist" in result.stderr
+    assert "worker" not in result.stderr  # (before any worker starts)
 
 
 def test_main_job_reads_parquet_as_it_reads_an_image_folder(tmp_path: Path) -> None:

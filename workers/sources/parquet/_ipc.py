@@ -62,7 +62,7 @@ def arrow_files_of(dataset: Any) -> ArrowFiles:
             "the datasets.Dataset is held in memory, not in Arrow files: save it with "
             "dataset.save_to_disk(path) and pass datasets.load_from_disk(path)"
         )
-    if getattr(dataset, "_indices", None) is not None:
+    if getattr(dataset, "_indices", None) is not None or _sliced(dataset):
         raise ValueError(
             "the datasets.Dataset is a selection (shuffle, select, filter...) of its Arrow "
             "files: pass dataset.flatten_indices() (which writes the selection), or the "
@@ -70,6 +70,19 @@ def arrow_files_of(dataset: Any) -> ArrowFiles:
         )
     fingerprint = str(getattr(dataset, "_fingerprint", "") or "")
     return ArrowFiles(tuple(os.fspath(f) for f in files), fingerprint, len(dataset))
+
+
+def _sliced(dataset: Any) -> bool:
+    """Whether the dataset's table holds a part of its Arrow files (``select(range(a, b))``
+    slices the memory-mapped tables, with no indices to tell it): a block that replays a slice."""
+    blocks = getattr(getattr(dataset, "data", None), "blocks", None)
+    if not isinstance(blocks, list):
+        return False
+    return any(
+        any(operation[0] == "slice" for operation in getattr(block, "replays", None) or ())
+        for row in blocks
+        for block in (row if isinstance(row, list) else [row])
+    )
 
 
 class ArrowPlan(ParquetPlan):
