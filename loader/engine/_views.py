@@ -250,7 +250,8 @@ def _cut_rows(
     real = size - padded
     gone = set(range(real, size)) | {row for row in replaced if 0 <= row < size}
     left = tuple(row for row in info.replaced if row not in gone)
-    left_padded = info.padded - padded
+    # (the padding rows kept: a padding row that is also flagged replaced is cut as one)
+    left_padded = sum(1 for row in range(size - info.padded, size) if row not in gone)
     if size and len(gone) == size:
         # every row a repeat (no sample of the batch could be read): one stays, flagged, so
         # that the trainer (and every rank, in step) still gets a batch, not an empty one

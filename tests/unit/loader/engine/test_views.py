@@ -40,6 +40,17 @@ def test_replaced_rows_alone_are_cut_and_the_padding_stays_flagged() -> None:
     assert (cut.padded, cut.replaced, cut.cut, cut.cut_rows) == (2, (), 1, (1,))
 
 
+def test_padding_rows_flagged_replaced_and_cut_with_them_leave_the_padding_count() -> None:
+    """The defaults, in an epoch's last batch: a sample skipped, its row and the padding after
+    it flagged replaced and cut. ``padded`` counts the padding rows that stay (none): it kept 2,
+    so ``batch[:info.valid]`` gave no row and the batch's one sample was lost to the trainer."""
+    rows = np.arange(4) * 10
+    values, cut = _cut_rows([rows], info(2, (1, 2, 3)), 0, (1, 2, 3))
+    assert values[0].tolist() == [0]
+    assert (cut.padded, cut.replaced, cut.cut_rows) == (0, (), (1, 2, 3))
+    assert values[0][: cut.valid].tolist() == [0]  # (the idiom: every real row)
+
+
 def test_padding_cut_alone_keeps_the_replaced_rows_flagged_where_they_are() -> None:
     """``cut_padding=True, cut_replaced=False``: trailing rows go, a replaced row stays (its
     number still right: rows before it are kept)."""
