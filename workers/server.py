@@ -513,8 +513,11 @@ def _start_forked_worker(fds: list[int]) -> None:
     take the trainer's environment, directory and path, then run the worker
     (:func:`workers.process._entry.run_worker`, which does not return)."""
     start_fd, conn_fd, stack_fd, alive_fd = fds
-    start = pickle.loads(sw.read_all(start_fd))
+    record = sw.read_all(start_fd)
     os.close(start_fd)
+    if not record:  # the trainer closed the start pipe unwritten: it is gone, or stopping
+        _exit(0)
+    start = pickle.loads(record)
     if not isinstance(start, sw.WorkerStart):
         raise TypeError(f"a worker's start record, not {type(start).__name__}")
     os.environ.clear()

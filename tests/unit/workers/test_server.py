@@ -114,3 +114,32 @@ def test_workers_left_by_a_gone_trainer_are_killed_and_reaped(tmp_path: Path) ->
     import psutil
 
     assert not psutil.pid_exists(stuck.pid)
+
+
+def test_a_worker_whose_trainer_closed_its_start_pipe_unwritten_exits_quietly() -> None:
+    """The trainer stopped (Ctrl-C, a cluster's SIGTERM) between asking for a worker and sending
+    it its start: the worker exits with 0 and prints nothing (it printed an ``EOFError``
+    traceback, which read like a crash of its own)."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(write)  # (closed unwritten)
+    others = [os.open(os.devnull, os.O_RDONLY) for _ in range(3)]
+    code = (
+        "import sys; from workers import server; "
+        f"server._start_forked_worker([{read}, {others[0]}, {others[1]}, {others[2]}])"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            pass_fds=(read, *others),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).resolve().parents[3],
+        )
+    finally:
+        for fd in (read, *others):
+            os.close(fd)
+    assert (done.returncode, done.stderr) == (0, "")
