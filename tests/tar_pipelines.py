@@ -338,3 +338,48 @@ class GatedIds(Ids):
             with open(self.gate + ".waited", "a") as notes:
                 notes.write("gave up\n" if self.gave_up else "opened\n")
         return super().__call__(index)
+
+
+def write_image_tars(directory: Path, ids: Any, per_shard: int) -> list[Path]:
+    """Tar shards of ``ids``: sample ``i`` is ``<key>.jpg`` (an 8x8 JPEG), ``<key>.cls``
+    (``i % 3``) and ``<key>.id`` (``i``)."""
+    from tests.parquet_pipelines import jpeg
+
+    directory.mkdir(parents=True, exist_ok=True)
+    ids, paths = list(ids), []
+    for number, first in enumerate(range(0, len(ids), per_shard)):
+        path = directory / f"train-{number:03d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for sample in ids[first : first + per_shard]:
+                members = {"jpg": jpeg(sample), "cls": str(sample % 3).encode()}
+                members["id"] = str(sample).encode()
+                for ext, data in members.items():
+                    info = tarfile.TarInfo(f"s{sample:05d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(path)
+    return paths
+
+
+def parquet_and_tars_mix(shard: Shard, parquet: str, tars: str, batch_size: int = 4) -> Any:
+    """Parquet files (image, label int64, id) and tar shards (jpg, cls int32, id) in one mix,
+    every sample of both once an epoch."""
+    from loader import ParquetDataset, TarsDataset, sharded_mix
+
+    return sharded_mix(
+        shard,
+        {
+            "parquet": ParquetDataset(parquet, columns=("image", "label", "id")),
+            "tars": TarsDataset(tars, ext=("jpg", "cls", "id")),
+        },
+        weights={"parquet": 20, "tars": 12},  # (their sizes: every sample once an epoch)
+        batch_size=batch_size,
+    )
+
+
+def decode_label_id_step(jpegs: Any, label: Any, ids: Any) -> dict[str, Any]:
+    return {
+        "image": ndd.decoders.image(jpegs, device="cpu"),
+        "label": ndd.cast(label, dtype=ndd.int64),
+        "id": ndd.cast(ids, dtype=ndd.int64),
+    }

@@ -63,10 +63,46 @@ def test_an_interrupted_epoch_resumed_on_another_layout_keeps_the_counts() -> No
 
 
 def test_sources_with_other_outputs_or_bad_weights_are_refused_naming_them() -> None:
-    with pytest.raises(ValueError, match=r"output 0 of source 'src1' is int32"):
-        make(dtypes=("int64", "int32"))
+    with pytest.raises(ValueError, match=r"output 0 of source 'src1' is float32 of rank 1"):
+        make(dtypes=("int64", "float32"))
+    with pytest.raises(ValueError, match=r"mixes integers no integer type holds all of"):
+        make(dtypes=("int64", "uint64"))
     with pytest.raises(ValueError, match=r"takes none from \['src1'\]"):
         make(weights=(0.99, 0.01), epoch_size=20)
+
+
+def test_integers_of_other_widths_mix_cast_to_the_wider() -> None:
+    """A tar's int32 ``cls`` beside a Parquet int64 ``label``: cast to int64 (they were refused,
+    and neither definition can choose its integers' width)."""
+    with make(dtypes=("int64", "int32")) as loader:
+        epoch = [r for b in loader for r in rows(b)]
+    assert Counter(source for source, _id in epoch) == {0: 36, 1: 12}
+    assert sorted(i for s, i in epoch if s == 1) == list(range(1000, 1012))
+
+
+def test_parquet_and_tars_mix_by_position_though_named_otherwise(tmp_path: Path) -> None:
+    """``ParquetDataset(columns=("image", "label", "id"))`` beside ``TarsDataset(ext=("jpg",
+    "cls", "id"))``: the outputs go to the step by position (they were refused for their names,
+    then for int64 against int32); every row of both once, each image with its own id."""
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("datasets")
+    from tests import parquet_pipelines as P
+
+    P.write_parquet(tmp_path / "pq", (20,), 10)  # ids 0-19, label id % 3
+    T.write_image_tars(tmp_path / "tars", range(100, 112), 6)  # ids 100-111, cls id % 3
+    source = functools.partial(
+        T.parquet_and_tars_mix, parquet=str(tmp_path / "pq"), tars=str(tmp_path / "tars")
+    )
+    with Loader(source, T.decode_label_id_step, batch_size=4, num_workers=2, copy=True) as loader:
+        seen = []
+        for batch in loader:
+            real = len(batch["id"]) - batch.info.padded
+            ids = np.asarray(batch["id"]).ravel()[:real].tolist()
+            labels = np.asarray(batch["label"]).ravel()[:real].tolist()
+            assert labels == [i % 3 for i in ids]
+            assert all(np.asarray(image).shape[-1] == 3 for image in batch["image"][:real])
+            seen += ids
+    assert sorted(seen) == list(range(20)) + list(range(100, 112))
 
 
 def test_a_folder_and_tar_shards_mixed_half_and_half(image_root: Path, tmp_path: Path) -> None:

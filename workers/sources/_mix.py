@@ -47,7 +47,7 @@ from ._datasets import (
     SamplesDataset,
     TarsDataset,
 )
-from .plan import BatchedSamples, Batching, EpochOrder, OpenedSource, Order
+from .plan import BatchedSamples, Batching, Defaulted, EpochOrder, OpenedSource, Order
 
 logger = logging.getLogger("workers")
 
@@ -172,9 +172,13 @@ class Mixture:
 class MixLoader:
     """``load(index)`` of a mix: the source's sample (and, with ``source_output``, the source)."""
 
-    def __init__(self, mix: Mixture, source_output: bool) -> None:
+    def __init__(
+        self, mix: Mixture, source_output: bool, casts: Sequence[Sequence[Any]] = ()
+    ) -> None:
         self.mix, self.source_output = mix, source_output
         self._labels = [np.full(1, k, dtype=np.int32) for k in range(len(mix.sources))]
+        #: per source, per output, the dtype its samples are cast to (None: as they come)
+        self._casts = [list(c) if any(d is not None for d in c) else None for c in casts]
 
     def _split(self, index: int) -> tuple[int, int]:
         source = int(self.mix.source_of(np.array([index]))[0])
@@ -184,8 +188,16 @@ class MixLoader:
         source, sample = self._split(index)
         loaded = self.mix.sources[source].load(sample)
         outputs = loaded if isinstance(loaded, tuple) else (loaded,)
+        casts = self._casts[source] if source < len(self._casts) else None
+        if casts is not None:
+            outputs = tuple(
+                value if dtype is None else np.asarray(value, dtype=dtype)
+                for value, dtype in zip(outputs, casts, strict=True)
+            )
         if self.source_output:
             outputs = (*outputs, self._labels[source])
+        if isinstance(loaded, Defaulted):  # (the members it lacked still counted)
+            outputs = Defaulted(outputs, loaded.members)
         return outputs if len(outputs) > 1 else outputs[0]
 
     def describe(self, index: int) -> str:
@@ -233,7 +245,7 @@ def _check_weights(names: list[str], weights: Mapping[str, float]) -> None:
             raise ValueError(f"the weight of {name!r} must be a number > 0, got {weight!r}")
 
 
-def _check_outputs(names: list[str], sources: list[OpenedSource]) -> None:
+def _check_outputs(names: list[str], sources: list[OpenedSource]) -> list[list[Any]]:
     """Every source gives the same outputs as the first: count, names, dtypes and ranks."""
 
     def outputs(k: int) -> list[np.ndarray[Any, Any]]:
@@ -248,21 +260,49 @@ def _check_outputs(names: list[str], sources: list[OpenedSource]) -> None:
                 f"{names[0]!r} gives {sources[0].num_outputs}: every source of a mix must give "
                 "the same outputs"
             )
-        if (
-            None not in (sources[k].names, sources[0].names)
-            and sources[k].names != sources[0].names
-        ):
-            raise ValueError(
-                f"source {names[k]!r} gives outputs {sources[k].names} but {names[0]!r} gives "
-                f"{sources[0].names}"
-            )
-        for column, (mine, theirs) in enumerate(zip(outputs(k), first, strict=True)):
-            if mine.dtype != theirs.dtype or mine.ndim != theirs.ndim:
+    # outputs go to the step by position: their names may differ (a Parquet "image" column
+    # beside a tar's "jpg" member); integers of other widths (a tar's int32 "cls", a Parquet
+    # int64 "label") and floats are cast to the wider type, anything else must match
+    given = [outputs(k) for k in range(len(sources))]
+    targets = []
+    for column in range(len(first)):
+        arrays = [found[column] for found in given]
+        target = arrays[0].dtype
+        for k, array in enumerate(arrays[1:], start=1):
+            if array.ndim != arrays[0].ndim or not _castable(array.dtype, arrays[0].dtype):
+                called = _output_name(sources, k, column)
                 raise ValueError(
-                    f"output {column} of source {names[k]!r} is {mine.dtype} of rank {mine.ndim} "
-                    f"but {names[0]!r} gives {theirs.dtype} of rank {theirs.ndim}: every source "
-                    "of a mix must give the same outputs"
+                    f"output {column}{called} of source {names[k]!r} is {array.dtype} of rank "
+                    f"{array.ndim} but {names[0]!r} gives {arrays[0].dtype} of rank "
+                    f"{arrays[0].ndim}{_output_name(sources, 0, column)}: every source of a "
+                    "mix must give the same outputs, in the same order (integers of other "
+                    "widths, and floats, are cast to the wider)"
                 )
+            target = np.promote_types(target, array.dtype)
+        if arrays[0].dtype.kind in "iu" and target.kind not in "iu":  # (uint64 with int64)
+            raise ValueError(
+                f"output {column}{_output_name(sources, 0, column)} mixes integers no integer "
+                f"type holds all of ({', '.join(sorted({str(a.dtype) for a in arrays}))}): "
+                "give every source the same integer type"
+            )
+        targets.append(target)
+    return [
+        [
+            None if found[column].dtype == targets[column] else targets[column]
+            for column in range(len(first))
+        ]
+        for found in given
+    ]
+
+
+def _castable(a: np.dtype[Any], b: np.dtype[Any]) -> bool:
+    """The same dtype, or both integers, or both floats."""
+    return a == b or (a.kind in "iu" and b.kind in "iu") or (a.kind == b.kind == "f")
+
+
+def _output_name(sources: list[OpenedSource], k: int, column: int) -> str:
+    names = sources[k].names
+    return f" ({names[column]!r})" if names is not None and column < len(names) else ""
 
 
 def _check_sources(sources: Mapping[str, Dataset]) -> list[str]:
@@ -322,7 +362,7 @@ class MixDataset(Definition):
         names = list(self.sources)
         seed = shard.seed - shard.index
         opened = [self.sources[name].open(shard, source_seed(seed, name)) for name in names]
-        _check_outputs(names, opened)
+        casts = _check_outputs(names, opened)
         epoch_size = self.epoch_size
         size = sum(source.total for source in opened) if epoch_size is None else epoch_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -343,7 +383,7 @@ class MixDataset(Definition):
         return BatchedSamples(
             shard,
             mix.plan.total,
-            MixLoader(mix, self.source_output),
+            MixLoader(mix, self.source_output, casts),
             # (the order is the mix's: ``shuffle`` is applied there)
             replace(batching, shuffle=True),
             num_outputs=opened[0].num_outputs + int(self.source_output),
