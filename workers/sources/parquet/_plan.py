@@ -28,7 +28,6 @@ Nothing is written anywhere: reading a dataset never writes beside it.
 
 from __future__ import annotations
 
-import datetime
 import glob as globbing
 import hashlib
 import os
@@ -54,7 +53,16 @@ from ._arrow import pyarrow_modules
 from ._columns import ColumnKind, column_kinds
 from ._footers import node_footers_into, parse_footer, read_footer_bytes
 from ._kept import KeptFooters
-from ._summary import FileEntry, chunk_range, groups_of, index_command, read_summary, summary_url
+from ._summary import (
+    FileEntry,
+    chunk_range,
+    groups_of,
+    index_command,
+    read_summary,
+    shown_urls,
+    summary_url,
+    warn_stale,
+)
 
 __all__ = ["ParquetPlan", "checked_schemas", "list_parquet", "open_plan", "read_footer"]
 
@@ -392,7 +400,7 @@ def open_plan(
         if entry is not None and entry[0].identity != identity
     ]
     if stale:
-        _warn_stale(stale, entries, urls)
+        warn_stale(stale, entries, urls)
     fresh = {
         number: entry
         for number, entry in enumerate(entries)
@@ -492,54 +500,17 @@ def _summarised(
     except ValueError as error:
         raise ValueError(
             f"the summary {where} is wrong about {url}: {error}. Run "
-            f"{index_command(_shown(given), force=True)} (it reads the file's footer again and "
+            f"{index_command(shown_urls(given), force=True)} (it reads the file's footer again and "
             "rewrites its entry), then restart the job"
         ) from None
     if groups_of(footer) != entry.groups or int(footer.num_rows) != entry.rows:
         raise ValueError(
             f"the summary {where} is wrong about {url}: its row groups or rows are not those "
             "of the footer it keeps for the file (the summary was edited, or written for other "
-            f"data). Run {index_command(_shown(given), force=True)} (it reads the file's footer "
-            "again and rewrites its entry), then restart the job"
+            f"data). Run {index_command(shown_urls(given), force=True)} (it reads the file's "
+            "footer again and rewrites its entry), then restart the job"
         )
     return footer
-
-
-def _shown(given: Any) -> str | list[str]:
-    return os.fspath(given) if isinstance(given, (str, os.PathLike)) else [str(u) for u in given]
-
-
-def _version_shown(version: str | None) -> str:
-    """A file's version as a person reads it: a local file's mtime as a time, not nanoseconds
-    (``mtime:1796672396140416171`` -> ``modified 2026-12-07 19:39:56.140``)."""
-    if not version:
-        return "no version"
-    if version.startswith("mtime:") and version[len("mtime:") :].isdigit():
-        when = datetime.datetime.fromtimestamp(int(version[len("mtime:") :]) / 1e9)
-        return f"modified {when:%Y-%m-%d %H:%M:%S.%f}"[:-3]
-    return version
-
-
-def _warn_stale(
-    stale: list[tuple[str, FileEntry, Identity]], entries: Sequence[Any], given: Any
-) -> None:
-    """Name the files a summary is stale for (their footers are read instead)."""
-    import warnings
-
-    shown = ", ".join(
-        f"{posixpath.basename(url)} (size {entry.size} -> {identity[0]})"
-        if entry.size != identity[0]
-        else f"{posixpath.basename(url)} ({_version_shown(entry.version)} -> "
-        f"{_version_shown(identity[1])})"
-        for url, entry, identity in stale[:5]
-    ) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
-    where = next(entry[1] for entry in entries if entry is not None)
-    warnings.warn(
-        f"the summary {where} is stale: {len(stale)} file(s) changed since it was written: "
-        f"{shown}; their footers are read instead ({index_command(_shown(given))} rewrites "
-        "the summary)",
-        stacklevel=3,
-    )
 
 
 #: The plan this process opened last, with the arguments it opened it with.

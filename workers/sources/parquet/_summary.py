@@ -38,10 +38,13 @@ summary serves ``train-*`` and ``validation-*`` in one directory.
 from __future__ import annotations
 
 import base64
+import datetime
 import json
 import logging
+import os
+import posixpath
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -306,4 +309,41 @@ def write_summary(
     data = encode(entries, first)
     return write_document(
         storage, summary_url(storage, directory), cached_summary_path(storage, directory), data
+    )
+
+
+def shown_urls(given: Any) -> str | list[str]:
+    return os.fspath(given) if isinstance(given, (str, os.PathLike)) else [str(u) for u in given]
+
+
+def _version_shown(version: str | None) -> str:
+    """A file's version as a person reads it: a local file's mtime as a time, not nanoseconds
+    (``mtime:1796672396140416171`` -> ``modified 2026-12-07 19:39:56.140``)."""
+    if not version:
+        return "no version"
+    if version.startswith("mtime:") and version[len("mtime:") :].isdigit():
+        when = datetime.datetime.fromtimestamp(int(version[len("mtime:") :]) / 1e9)
+        return f"modified {when:%Y-%m-%d %H:%M:%S.%f}"[:-3]
+    return version
+
+
+def warn_stale(
+    stale: list[tuple[str, FileEntry, Identity]], entries: Sequence[Any], given: Any
+) -> None:
+    """Name the files a summary is stale for (their footers are read instead)."""
+    import warnings
+
+    shown = ", ".join(
+        f"{posixpath.basename(url)} (size {entry.size} -> {identity[0]})"
+        if entry.size != identity[0]
+        else f"{posixpath.basename(url)} ({_version_shown(entry.version)} -> "
+        f"{_version_shown(identity[1])})"
+        for url, entry, identity in stale[:5]
+    ) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+    where = next(entry[1] for entry in entries if entry is not None)
+    warnings.warn(
+        f"the summary {where} is stale: {len(stale)} file(s) changed since it was written: "
+        f"{shown}; their footers are read instead ({index_command(shown_urls(given))} rewrites "
+        "the summary)",
+        stacklevel=3,
     )
