@@ -342,7 +342,10 @@ def _members(
             return (
                 members,
                 0,
-                NotATar(f"{url} is not a tar file ({error}): take it out of the shards"),
+                NotATar(
+                    f"{url} is not a tar file ({error}){_compressed(url, stream, seekable)}: "
+                    "take it out of the shards"
+                ),
             )
         return (
             members,
@@ -512,3 +515,21 @@ def keep_cached(storage: Storage, index: TarIndex, identity: Identity) -> bool:
         logger.debug("cannot keep the index of %s in %s (%s)", index.url, path.parent, error)
         return False
     return True
+
+
+def _compressed(url: str, stream: Any, seekable: bool) -> str:
+    """``"; it is gzip-compressed ..."`` where the shard is (by its first bytes, where the stream
+    can go back to them, or by its name), else ``""``: shards are read uncompressed."""
+    gzipped = url.endswith((".gz", ".tgz"))
+    if not gzipped and seekable:
+        try:
+            stream.seek(0)
+            gzipped = stream.read(2) == b"\x1f\x8b"
+        except (OSError, ValueError):
+            gzipped = False
+    if not gzipped:
+        return ""
+    return (
+        "; it is gzip-compressed, and shards are read uncompressed (their members are read "
+        "by ranged reads): decompress it (gunzip) and list the .tar"
+    )

@@ -7,6 +7,7 @@ loader.tars index``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -46,7 +47,11 @@ def check_urls(
     if len(protocols) > 1:
         raise ValueError(f"the shards use several protocols ({sorted(protocols)}); use one")
     if len(set(expanded)) != len(expanded):
-        raise ValueError("a shard is listed twice: every shard must appear once")
+        twice = [url for url, count in collections.Counter(expanded).items() if count > 1]
+        raise ValueError(
+            f"a shard is listed twice ({', '.join(twice[:5])}): every shard must "
+            "appear once (a pattern and a list, or two patterns, that overlap?)"
+        )
     return [local_path(url) for url in expanded]
 
 

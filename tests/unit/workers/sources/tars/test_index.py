@@ -77,6 +77,16 @@ def test_a_damaged_shard_keeps_its_whole_samples_before_the_damage(
             assert (index.member_sample == k).sum() == (full.member_sample == k).sum()
     index, damage = scan_whole_samples("t.tar", io.BytesIO(b"not a tar" * 200), seekable=seekable)
     assert index.samples == 0 and "is not a tar file" in str(damage)
+    assert "gzip" not in str(damage)
+    import gzip
+
+    zipped = io.BytesIO(gzip.compress(data))
+    index, damage = scan_whole_samples("t.tar.gz", zipped, seekable=seekable)
+    assert index.samples == 0 and "it is gzip-compressed" in str(damage)
+    if seekable:  # (named .tar: told by its first bytes)
+        zipped = io.BytesIO(gzip.compress(data))
+        index, damage = scan_whole_samples("t.tar", zipped, seekable=True)
+        assert "it is gzip-compressed" in str(damage)
 
 
 def _tar_bytes(form: int, names: list[str], seed: int) -> bytes:
