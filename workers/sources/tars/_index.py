@@ -407,15 +407,16 @@ def _before(
     cut_keys = {split[0] for split in map(split_name, cut) if split is not None}
     builder = IndexBuilder(url)
     left: tuple[str, str] | None = None
+    before: dict[str, str] = {}  # samples before the damage left out with it: key -> where
     for name, data, length, at in members[:stop]:
         split = split_name(name)
         if split is not None and split[0] in cut_keys:
-            left = left or (name, at)
+            before.setdefault(split[0], at)
             continue
         try:
             builder.add(name, data, length, url, at)
         except ValueError:  # (cannot happen: ``members[:stop]`` keep WebDataset's rules)
-            left = left or (name, at)
+            left = (name, at)
             break
     if left is None and stop < len(members):
         name, _data, _length, at = members[stop]
@@ -426,6 +427,12 @@ def _before(
         split = split_name(left[0])
         index.left_from = (
             f"sample {split[0]!r} {left[1]}" if split is not None else f"{left[0]!r} {left[1]}"
+        )
+    if before:  # (read around: their keys come again in the part left out)
+        named = ", ".join(f"{key!r} {at}" for key, at in list(before.items())[:3])
+        more = f" and {len(before) - 3} more" if len(before) > 3 else ""
+        index.left_from += (
+            f" (and, before it, sample(s) {named}{more}, whose key comes again there)"
         )
     return index
 

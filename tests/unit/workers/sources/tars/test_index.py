@@ -139,3 +139,27 @@ def test_a_shard_read_whole_is_indexed_from_its_headers_as_tarfile_reads_it(form
             fast = _plain_members(variant)
             members, damage = by_tarfile(variant)
             assert fast is None or (damage is None and fast == members)
+
+
+def test_a_key_that_comes_again_later_names_both_places_of_what_is_left_out() -> None:
+    """Samples 0-7, then a member of sample 3 again: under skip the samples before the damage
+    are read but sample 3 (its key comes again in the part left out); the account said "the
+    rest of it, from sample 's00003' at byte 7680", which read as if samples 4-7 were left out
+    too."""
+    from workers.sources.tars._index import scan_whole_samples
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name in [*(f"s{key:05d}.id" for key in range(8)), "s00003.txt"]:
+            data = name.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    index, damage = scan_whole_samples("t.tar", io.BytesIO(buffer.getvalue()), seekable=True)
+    assert damage is not None and "'s00003' appears again" in str(damage)
+    keys = [index.key(k) for k in range(index.samples)]
+    assert keys == ["s00000", "s00001", "s00002", "s00004", "s00005", "s00006", "s00007"]
+    assert index.left_from.startswith("sample 's00003' at byte ")
+    assert "(and, before it, sample(s) 's00003' at byte 3072, whose key comes again" in (
+        index.left_from
+    )
