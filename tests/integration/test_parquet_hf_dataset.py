@@ -96,6 +96,9 @@ def test_a_selection_or_a_dataset_in_memory_is_refused_saying_what_to_pass(
     # a contiguous select() slices the tables, with no indices: refused as soon too
     with pytest.raises(ValueError, match=r"is a selection .*flatten_indices\(\)"):
         ParquetDataset(dataset.select(range(10)))
+    one_file = P.saved_dataset(tmp_path / "one", 40, shard_bytes=10**9)  # (one Arrow file)
+    with pytest.raises(ValueError, match=r"is a selection .*flatten_indices\(\)"):
+        ParquetDataset(one_file.select(range(10)))
     import datasets
 
     splits = datasets.DatasetDict({"train": dataset, "test": dataset})  # (load_dataset, no split)

@@ -75,13 +75,16 @@ def arrow_files_of(dataset: Any) -> ArrowFiles:
 def _sliced(dataset: Any) -> bool:
     """Whether the dataset's table holds a part of its Arrow files (``select(range(a, b))``
     slices the memory-mapped tables, with no indices to tell it): a block that replays a slice."""
-    blocks = getattr(getattr(dataset, "data", None), "blocks", None)
-    if not isinstance(blocks, list):
-        return False
+    table = getattr(dataset, "data", None)
+    blocks = getattr(table, "blocks", None)  # (a table over several files: one per file)
+    tables = (
+        [table]
+        if not isinstance(blocks, list)
+        else [block for row in blocks for block in (row if isinstance(row, list) else [row])]
+    )
     return any(
-        any(operation[0] == "slice" for operation in getattr(block, "replays", None) or ())
-        for row in blocks
-        for block in (row if isinstance(row, list) else [row])
+        any(operation[0] == "slice" for operation in getattr(one, "replays", None) or ())
+        for one in tables
     )
 
 
