@@ -158,3 +158,37 @@ def test_two_ranks_on_s3_read_the_pages_of_their_share_once(one_row_group: Path)
     assert chunks <= counted <= chunks + ends
     assert all(nbytes < chunks / 2 for nbytes in reads.values())
     assert len(reads) <= 4 * 4, reads
+
+
+def test_an_offset_index_whose_first_rows_lie_is_not_trusted(
+    one_row_group: Path, tmp_path: Path
+) -> None:
+    """A page index that says a middle page begins a row later than it does (the file still
+    well-formed, pyarrow reads it whole): a worker reading its rows by that page gave each of
+    its rows the image of the row before, silently. The pages' headers tell their values: the
+    row group is read whole instead, every image its own row's."""
+    import shutil
+
+    from workers.sources.parquet import _pages as pages
+    from workers.sources.parquet import _thrift as thrift
+
+    path = tmp_path / "lies.parquet"
+    shutil.copy(one_row_group, path)
+    data = bytearray(path.read_bytes())
+    footer = pages.decode_footer(bytes(data[-8 - int.from_bytes(data[-8:-4], "little") : -8]))
+    chunk = footer.get_value(4)[1][0].get_value(1)[1][0]  # (image.bytes)
+    at = chunk.get_value(4)
+    index, end = thrift.decode(bytes(data), at)
+    locations = index.get_value(1)[1]
+    firsts = [int(location.get_value(3)) for location in locations]
+    half = ROWS // 2  # (where the second worker's rows begin, unshuffled)
+    page = max(k for k, first in enumerate(firsts) if first < half)  # (the page holding it)
+    location = locations[page]
+    location[3] = (thrift.I64, firsts[page] + 1)  # (a row later than it is)
+    encoded = thrift.encode(index)
+    assert len(encoded) == end - at  # (the same length: the file stays well-formed)
+    data[at:end] = encoded
+    path.write_bytes(bytes(data))
+    with loader_over(path, 2, shuffle=False) as loader:  # (each worker half the row group)
+        seen = [i for batch in loader for i in rows_of(batch)]  # (images checked: their rows')
+    assert sorted(seen) == list(range(ROWS))

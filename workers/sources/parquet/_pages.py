@@ -38,9 +38,11 @@ __all__ = [
     "leaf_file",
     "leaf_path",
     "leaves_of",
+    "page_values",
     "pages_for",
     "put_together",
     "read_leaf",
+    "repeated",
     "worth_it",
 ]
 
@@ -169,6 +171,22 @@ def _values(data: bytes | memoryview) -> tuple[int, int]:
     if at != len(data):
         raise ValueError("the pages read end inside a page")
     return values, uncompressed
+
+
+def page_values(pages: bytes | memoryview) -> int:
+    """The values the data pages in ``pages`` hold, as their headers say."""
+    return _values(pages)[0]
+
+
+def repeated(pa: Any, kind: Any) -> bool:
+    """Whether an Arrow type holds a list (or map) anywhere: its pages' values are not rows."""
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_map(kind):
+        return True
+    if pa.types.is_fixed_size_list(kind):
+        return True
+    if pa.types.is_struct(kind):
+        return any(repeated(pa, kind.field(k).type) for k in range(kind.num_fields))
+    return False
 
 
 def leaf_file(
