@@ -192,14 +192,17 @@ class Values:
     (``None`` for a null; for an ``image`` whose bytes are empty, its ``path`` as a ``str``, for
     the reader to read)."""
 
-    def __init__(self, kind: str, array: Any) -> None:
+    def __init__(self, kind: str, array: Any, name: str = "") -> None:
         import pyarrow as pa
 
         if isinstance(array, pa.ChunkedArray):
             array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
-        self.kind = kind
+        self.kind, self.name = kind, name
         self.valid = _valid(array)
         self.paths: Any = None
+        #: rows whose value cannot be given as it is, and why (a uint64 past int64, a null
+        #: inside a list of integers): :meth:`row` raises for them
+        self.wrong: dict[int, str] = {}
         if kind == "image":
             inner = array.field("bytes")
             self.offsets, self.data = _bytes_of(inner)
@@ -212,7 +215,9 @@ class Values:
             self.offsets, self.data = _bytes_of(array)
         elif kind in ("int", "float"):
             dtype = np.int64 if kind == "int" else np.float32
-            self.numbers = _numbers(array).astype(dtype)
+            numbers = _numbers(array)
+            self._past_int64(numbers, np.arange(len(numbers) + 1))
+            self.numbers = numbers.astype(dtype)
         else:  # list: its values between its first and last offsets (nulls' rows masked above)
             length, offset = len(array), array.offset
             if pa.types.is_fixed_size_list(array.type):
@@ -227,15 +232,37 @@ class Values:
                     edges = edges[offset : offset + length + 1].astype(np.int64)
             first = int(edges[0]) if len(edges) else 0
             self.offsets = edges - first
-            values = _numbers(array.values)[first : int(edges[-1]) if len(edges) else 0]
+            last = int(edges[-1]) if len(edges) else 0
+            values = _numbers(array.values)[first:last]
+            inside = _valid(array.values)
             if np.issubdtype(values.dtype, np.floating):
-                self.data = values.astype(np.float32, copy=False)
+                self.data = values.astype(np.float32, copy=True)
+                if inside is not None:  # (a null inside a list of floats: NaN, not 0)
+                    self.data[~inside[first:last]] = np.nan
             else:
+                self._past_int64(values, self.offsets)
+                if inside is not None:  # (integers have no NaN: the row cannot be given)
+                    nulls = np.flatnonzero(~inside[first:last])
+                    for row in np.unique(np.searchsorted(self.offsets, nulls, side="right") - 1):
+                        self.wrong.setdefault(int(row), "holds a null inside its list")
                 self.data = values.astype(np.int64, copy=False)
+
+    def _past_int64(self, values: np.ndarray[Any, Any], edges: np.ndarray[Any, Any]) -> None:
+        """Note the rows (between ``edges``) of uint64 ``values`` that int64 cannot hold."""
+        if values.dtype != np.uint64 or not len(values):
+            return
+        past = np.flatnonzero(values > np.iinfo(np.int64).max)
+        for row in np.unique(np.searchsorted(edges, past, side="right") - 1):
+            self.wrong.setdefault(int(row), "holds a uint64 past int64's largest (2**63 - 1)")
 
     def row(self, row: int) -> np.ndarray[Any, Any] | str | None:
         """Row ``row``'s value: a numpy array (a view for bytes), None for a null, the path of an
-        image kept as a file."""
+        image kept as a file. ``ValueError`` for a value that cannot be given as it is."""
+        if row in self.wrong and (self.valid is None or self.valid[row]):
+            raise ValueError(
+                f"column {self.name!r} {self.wrong[row]}: the sample cannot be given as its "
+                "value is (integers come as int64)"
+            )
         if self.valid is not None and not self.valid[row]:
             if self.kind == "image" and self.paths is not None and self.paths[row].is_valid:
                 return str(self.paths[row].as_py())
@@ -252,7 +279,7 @@ class Values:
 
 def values_of(kinds: list[ColumnKind], table: Any) -> list[Values]:
     """The :class:`Values` of each requested column of a read row group (an Arrow table)."""
-    return [Values(kind.kind, table.column(kind.name)) for kind in kinds]
+    return [Values(kind.kind, table.column(kind.name), kind.name) for kind in kinds]
 
 
 def default_value(kind: ColumnKind, value: Any) -> np.ndarray[Any, Any]:

@@ -383,7 +383,9 @@ class ParquetLoader:
                     )
                 arrays[part.leaf] = array.slice(lo - part.rows[0], hi - lo)
             values = [
-                Values(kind.kind, pages.put_together(pa, [arrays[leaf] for leaf in leaves]))
+                Values(
+                    kind.kind, pages.put_together(pa, [arrays[leaf] for leaf in leaves]), kind.name
+                )
                 for kind, leaves in zip(plan.kinds, columns, strict=True)
             ]
         except _IndexLies as error:

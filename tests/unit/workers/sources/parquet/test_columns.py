@@ -177,3 +177,27 @@ def test_reading_a_row_group_imports_no_pandas(tmp_path: object) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("]")[-1].strip() == "False", done.stdout
     assert "'a.jpg'" in done.stdout and done.stdout.count("None") >= 4
+
+
+def test_values_that_do_not_fit_or_nulls_inside_lists_are_never_given_as_other_values() -> None:
+    """A uint64 past int64's largest came as a negative int64, a null inside a list of numbers
+    as 0: now a float list's null is NaN, and a row that cannot be given as it is raises,
+    naming the column (a bad sample: skipped with its accounting under on_error="skip")."""
+    big = Values("int", pa.array([1, 2**63, 2**64 - 1, 7], pa.uint64()), "u64")
+    assert big.row(0).tolist() == [1] and big.row(3).tolist() == [7]
+    for row in (1, 2):
+        with pytest.raises(ValueError, match=r"column 'u64' holds a uint64 past int64's"):
+            big.row(row)
+    listed = Values("list", pa.array([[1, 2**64 - 1], [3]], pa.list_(pa.uint64())), "ul")
+    with pytest.raises(ValueError, match=r"column 'ul' holds a uint64 past int64's"):
+        listed.row(0)
+    assert listed.row(1).tolist() == [3]
+    floats = Values("list", pa.array([[1.5, None, 2.0], [None], [3.0]], pa.list_(pa.float32())))
+    assert np.isnan(floats.row(0)[1]) and floats.row(0)[[0, 2]].tolist() == [1.5, 2.0]
+    assert np.isnan(floats.row(1)).all() and floats.row(2).tolist() == [3.0]
+    ints = Values("list", pa.array([[1, None, 3], [4], None, [None]], pa.list_(pa.int64())), "li")
+    with pytest.raises(ValueError, match=r"column 'li' holds a null inside its list"):
+        ints.row(0)
+    assert ints.row(1).tolist() == [4] and ints.row(2) is None  # (a null row: as before)
+    with pytest.raises(ValueError, match=r"holds a null inside its list"):
+        ints.row(3)
