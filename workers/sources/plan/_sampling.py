@@ -417,6 +417,16 @@ def _output(sample: Any, k: int, num_outputs: int) -> Any:
     a tuple of one (a reader of one column or member returns its outputs as a tuple, as with
     several: without this the array gained a leading dimension of 1)."""
     if num_outputs != 1:
+        if not isinstance(sample, (tuple, list)) or len(sample) != num_outputs:
+            given = (
+                f"a {type(sample).__name__} of {len(sample)}"
+                if isinstance(sample, (tuple, list))
+                else f"one {type(sample).__name__}"
+            )
+            raise TypeError(
+                f"load returned {given} for num_outputs={num_outputs}: return a tuple of "
+                f"{num_outputs} arrays, one per output"
+            )
         return sample[k]
     return sample[0] if isinstance(sample, tuple) and len(sample) == 1 else sample
 

@@ -201,3 +201,18 @@ def test_read_file_returns_the_bytes_and_names_a_bad_path(tmp_path: Path) -> Non
     with pytest.raises(FileNotFoundError, match=re.escape("missing.jpg")):
         read_file(str(tmp_path / "missing.jpg"))
     assert len(os.listdir("/proc/self/fd")) == before  # no descriptor left open
+
+
+def test_a_sample_of_another_number_of_outputs_than_num_outputs_is_refused() -> None:
+    """``num_outputs=2`` and a load returning one array took its rows as the two outputs; a
+    tuple of 3 lost its third silently. A tuple (or list) of exactly num_outputs is taken."""
+    from workers.sources.plan._sampling import _output
+
+    pair = (np.zeros(2), np.ones(3))
+    assert _output(pair, 1, 2) is pair[1] and _output(list(pair), 0, 2) is pair[0]
+    with pytest.raises(TypeError, match=r"load returned one ndarray for num_outputs=2: return"):
+        _output(np.zeros(2), 0, 2)
+    with pytest.raises(TypeError, match=r"load returned a tuple of 3 for num_outputs=2"):
+        _output((*pair, np.zeros(1)), 0, 2)
+    one = np.zeros(3)
+    assert _output(one, 0, 1) is one and _output((one,), 0, 1) is one
