@@ -17,6 +17,7 @@ mixes.
 
 from __future__ import annotations
 
+import numbers
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -119,6 +120,27 @@ class _Opened(Definition):
         )
 
 
+def _check_labels(files: Any, labels: Sequence[int] | None) -> None:
+    """``labels`` (when given): one int (int32) per file of a list; ``TypeError`` or
+    ``ValueError`` naming the first that is not (a float was cut to an int, silently, and a
+    label that is no number failed in every worker, not naming ``labels=``)."""
+    if labels is None:
+        return
+    if isinstance(labels, (str, bytes)) or not isinstance(labels, Sequence):
+        raise TypeError(f"labels= must be a sequence of ints, one per file, got {labels!r}")
+    for position, label in enumerate(labels):
+        if isinstance(label, bool) or not isinstance(label, numbers.Integral):
+            raise TypeError(
+                f"labels[{position}] is {label!r} ({type(label).__name__}): labels= takes one "
+                "int per file (the class's number)"
+            )
+        if not -(2**31) <= int(label) < 2**31:
+            raise ValueError(f"labels[{position}] is {label}, past int32 (labels are int32)")
+    listed = not isinstance(files, (str, os.PathLike))
+    if listed and isinstance(files, Sequence) and len(files) != len(labels):
+        raise ValueError(f"{len(files)} files but {len(labels)} labels: give one per file")
+
+
 @dataclass(frozen=True)
 class FilesDataset(_Opened):
     """An ImageFolder or a list of files (with ``labels``), as :func:`sharded_files` reads it:
@@ -130,6 +152,9 @@ class FilesDataset(_Opened):
     _: KW_ONLY
     shuffle: bool = True
     drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        _check_labels(self.root_or_files, self.labels)
 
     def server_needs(self) -> tuple[str, ...]:
         return protocols_of(self.root_or_files)

@@ -59,3 +59,20 @@ def test_each_definition_names_what_its_workers_will_open_for_the_server() -> No
         {"a": 1.0, "b": 1.0, "c": 1.0},
     )
     assert mix.server_needs() == ("protocol:s3", "protocol:gs", *ARROW)
+
+
+def test_labels_that_are_not_one_int_per_file_are_refused_at_the_definition() -> None:
+    """A float label was cut to an int silently, a str parsed, and one that is no number failed
+    in every worker without naming ``labels=``."""
+    from loader import FilesDataset
+
+    files = ["a.jpg", "b.jpg"]
+    with pytest.raises(TypeError, match=r"labels\[0\] is 0\.5 \(float\): labels= takes one int"):
+        FilesDataset(files, labels=[0.5, 1])
+    with pytest.raises(TypeError, match=r"labels\[1\] is '2' \(str\)"):
+        FilesDataset(files, labels=[1, "2"])
+    with pytest.raises(ValueError, match=r"labels\[0\] is 1099511627776, past int32"):
+        FilesDataset(files, labels=[2**40, 1])
+    with pytest.raises(ValueError, match=r"2 files but 3 labels: give one per file"):
+        FilesDataset(files, labels=[1, 2, 3])
+    assert FilesDataset(files, labels=[np.int64(3), 1]).labels is not None
