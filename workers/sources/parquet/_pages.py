@@ -32,6 +32,7 @@ from . import _thrift as thrift
 from ._thrift import I64, LIST, STRUCT, Struct
 
 __all__ = [
+    "IndexLies",
     "LeafPages",
     "decode_footer",
     "index_range",
@@ -42,6 +43,7 @@ __all__ = [
     "pages_for",
     "put_together",
     "read_leaf",
+    "read_part",
     "repeated",
     "worth_it",
 ]
@@ -171,6 +173,36 @@ def _values(data: bytes | memoryview) -> tuple[int, int]:
     if at != len(data):
         raise ValueError("the pages read end inside a page")
     return values, uncompressed
+
+
+class IndexLies(ValueError):
+    """A page index whose row numbers are not those of the pages it points to: the row group
+    is read whole instead (its data may be sound)."""
+
+
+def read_part(
+    pq: Any,
+    pa: Any,
+    footer: Struct,
+    group: int,
+    part: LeafPages,
+    dictionary: bytes | memoryview,
+    pages: bytes | memoryview,
+) -> Any:
+    """The rows ``part`` promises of its leaf (an Arrow array), from its ``dictionary`` page and
+    its ``pages``; :class:`IndexLies` where they hold other rows than the offset index said."""
+    made = leaf_file(footer, group, part, dictionary, pages)
+    array = read_leaf(pq, pa, made, leaf_path(footer, part.leaf))
+    rows = part.rows[1] - part.rows[0]
+    if len(array) != rows:
+        raise IndexLies(f"leaf {part.leaf}'s pages hold {len(array)} rows, not {rows}")
+    told = page_values(pages)
+    if told != rows and not repeated(pa, array.type):
+        # (an offset index whose first rows lie: the pages hold other rows)
+        raise IndexLies(
+            f"leaf {part.leaf}'s pages hold {told} values, its offset index says {rows} rows"
+        )
+    return array
 
 
 def page_values(pages: bytes | memoryview) -> int:

@@ -65,11 +65,6 @@ class Held(NamedTuple):
     values: list[Values]
 
 
-class _IndexLies(ValueError):
-    """A page index whose row numbers are not those of the pages it points to: the row group
-    is read whole instead (its data may be sound)."""
-
-
 class DamagedRowGroup(ValueError):
     """A row group whose bytes cannot be decoded (a corrupt page, a bad checksum): its samples
     fail to load, so ``on_error="skip"`` skips them all, each named with the row group's byte
@@ -367,20 +362,9 @@ class ParquetLoader:
             note_compute()
             arrays = {}
             for part in parts:
-                made = pages.leaf_file(
-                    footer, group, part, piece(part.dictionary), piece(part.pages)
+                array = pages.read_part(
+                    pq, pa, footer, group, part, piece(part.dictionary), piece(part.pages)
                 )
-                array = pages.read_leaf(pq, pa, made, pages.leaf_path(footer, part.leaf))
-                rows = part.rows[1] - part.rows[0]
-                if len(array) != rows:
-                    raise _IndexLies(f"leaf {part.leaf}'s pages hold {len(array)} rows, not {rows}")
-                told = pages.page_values(piece(part.pages))
-                if told != rows and not pages.repeated(pa, array.type):
-                    # (an offset index whose first rows lie: the pages hold other rows)
-                    raise _IndexLies(
-                        f"leaf {part.leaf}'s pages hold {told} values, its offset index says "
-                        f"{rows} rows"
-                    )
                 arrays[part.leaf] = array.slice(lo - part.rows[0], hi - lo)
             values = [
                 Values(
@@ -388,7 +372,7 @@ class ParquetLoader:
                 )
                 for kind, leaves in zip(plan.kinds, columns, strict=True)
             ]
-        except _IndexLies as error:
+        except pages.IndexLies as error:
             _log.warning(
                 "%s: read whole, its page index does not tell its pages: %s", plan.name(unit), error
             )
