@@ -61,15 +61,6 @@ def test_a_loader_gives_a_files_bytes_and_label(folder: Path) -> None:
     assert load.describe(3) == files[3]
 
 
-def test_an_empty_file_is_named_as_empty(tmp_path: Path) -> None:
-    """A 0-byte image: the decoder said only "nvImageCodec failure: '#4'"."""
-    empty = tmp_path / "zero.jpg"
-    empty.write_bytes(b"")
-    load = FileLoader(ListedFiles([str(empty)], [0]))
-    with pytest.raises(ValueError, match=r"zero\.jpg is empty \(0 bytes\): no image to decode"):
-        load(0)
-
-
 def test_a_folder_or_a_list_is_opened_and_labels_go_with_a_list_only(
     folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
