@@ -216,7 +216,7 @@ class Values:
         elif kind in ("int", "float"):
             dtype = np.int64 if kind == "int" else np.float32
             numbers = _numbers(array)
-            self._past_int64(numbers, np.arange(len(numbers) + 1))
+            self._past_int64(numbers)
             self.numbers = numbers.astype(dtype)
         else:  # list: its values between its first and last offsets (nulls' rows masked above)
             length, offset = len(array), array.offset
@@ -247,12 +247,16 @@ class Values:
                         self.wrong.setdefault(int(row), "holds a null inside its list")
                 self.data = values.astype(np.int64, copy=False)
 
-    def _past_int64(self, values: np.ndarray[Any, Any], edges: np.ndarray[Any, Any]) -> None:
-        """Note the rows (between ``edges``) of uint64 ``values`` that int64 cannot hold."""
+    def _past_int64(
+        self, values: np.ndarray[Any, Any], edges: np.ndarray[Any, Any] | None = None
+    ) -> None:
+        """Note the rows (a value each, or a list's values between ``edges``) of uint64
+        ``values`` that int64 cannot hold. Costs nothing for any other dtype."""
         if values.dtype != np.uint64 or not len(values):
             return
         past = np.flatnonzero(values > np.iinfo(np.int64).max)
-        for row in np.unique(np.searchsorted(edges, past, side="right") - 1):
+        rows = past if edges is None else np.searchsorted(edges, past, side="right") - 1
+        for row in np.unique(rows):
             self.wrong.setdefault(int(row), "holds a uint64 past int64's largest (2**63 - 1)")
 
     def row(self, row: int) -> np.ndarray[Any, Any] | str | None:
