@@ -246,7 +246,9 @@ def _check_weights(names: list[str], weights: Mapping[str, float]) -> None:
 
 
 def _check_outputs(names: list[str], sources: list[OpenedSource]) -> list[list[Any]]:
-    """Every source gives the same outputs as the first: count, names, dtypes and ranks."""
+    """Every source gives the same outputs as the first, by position: count, ranks and dtypes
+    (integers, or floats, of other widths cast to the wider); per source, per output, the dtype
+    its samples are cast to (None: as they come)."""
 
     def outputs(k: int) -> list[np.ndarray[Any, Any]]:
         loaded = sources[k].load(0)
@@ -263,7 +265,7 @@ def _check_outputs(names: list[str], sources: list[OpenedSource]) -> list[list[A
     # outputs go to the step by position: their names may differ (a Parquet "image" column
     # beside a tar's "jpg" member); integers of other widths (a tar's int32 "cls", a Parquet
     # int64 "label") and floats are cast to the wider type, anything else must match
-    given = [outputs(k) for k in range(len(sources))]
+    given = [first, *(outputs(k) for k in range(1, len(sources)))]  # (source 0 loaded once)
     targets = []
     for column in range(len(first)):
         arrays = [found[column] for found in given]
