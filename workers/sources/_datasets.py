@@ -264,7 +264,8 @@ class ParquetDataset(_Opened):
         if (type(self.urls).__module__ or "").split(".", 1)[0] == "datasets":
             from .parquet import arrow_files_of  # (its files, not the object, go to the workers)
 
-            object.__setattr__(self, "urls", arrow_files_of(self.urls))
+            columns = (self.columns,) if isinstance(self.columns, str) else tuple(self.columns)
+            object.__setattr__(self, "urls", arrow_files_of(self.urls, columns))
 
     def server_needs(self) -> tuple[str, ...]:
         # (pyarrow.compute: a struct column read by its pages is put together with it; 70 ms

@@ -461,10 +461,10 @@ class ParquetLoader:
 
     def _image_file(self, unit: int, path: str) -> np.ndarray[Any, Any]:
         """The bytes of an image kept as a file (an ``Image`` row with ``path`` and no
-        ``bytes``): ``path`` as a URL, an absolute path, or relative to the Parquet file."""
+        ``bytes``): ``path`` as a URL, an absolute path, or relative to :meth:`_image_base`."""
         url = self.plan.urls[int(self.plan.files[unit])]
         if not is_url(path) and not os.path.isabs(path):
-            path = self.plan.storage.join(self.plan.storage.dirname(url), path)
+            path = self.plan.storage.join(self._image_base(url), path)
         storage = storage_for(path) if is_url(path) != is_url(url) else self.plan.storage
         try:
             data = storage.read_all(path)
@@ -477,6 +477,10 @@ class ParquetLoader:
             self.bytes_read += len(data)
         count_read(0, 1, len(data), self._ahead.epoch)
         return np.frombuffer(data, np.uint8)
+
+    def _image_base(self, url: str) -> str:
+        """Where a relative image ``path`` of file ``url`` is: the Parquet file's directory."""
+        return str(self.plan.storage.dirname(url))
 
     def _check_pixels(self, value: np.ndarray[Any, Any], index: int, column: str) -> None:
         size = over_limit(value, self.max_pixels)
