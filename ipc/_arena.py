@@ -203,18 +203,23 @@ def memfd_regions(name: str, owner: str, num_slots: int, limit: int | None) -> A
     def create(arena_id: int, slot_size: int, needed: int) -> Arena:
         if limit is not None and slot_size * num_slots > limit:
             slot_size = max(needed, (limit // num_slots) // PAGE * PAGE)
-        total = slot_size * num_slots
         available = available_memory()
-        if (limit is not None and total > limit) or total > available:
-            why = (
-                f"shm_limit is {limit} bytes"
-                if limit is not None and total > limit
-                else f"only {available} bytes of memory are available{_under_limit()}"
-            )
+        if slot_size * num_slots > available:  # (headroom given up before what is needed)
+            slot_size = needed
+        total = needed * num_slots
+        if limit is not None and total > limit:
             raise SharedMemoryError(
-                f"{owner} needs {needed * num_slots} bytes ({needed * num_slots / 2**20:.1f} MiB: "
-                f"{num_slots} slots of {needed} bytes) of shared memory, but {why}. Raise "
-                "shm_limit, lower prefetch or the batch size, or free memory"
+                f"{owner} needs {total} bytes ({total / 2**20:.1f} MiB: {num_slots} slots of "
+                f"{needed} bytes) of shared memory, but shm_limit is {limit} bytes. Raise "
+                "shm_limit, or lower prefetch or the batch size"
+            )
+        if total > available:
+            raise SharedMemoryError(
+                f"{owner} needs {total} bytes ({total / 2**20:.1f} MiB: {num_slots} slots of "
+                f"{needed} bytes) of shared memory, but only {available} bytes "
+                f"({available / 2**20:.1f} MiB) of memory are available{_under_limit()}, "
+                "after what the job's other processes hold. Lower prefetch or the batch size, "
+                "use fewer workers, or give the job more memory"
             )
         return Arena.create(arena_id, slot_size, num_slots, label=name)
 

@@ -10,17 +10,26 @@ May import: the public face (``loader``, ``loader.sample``, ``loader.tars``), ob
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from ._doctor import doctor
+from ._flags import Terminated
 from ._job import run_job
 
 __all__ = ["doctor", "main", "run_job"]
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m loader [doctor | index] ...``: the exit status."""
+    """``python -m loader [doctor | index] ...``: the exit status. A SIGTERM (a cluster's stop)
+    ends the job as Ctrl-C does: its loader closed, its workers stopped, a line saying so."""
     argv = sys.argv[1:] if argv is None else argv
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
     if argv[:1] == ["doctor"]:
         return doctor(argv[1:])
     if argv[:1] == ["index"]:

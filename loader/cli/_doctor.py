@@ -32,7 +32,7 @@ from .. import Loader
 from ..config import distributed
 from ..errors import LoaderError
 from ..observe import Diagnosis, measure_headspace, rank_path
-from ._flags import check_flags, job_flags, layout, make_loader, setup
+from ._flags import Terminated, check_flags, job_flags, layout, make_loader, setup, stopped
 
 
 def build_doctor_parser() -> argparse.ArgumentParser:
@@ -285,9 +285,8 @@ def doctor(argv: list[str]) -> int:
         where = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
         print(f"error: {where}{error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as error:
+        return stopped(error)
 
 
 def _doctor(args: argparse.Namespace, rank: int, world: int) -> int:

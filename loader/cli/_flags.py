@@ -14,12 +14,26 @@ from typing import Any
 
 from .. import Loader, ParquetDataset, TarsDataset
 from ..sample import (
+    default_cache_dir,
     ensure_sample_dataset,
     image_source,
     image_step,
     list_images,
     sample_dataset_ready,
 )
+
+
+class Terminated(BaseException):
+    """A SIGTERM reached the command (raised by its handler, caught as Ctrl-C is)."""
+
+
+def stopped(error: BaseException) -> int:
+    """Say how the command was stopped (Ctrl-C or a SIGTERM); its exit status, as the shell's."""
+    if isinstance(error, Terminated):
+        print("terminated (SIGTERM)", file=sys.stderr)
+        return 143
+    print("interrupted", file=sys.stderr)
+    return 130
 
 
 def job_flags(parser: argparse.ArgumentParser) -> None:
@@ -151,7 +165,16 @@ def setup(
     if args.data is None:
         if not sample_dataset_ready() and not quiet:
             print("generating the sample dataset (first run only)...", file=sys.stderr)
-        root: Path = ensure_sample_dataset()
+        try:
+            root: Path = ensure_sample_dataset()
+        except OSError as error:
+            print(
+                f"error: the sample dataset cannot be written to {default_cache_dir()} "
+                f"({type(error).__name__}: {error.strerror or error}): set XDG_CACHE_HOME to a "
+                "writable directory, or pass --data",
+                file=sys.stderr,
+            )
+            return None
     else:
         root = args.data
     if data_format(root) == "folder" and args.columns is not None:

@@ -12,7 +12,7 @@ from .. import LoaderStats
 from ..errors import LoaderError
 from ..observe import Diagnosis
 from ..sample import list_images
-from ._flags import data_format, job_flags, make_loader, setup
+from ._flags import Terminated, data_format, job_flags, make_loader, setup, stopped
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +113,6 @@ def run_job(argv: list[str]) -> int:
     except (LoaderError, ValueError, TypeError, RuntimeError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as error:
+        return stopped(error)
     return 0

@@ -188,7 +188,10 @@ def out_of_memory(before: dict[str, int]) -> str | None:
     return (
         f"{where_}. Give the job more memory (the container's memory limit), or make each "
         "worker hold less: fewer workers (num_workers), a smaller batch_size or prefetch, "
-        "smaller decoded images; a sample that decodes to far more than others may be the cause"
+        "smaller decoded images, and for Parquet or tars less read ahead (ahead=1, a smaller "
+        "ahead_bytes, shuffle_window=1; a Parquet worker holds several times its largest row "
+        "group: smaller row groups); a sample that decodes to far more than others may be the "
+        "cause"
     )
 
 

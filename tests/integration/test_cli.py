@@ -137,3 +137,63 @@ def test_the_progress_bar_ends_on_the_rows_delivered_when_the_last_batch_is_padd
     assert result.returncode == 0, result.stderr
     last = [line for line in result.stdout.replace("\r", "\n").splitlines() if "epoch 0" in line]
     assert last and "100%" in last[-1] and "43/43" in last[-1], last[-3:]
+
+
+def test_main_job_says_where_the_sample_dataset_cannot_be_written(tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # (a cache directory under a file: unwritable, root or not)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(blocked / "cache"))
+    result = subprocess.run(
+        [sys.executable, "-m", "loader", "--epochs", "1", "--no-progress"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert f"cannot be written to {blocked}" in result.stderr
+    assert "set XDG_CACHE_HOME to a writable directory, or pass --data" in result.stderr
+
+
+def test_main_job_stopped_by_a_sigterm_closes_its_loader_and_says_so(image_root: Path) -> None:
+    """A cluster stops a job with SIGTERM to its process group: the main job says so and
+    exits 143 (it exited at once, silently), its workers gone."""
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, "-m", "loader", "--data", str(image_root), "--epochs", "500"]
+    job = subprocess.Popen(
+        [*command, "--batch-size", "8"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert job.stdout is not None
+        for line in job.stdout:  # (the job's start: its first line)
+            if "workers" in line:
+                break
+        time.sleep(3)
+        os.killpg(job.pid, signal.SIGTERM)
+        _, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 143, err
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err
+    deadline = time.monotonic() + 30  # (the worker server ends once it sees the job gone)
+    while True:
+        left = subprocess.run(["pgrep", "-g", str(job.pid)], capture_output=True, text=True)
+        if not left.stdout.strip() or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert left.stdout.strip() == ""

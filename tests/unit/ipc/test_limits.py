@@ -122,3 +122,20 @@ def test_limits_describe_which_limit_set_each_figure() -> None:
         == "CPUs: 4 (affinity 4, no cgroup quota); memory: 1,024 MiB available (no cgroup limit)"
     )
     assert limits.Limits(16, 3.7, None, None, 1).cpus == 3  # whole CPUs within the quota
+
+
+def test_slots_give_up_their_headroom_before_what_they_need_is_refused() -> None:
+    """A ring whose slots with headroom would pass the memory available, while the bytes a
+    batch needs fit, is made at the size it needs (it was refused, saying it needed less than
+    was available)."""
+    from ipc import PAGE, SharedMemoryError, memfd_regions
+
+    available = limits.available_memory()
+    create = memfd_regions("test", "worker 0 (shard 0/1)", 2, None)
+    arena = create(1, available // PAGE * PAGE, PAGE)  # (2 slots of it: twice what there is)
+    try:
+        assert arena.slot_size == PAGE
+    finally:
+        arena.close()
+    with pytest.raises(SharedMemoryError, match=r"needs \d+ bytes .* available.* fewer workers"):
+        create(2, available, available // PAGE * PAGE)

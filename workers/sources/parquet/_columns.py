@@ -281,9 +281,34 @@ class Values:
         return self.data[start:end]
 
 
-def values_of(kinds: list[ColumnKind], table: Any) -> list[Values]:
-    """The :class:`Values` of each requested column of a read row group (an Arrow table)."""
-    return [Values(kind.kind, table.column(kind.name), kind.name) for kind in kinds]
+class ChunkedValues:
+    """One column of a row group read in record batches (a large one: see
+    :func:`~._reader.batch_rows`): each batch's :class:`Values`, as one (never put together
+    into one buffer, which would copy them all once more)."""
+
+    def __init__(self, kind: str, chunks: list[Values], rows: list[int], name: str = "") -> None:
+        self.kind, self.name, self.chunks = kind, name, chunks
+        self.starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+
+    def row(self, row: int) -> np.ndarray[Any, Any] | str | None:
+        """Row ``row``'s value, as :meth:`Values.row` gives it."""
+        chunk = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return self.chunks[chunk].row(row - int(self.starts[chunk]))
+
+
+def values_of(kinds: list[ColumnKind], table: Any) -> list[Values | ChunkedValues]:
+    """The :class:`Values` of each requested column of a read row group (an Arrow table; a
+    column in several chunks: :class:`ChunkedValues`)."""
+    found: list[Values | ChunkedValues] = []
+    for kind in kinds:
+        column = table.column(kind.name)
+        if column.num_chunks <= 1:
+            found.append(Values(kind.kind, column, kind.name))
+            continue
+        chunks = [Values(kind.kind, chunk, kind.name) for chunk in column.chunks]
+        rows = [len(chunk) for chunk in column.chunks]
+        found.append(ChunkedValues(kind.kind, chunks, rows, kind.name))
+    return found
 
 
 def default_value(kind: ColumnKind, value: Any) -> np.ndarray[Any, Any]:

@@ -42,7 +42,7 @@ from ..storage import (
 )
 from . import _pages as pages
 from ._arrow import note_compute, pyarrow_modules
-from ._columns import Values, default_value, values_of
+from ._columns import ChunkedValues, Values, default_value, values_of
 from ._footers import read_footer_bytes
 from ._plan import ParquetPlan, read_ranges
 from ._summary import index_command
@@ -62,13 +62,40 @@ class Held(NamedTuple):
 
     first: int
     end: int
-    values: list[Values]
+    values: Sequence[Values | ChunkedValues]
 
 
 class DamagedRowGroup(ValueError):
     """A row group whose bytes cannot be decoded (a corrupt page, a bad checksum): its samples
     fail to load, so ``on_error="skip"`` skips them all, each named with the row group's byte
     range (read once: its other rows fail without another read)."""
+
+
+#: The bytes of a record batch a large row group is read in: a row group read whole is
+#: decoded into one buffer per column, which pyarrow grows by doubling (copying it), so a
+#: 90 MB image column took 3.3x its size at its peak; read in batches of about this size,
+#: 2x, and no copy when the batches are used.
+BATCH_BYTES = 16 << 20
+
+
+def batch_rows(rows: int, size: int) -> int:
+    """The rows of each record batch a row group of ``rows`` rows and ``size`` bytes (the
+    requested columns') is read in: all of them up to :data:`BATCH_BYTES`."""
+    if size <= BATCH_BYTES or rows <= 1:
+        return max(rows, 1)
+    return max(1, -(-rows // -(-size // BATCH_BYTES)))
+
+
+def _decoded_size(group: Any, names: Sequence[str]) -> int:
+    """The bytes the columns ``names`` of a row group (its footer's metadata) take decoded:
+    their chunks' uncompressed sizes."""
+    total = 0
+    for k in range(group.num_columns):
+        column = group.column(k)
+        path = column.path_in_schema
+        if any(path == name or path.startswith(f"{name}.") for name in names):
+            total += column.total_uncompressed_size
+    return total
 
 
 class SparseFile(io.RawIOBase):
@@ -94,16 +121,33 @@ class SparseFile(io.RawIOBase):
         self.position = base + offset
         return self.position
 
+    def read(self, size: int | None = -1) -> Any:
+        """The next ``size`` bytes as a view of the piece that holds them, not a copy: pyarrow
+        keeps the view as its buffer (a copy would hold a row group's bytes twice while it is
+        decoded)."""
+        end = self.size if size is None or size < 0 else min(self.size, self.position + size)
+        if end <= self.position:
+            return b""
+        start, data = self._piece(end - self.position)
+        view = data[self.position - start : end - start].data
+        self.position = end
+        return view
+
     def readinto(self, buffer: Any) -> int:
         want = min(len(buffer), max(0, self.size - self.position))
         if want == 0:
             return 0
+        start, data = self._piece(want)
+        at = self.position - start
+        memoryview(buffer).cast("B")[:want] = data[at : at + want].data
+        self.position += want
+        return want
+
+    def _piece(self, want: int) -> tuple[int, np.ndarray[Any, Any]]:
+        """The piece that holds the ``want`` bytes at the position, and where it starts."""
         for start, data in self.pieces.items():
             if start <= self.position and self.position + want <= start + len(data):
-                at = self.position - start
-                memoryview(buffer).cast("B")[:want] = data[at : at + want].data
-                self.position += want
-                return want
+                return start, data
         raise OSError(
             f"{self.name}: bytes {self.position}-{self.position + want} were not read "
             "with the row group (its footer's offsets disagree with its pages)"
@@ -236,7 +280,7 @@ class ParquetLoader:
         #: per column, the default a null gives (None: a null fails the sample)
         self.defaults = optional_defaults(plan.kinds, optional)
         self._lock = threading.Lock()
-        self._kept: OrderedDict[int, list[Values]] = OrderedDict()
+        self._kept: OrderedDict[int, Sequence[Values | ChunkedValues]] = OrderedDict()
         self._ahead = _Ahead(
             self._read_unit, ahead, ahead_bytes, plan.sizes, plan.counts, page_index
         )
@@ -306,7 +350,17 @@ class ParquetLoader:
                 metadata=plan.footers[file],
                 page_checksum_verification=True,  # (pages written with a CRC: a bad one fails)
             )
-            table = reader.read_row_group(group, columns=self.names, use_threads=False)
+            decoded = _decoded_size(plan.footers[file].row_group(group), self.names)
+            batches = list(
+                reader.iter_batches(
+                    batch_rows(count, max(size, decoded)), [group], self.names, use_threads=False
+                )
+            )
+            table = (
+                pa.Table.from_batches(batches)
+                if batches
+                else reader.read_row_group(group, columns=self.names, use_threads=False)
+            )
             return Held(0, count, values_of(plan.kinds, table))
         except Exception as error:
             raise self._damaged_by(unit, error) from None
@@ -402,7 +456,7 @@ class ParquetLoader:
                 "footer again and rewrites its entry), then restart the job"
             )
 
-    def _values(self, unit: int, row: int) -> tuple[int, list[Values]]:
+    def _values(self, unit: int, row: int) -> tuple[int, Sequence[Values | ChunkedValues]]:
         """The values of row group ``unit`` that hold ``row``, and the row they begin at."""
         damaged = self._damaged.get(unit)
         if damaged is not None:  # (read once: its other rows fail at once, not read again)

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ._cache import cache_dir
+from ._cache import CACHE_DIR_ENV, cache_dir
 from ._storage import Storage
 
 logger = logging.getLogger("workers")
@@ -68,8 +68,15 @@ def write_document(storage: Storage, url: str | None, cached: Path, data: bytes)
             logger.info(
                 "cannot write %s (%s): keeping the summary in this node's cache", url, error
             )
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    temporary = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-    temporary.write_bytes(data)
-    os.replace(temporary, cached)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        temporary = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        temporary.write_bytes(data)
+        os.replace(temporary, cached)
+    except OSError as error:
+        beside = f"beside the data ({url}), nor " if url is not None else ""
+        raise type(error)(
+            f"the summary cannot be written {beside}in this node's cache ({cached.parent}: "
+            f"{error.strerror or error}): set {CACHE_DIR_ENV} to a writable directory",
+        ) from None
     return str(cached)

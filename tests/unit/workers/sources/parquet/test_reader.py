@@ -135,3 +135,45 @@ def test_a_null_in_an_optional_column_gives_its_default_and_says_so(tmp_path: Pa
         load(2)  # (a required column)
     with pytest.raises(ValueError, match=r"optional names 'text', which is not among columns="):
         ParquetLoader(plan, optional={"text": b""})
+
+
+def test_a_large_row_group_is_read_in_record_batches_with_every_rows_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row group past ``BATCH_BYTES`` is decoded in record batches (its columns never put
+    together into one buffer): each row still gives its own values, nulls and lists too."""
+    from workers.sources.parquet import _reader
+    from workers.sources.parquet._columns import ChunkedValues
+
+    rows = 50
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    table = pa.table(
+        {
+            "image": pa.array(
+                [{"bytes": bytes([i]) * (1000 + i), "path": None} for i in range(rows)], image
+            ),
+            "label": pa.array([None if i % 7 == 3 else i for i in range(rows)], pa.int16()),
+            "vec": pa.array([[float(i)] * (i % 4) for i in range(rows)], pa.list_(pa.float32())),
+        }
+    )
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=rows)
+    monkeypatch.setattr(_reader, "BATCH_BYTES", 8_000)  # (about 8 rows a batch)
+    plan = open_plan(str(tmp_path / "a.parquet"), ("image", "label", "vec"))
+    load = ParquetLoader(plan, optional={"label": -1})
+    for i in reversed(range(rows)):
+        got = load(i)
+        assert got[0].tobytes() == bytes([i]) * (1000 + i)
+        assert got[1].tolist() == [-1 if i % 7 == 3 else i]
+        assert got[2].tolist() == [float(i)] * (i % 4)
+    held = load._read_unit(0, None)
+    assert isinstance(held.values[0], ChunkedValues) and len(held.values[0].chunks) > 4
+    assert load.requests == 2  # (the row group read once, and once more just above)
+
+
+def test_a_sparse_file_gives_pyarrow_views_of_its_pieces_not_copies() -> None:
+    piece = np.arange(20, dtype=np.uint8)
+    sparse = SparseFile("f.parquet", 100, {10: piece})
+    sparse.seek(12)
+    view = sparse.read(3)
+    piece[3] = 99  # (the view sees it: no copy was made)
+    assert bytes(view) == bytes([2, 99, 4])

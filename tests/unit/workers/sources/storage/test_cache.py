@@ -38,3 +38,16 @@ def test_every_kind_of_index_has_its_folder_in_one_directory(
 def test_a_kind_that_is_not_one_folder_is_refused(kind: str) -> None:
     with pytest.raises(ValueError, match="kind must name one folder"):
         cache_dir(kind)
+
+
+def test_a_summary_that_cannot_be_written_anywhere_names_the_cache_and_its_setting(
+    tmp_path: Path,
+) -> None:
+    from workers.sources.storage import storage_for
+    from workers.sources.storage._summaries import write_document
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # (a cache directory under a file: unwritable, root or not)
+    cached = blocked / "parquet-summary" / "x.json"
+    with pytest.raises(OSError, match=rf"in this node's cache \({blocked}.*set {CACHE_DIR_ENV}"):
+        write_document(storage_for(str(tmp_path)), None, cached, b"{}")
