@@ -67,6 +67,11 @@ def _kind(arrow_type: Any, feature: Any) -> str | None:
     import pyarrow as pa
 
     types = pa.types
+    if isinstance(arrow_type, pa.BaseExtensionType):  # (a UUID: its 16 bytes, as its storage)
+        return _kind(arrow_type.storage_type, feature)
+    if pa.types.is_dictionary(arrow_type):  # (pandas' category, polars' Categorical)
+        found = _kind(arrow_type.value_type, feature)
+        return found if found in ("int", "float", "string", "binary") else None
     declared = feature.get("_type") if isinstance(feature, dict) else None
     if types.is_struct(arrow_type):
         names = {arrow_type.field(k).name for k in range(arrow_type.num_fields)}
@@ -197,6 +202,10 @@ class Values:
 
         if isinstance(array, pa.ChunkedArray):
             array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
+        if isinstance(array.type, pa.BaseExtensionType):  # (the values its storage holds)
+            array = array.storage
+        if pa.types.is_dictionary(array.type):  # (each row's value, not its code)
+            array = array.dictionary_decode()
         self.kind, self.name = kind, name
         self.valid = _valid(array)
         self.paths: Any = None
@@ -217,7 +226,9 @@ class Values:
             dtype = np.int64 if kind == "int" else np.float32
             numbers = _numbers(array)
             self._past_int64(numbers)
-            self.numbers = numbers.astype(dtype)
+            self._past_float32(numbers)
+            with np.errstate(over="ignore"):  # (noted above: those rows fail, named)
+                self.numbers = numbers.astype(dtype)
         else:  # list: its values between its first and last offsets (nulls' rows masked above)
             length, offset = len(array), array.offset
             if pa.types.is_fixed_size_list(array.type):
@@ -259,13 +270,22 @@ class Values:
         for row in np.unique(rows):
             self.wrong.setdefault(int(row), "holds a uint64 past int64's largest (2**63 - 1)")
 
+    def _past_float32(self, values: np.ndarray[Any, Any]) -> None:
+        """Note the rows of float64 ``values`` that float32 cannot hold (finite, past its
+        largest: they would come as infinities). Costs nothing for any other dtype."""
+        if values.dtype != np.float64 or not len(values):
+            return
+        largest = float(np.finfo(np.float32).max)
+        for row in np.flatnonzero(np.isfinite(values) & (np.abs(values) > largest)):
+            self.wrong.setdefault(int(row), "holds a float past float32's largest (3.4e38)")
+
     def row(self, row: int) -> np.ndarray[Any, Any] | str | None:
         """Row ``row``'s value: a numpy array (a view for bytes), None for a null, the path of an
         image kept as a file. ``ValueError`` for a value that cannot be given as it is."""
         if row in self.wrong and (self.valid is None or self.valid[row]):
             raise ValueError(
                 f"column {self.name!r} {self.wrong[row]}: the sample cannot be given as its "
-                "value is (integers come as int64)"
+                "value is (integers come as int64, floats as float32)"
             )
         if self.valid is not None and not self.valid[row]:
             if self.kind == "image" and self.paths is not None and self.paths[row].is_valid:

@@ -349,6 +349,10 @@ class ParquetLoader:
                 pa.PythonFile(sparse, mode="r"),
                 metadata=plan.footers[file],
                 page_checksum_verification=True,  # (pages written with a CRC: a bad one fails)
+                # (each column chunk read by its own range: pre-buffering reads the chunks
+                # together, through the bytes between them, which a writer may leave (polars
+                # does) and the row group's read did not fetch)
+                pre_buffer=False,
             )
             decoded = _decoded_size(plan.footers[file].row_group(group), self.names)
             batches = list(
@@ -494,7 +498,10 @@ class ParquetLoader:
         row -= first
         outputs, defaulted = [], []
         for name, values, default in zip(self.names, columns, self.defaults, strict=True):
-            value = values.row(row)
+            try:
+                value = values.row(row)
+            except ValueError as error:  # (a value it cannot give: where it is)
+                raise ValueError(f"{self.describe(index)}: {error}") from None
             if value is None and default is not None:
                 outputs.append(default)
                 defaulted.append(name)

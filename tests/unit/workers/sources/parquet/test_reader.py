@@ -177,3 +177,72 @@ def test_a_sparse_file_gives_pyarrow_views_of_its_pieces_not_copies() -> None:
     view = sparse.read(3)
     piece[3] = 99  # (the view sees it: no copy was made)
     assert bytes(view) == bytes([2, 99, 4])
+
+
+def test_column_chunks_with_a_few_bytes_between_them_are_read_each_by_its_range(
+    tmp_path: Path,
+) -> None:
+    """Chunks apart by more than the gap read through but less than pyarrow's pre-buffering
+    reads through (polars leaves such gaps between the chunks it writes): every row was
+    refused as a damaged row group, the bytes between never read."""
+    rows = 20
+    table = pa.table(
+        {
+            "a": list(range(rows)),
+            "between": [bytes([i]) * 150 for i in range(rows)],  # (a gap of ~3 KB)
+            "b": [bytes([i]) * 4 for i in range(rows)],
+        }
+    )
+    pq.write_table(table, tmp_path / "a.parquet", compression="none")
+    plan = open_plan(str(tmp_path / "a.parquet"), ("a", "b"))
+    assert len(plan.ranges[0]) == 2  # (read apart)
+    load = ParquetLoader(plan)
+    assert [(int(load(i)[0][0]), load(i)[1].tobytes()) for i in range(rows)] == [
+        (i, bytes([i]) * 4) for i in range(rows)
+    ]
+
+
+def test_names_with_dots_uuids_categories_and_widths_that_differ_between_files(
+    tmp_path: Path,
+) -> None:
+    """Columns as other writers write them: a name holding a dot (its chunk was taken for a
+    struct's leaf), a UUID (read as an extension type: it failed as a damaged row group), a
+    pandas category of strings (refused), an int32 in one file and an int64 in another, and
+    binary beside large_binary (refused as other types)."""
+    import uuid
+
+    rows = 6
+    first = pa.table(
+        {
+            "label.v1": pa.array(range(rows), pa.int32()),
+            "key": pa.array([uuid.UUID(int=i).bytes for i in range(rows)], pa.uuid()),
+            "kind": pa.array([f"c{i % 2}" for i in range(rows)]).dictionary_encode(),
+            "raw": pa.array([bytes([i]) for i in range(rows)], pa.binary()),
+        }
+    )
+    pq.write_table(first, tmp_path / "a.parquet", store_schema=False)
+    second = first.set_column(0, "label.v1", pa.array(range(rows, 2 * rows), pa.int64()))
+    second = second.set_column(3, "raw", pa.array([b"x"] * rows, pa.large_binary()))
+    pq.write_table(second, tmp_path / "b.parquet")
+    plan = open_plan(str(tmp_path), ("label.v1", "key", "kind", "raw"))
+    load = ParquetLoader(plan)
+    for i in range(2 * rows):
+        label, key, kind, raw = load(i)
+        assert label.tolist() == [i]
+        assert key.tobytes() == uuid.UUID(int=i % rows).bytes
+        assert kind.tobytes() == f"c{i % rows % 2}".encode()
+        assert raw.tobytes() == (bytes([i]) if i < rows else b"x")
+
+
+def test_a_double_float32_cannot_hold_fails_its_row_naming_where_it_is(tmp_path: Path) -> None:
+    import warnings
+
+    pq.write_table(pa.table({"score": [1.5, 1e300, -2.0]}), tmp_path / "a.parquet")
+    load = ParquetLoader(open_plan(str(tmp_path / "a.parquet"), ("score",)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no numpy overflow warning on the way)
+        assert load(0)[0].tolist() == [1.5] and load(2)[0].tolist() == [-2.0]
+        with pytest.raises(
+            ValueError, match=r"a\.parquet, row group 0, row 1: column 'score' holds a float past"
+        ):
+            load(1)
