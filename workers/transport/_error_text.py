@@ -109,7 +109,18 @@ def short_reason(error: BaseException, printed: Sequence[str] = ()) -> str:
         text += f" ({short_reason(error.__cause__)})"
     if printed:
         text += f" (printed: {'; '.join(printed)})"
-    return text[:CAUSE_LIMIT]
+    return cut(text, CAUSE_LIMIT)
+
+
+def cut(text: str, limit: int) -> str:
+    """``text``, or its first words within ``limit`` characters and `` ...`` (never a word cut
+    in two)."""
+    if len(text) <= limit:
+        return text
+    head = text[: limit - 4]
+    if " " in head:
+        head = head[: head.rindex(" ")]
+    return f"{head.rstrip(' ,;:(')} ..."
 
 
 def failure(
@@ -138,4 +149,4 @@ def _cause(lines: Sequence[str]) -> str:
         if line:
             kept.append(line)
     text = " ".join(kept) or "(DALI gave no cause)"
-    return text if len(text) <= CAUSE_LIMIT else text[: CAUSE_LIMIT - 3] + "..."
+    return cut(text, CAUSE_LIMIT)

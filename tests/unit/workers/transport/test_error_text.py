@@ -167,3 +167,11 @@ def test_native_log_lines_are_told_apart() -> None:
     native, rest = split_native("[WARNING] [x] slow\nplain\n  [ERROR]  [y] bad \n[notalevel] z\n")
     assert native == ["[x] slow", "[y] bad"]
     assert rest == "plain\n[notalevel] z\n"
+
+
+def test_a_long_reason_is_cut_between_words() -> None:
+    error = ValueError(" ".join(f"word{i}" for i in range(200)))
+    reason = short_reason(error)
+    assert len(reason) <= 300 and reason.endswith(" ...")
+    last = reason[: -len(" ...")].split(" ")[-1]
+    assert last in str(error).split(" ")  # (a whole word, not a part of one)
