@@ -32,22 +32,37 @@ THROTTLED_BODY = (
 )
 
 
+#: S3's own answer to a request rate over its limit: 503 SlowDown.
+SLOW_DOWN_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message><RequestId>0</RequestId></Error>"
+)
+_ANSWERS = {
+    429: ("Too Many Requests", THROTTLED_BODY),
+    503: ("Slow Down", SLOW_DOWN_BODY),
+}
+
+
 class ThrottlingProxy(CountingProxy):
     """A :class:`CountingProxy` that answers the next ``times`` GETs of an object named
-    ``name`` with 429 (:meth:`throttle`), recorded among ``served`` with that status."""
+    ``name`` with 429 (or S3's 503 SlowDown: :meth:`throttle`), recorded among ``served`` with
+    that status."""
 
     def __init__(self, upstream: str) -> None:
         self._throttled: dict[str, int] = {}
+        self._status = 429
         super().__init__(upstream)
 
-    def throttle(self, name: str, times: int) -> None:
-        """Answer the next ``times`` GETs of the object ``name`` (its key's last part) with 429."""
+    def throttle(self, name: str, times: int, status: int = 429) -> None:
+        """Answer the next ``times`` GETs of the object ``name`` (its key's last part) with
+        ``status``: 429, or 503 (SlowDown)."""
         with self._lock:
             self._throttled[name] = times
+            self._status = status
 
     def throttled(self) -> list[Served]:
-        """The requests answered 429."""
-        return [s for s in self.records() if s.status == 429]
+        """The requests answered 429 or 503."""
+        return [s for s in self.records() if s.status in _ANSWERS]
 
     def _forward(self, handler: http.server.BaseHTTPRequestHandler) -> None:
         path, _, query = handler.path.partition("?")
@@ -62,13 +77,15 @@ class ThrottlingProxy(CountingProxy):
         length = handler.headers.get("Content-Length")
         if length:
             handler.rfile.read(int(length))
-        handler.send_response_only(429, "Too Many Requests")
+        status = self._status
+        reason, body = _ANSWERS[status]
+        handler.send_response_only(status, reason)
         handler.send_header("Content-Type", "application/xml")
-        handler.send_header("Content-Length", str(len(THROTTLED_BODY)))
+        handler.send_header("Content-Length", str(len(body)))
         handler.end_headers()
-        handler.wfile.write(THROTTLED_BODY)
+        handler.wfile.write(body)
         served = Served(
-            "GET", urllib.parse.unquote(path), 429, 0, query, handler.headers.get("Range", "")
+            "GET", urllib.parse.unquote(path), status, 0, query, handler.headers.get("Range", "")
         )
         with self._lock:
             self.served.append(served)

@@ -172,7 +172,7 @@ def test_each_retry_of_a_429_is_logged_with_the_url_and_the_status(throttled: Th
 
     throttled.proxy.throttle("train-001.tar", 10**6)
     done = read()
-    assert done.stdout.startswith(f"failed: {url}: reading bytes 0-512 failed: "), done.stdout
+    assert done.stdout.startswith(f"failed: {url}: reading bytes 0-512 failed (HTTP 429): ")
     assert "TooManyRequests" in done.stdout
     assert sum("trying again" in line for line in done.stderr.splitlines()) == RETRIES
     assert len(throttled.proxy.throttled()) == 2 + RETRIES + 1
@@ -258,3 +258,32 @@ def test_many_reads_on_the_event_loop_are_retried_each_and_fail_each_by_name(
     assert [isinstance(found[k], str) for k in range(4)] == [True] * 3 + [False]
     assert found[3][0] == "OSError" and "TooManyRequests" in found[3][1]
     assert found[3][1].startswith(f"{tars[3]}: reading bytes 100-")
+
+
+def test_a_lasting_503_slow_down_is_asked_retries_times_not_125(throttled: Throttled) -> None:
+    """S3's 503 SlowDown, lasting: s3fs tries it 5 times in each of two nested layers; under
+    the loader's retries that was 125 requests over minutes (a job that looked hung). Now the
+    loader's retries are the ones, and the error says the status."""
+    url = f"s3://{throttled.bucket}/train-002.tar"
+    code = textwrap.dedent(
+        """
+        import sys
+        from workers.sources.storage import storage_for
+
+        url, options = sys.argv[1], eval(sys.argv[2])
+        try:
+            storage_for(url, options).read(url, 0, 512)
+        except OSError as error:
+            print(f"failed: {error}")
+        """
+    )
+    throttled.proxy.throttle("train-002.tar", 10**6, status=503)
+    done = subprocess.run(
+        [sys.executable, "-c", code, url, repr(throttled.options)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=120,
+    )
+    assert len(throttled.proxy.throttled()) == RETRIES + 1
+    assert done.stdout.startswith(f"failed: {url}: reading bytes 0-512 failed (HTTP 503): ")

@@ -126,7 +126,19 @@ def named(error: Exception, what: str, url: str) -> Exception:
         return PermissionError(
             errno.EACCES, f"access to {url} was denied ({what}: {error}); check the credentials"
         )
-    return OSError(f"{url}: {what} failed: {type(error).__name__}: {error}")
+    status = next((found for found in map(http_status, _chain(error)) if found is not None), None)
+    said = f" (HTTP {status})" if status is not None else ""
+    return OSError(f"{url}: {what} failed{said}: {type(error).__name__}: {error}")
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and its causes, in order."""
+    found: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and all(current is not seen for seen in found):
+        found.append(current)
+        current = current.__cause__ or current.__context__
+    return found
 
 
 def storage_failure(url: str, error: BaseException) -> StorageFailure:

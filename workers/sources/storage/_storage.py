@@ -255,6 +255,11 @@ class RemoteStorage(Storage):
                 f"reading {protocol}:// URLs needs the fsspec backend for {protocol} "
                 f"({error}); for s3:// install s3fs: pip install 'dali-capture-loader[s3]'"
             ) from error
+        if isinstance(getattr(self.fs, "retries", None), int) and "retries" not in options:
+            # (s3fs tries a failed request 5 times in each of two nested layers, under
+            # botocore's own tries: a 503 that lasts was asked 125 times over 3.5 minutes
+            # with this loader's retries; these are the retries, with the client's own)
+            self.fs.retries = 1
         startup.opened(protocol)  # (the next server of this script imports it ahead)
         _connect_ahead(self.fs, protocol)
         self.protocol, self.retries = protocol, retries
