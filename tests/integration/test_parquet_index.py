@@ -140,6 +140,32 @@ def test_a_file_changed_since_the_index_is_named_with_the_command(tmp_path: Path
         store.close()
 
 
+def test_a_file_removed_since_the_index_is_named_with_the_summary_and_the_command(
+    tmp_path: Path,
+) -> None:
+    store = Store()
+    try:
+        paths = P.write_parquet(tmp_path / "data", [20, 20], 10)
+        store.upload(paths)
+        assert store.index() == 0
+        client = store.server.client()
+        client.delete_object(Bucket=store.bucket, Key=paths[1].name)
+        client.close()
+        removed = (
+            r"train-00001\.parquet does not exist .*removed since the summary .*"
+            r"loader-parquet-summary\.json that names it was written; run python -m loader index"
+        )
+        with pytest.raises(Exception, match=removed):
+            with store.loader() as loader:
+                for _ in loader:
+                    pass
+        assert store.index() == 0  # (the command mends it)
+        with store.loader() as loader:
+            assert sorted(i for batch in loader for i in ids(batch)) == list(range(20))
+    finally:
+        store.close()
+
+
 def test_without_a_summary_a_start_reads_the_footers(tmp_path: Path) -> None:
     store = Store()
     try:

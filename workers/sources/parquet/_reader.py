@@ -318,6 +318,18 @@ class ParquetLoader:
             ) from error
         except StorageFailure:
             raise
+        except FileNotFoundError as error:
+            where = plan.vouched[file]
+            if where is None:
+                raise StorageFailure(
+                    f"{error.strerror or error}: removed since the job planned its epochs; "
+                    "restart the job over the files as they are now (or put it back)"
+                ) from error
+            raise StorageFailure(
+                f"{error.strerror or error}: removed since the summary {where} that names it "
+                f"was written; run {index_command(plan.storage.dirname(url))} (it rewrites "
+                "the summary without it), then restart the job (or put it back)"
+            ) from error
         except (OSError, EOFError) as error:
             raise storage_failure(url, error) from error
         with self._lock:
