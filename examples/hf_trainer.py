@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--prefetch", type=int, default=2, help="batches each worker runs ahead")
     parser.add_argument("--save-steps", type=int, default=5)
     parser.add_argument("--resume", action="store_true", help="from the newest checkpoint")
     parser.add_argument("--kill-after-save", type=int, default=None, metavar="K")
@@ -170,7 +171,12 @@ def main() -> None:
         seed=0,
     )
     train, evaluate = dataset(root), dataset(root, shuffle=False)
-    common = {"batch_size": args.batch_size, "num_workers": args.workers, "output": "torch"}
+    common = {
+        "batch_size": args.batch_size,
+        "num_workers": args.workers,
+        "prefetch": args.prefetch,
+        "output": "torch",
+    }
     with (
         Loader(train, train_step, **common) as train_loader,
         Loader(evaluate, eval_step, cut_padding=True, **common) as eval_loader,

@@ -247,6 +247,14 @@ class Loader:
         if run is not None:
             self._finalizer()
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a Loader cannot be sent to another process (pickled): it owns this process's "
+            "workers. Build it in the process that iterates it: under Lightning's "
+            "strategy='ddp_spawn' (which pickles the LightningModule and DataModule into each "
+            "rank), in train_dataloader(), or use strategy='ddp'"
+        )
+
     def __enter__(self) -> Loader:
         return self
 

@@ -176,6 +176,9 @@ class LoaderTrainerMixin:
     def get_train_dataloader(self) -> Any:
         if self.train_loader is None:
             return super().get_train_dataloader()  # type: ignore[misc]
+        arguments = getattr(self, "args", None)  # (Trainer's TrainingArguments)
+        accumulation = int(getattr(arguments, "gradient_accumulation_steps", 1) or 1)
+        check_slots(self.train_loader, accumulation)
         return self.train_loader
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
@@ -242,6 +245,28 @@ class LoaderTrainerMixin:
             self.train_loader.load_state_dict(state)
         with _resume_hook(self):
             return super().train(checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+
+def check_slots(loader: Loader, accumulation: int) -> None:
+    """``ValueError`` before training when ``gradient_accumulation_steps`` makes Trainer hold
+    more of a worker's batches than it has shared-memory slots: Trainer fetches a step's
+    ``accumulation`` batches before it lets the last step's go, so up to ``2 * accumulation -
+    2`` batches are held at once, and a worker whose slots are all held cannot make the next
+    one (a ``SlotsExhaustedError`` after the first optimizer step). Fine with ``copy=True``."""
+    config = loader.config
+    if accumulation <= 1 or config.copy:
+        return
+    workers = max(1, config.num_workers)
+    held = -(-(2 * accumulation - 2) // workers)
+    if held + 1 <= config.num_slots:
+        return
+    raise ValueError(
+        f"gradient_accumulation_steps={accumulation}: Trainer holds up to "
+        f"{2 * accumulation - 2} batches at once (it fetches a step's {accumulation} batches "
+        f"before it lets the last step's go), {held} of each of the train loader's {workers} "
+        f"workers, which have {config.num_slots} shared-memory slots each (prefetch + 2). "
+        f"Build the train loader with prefetch={held - 1} (or more), or copy=True"
+    )
 
 
 class LoaderTrainer(LoaderTrainerMixin, Trainer):

@@ -275,7 +275,8 @@ class Coordinator:
                     f"the trainer holds all {session.reader.num_slots} shared-memory slots of "
                     f"{session.describe()} through live batch views, so it cannot produce the "
                     "next batch. Drop references to old batches (or their arrays/tensors), pass "
-                    "copy=True to get private copies, or raise prefetch="
+                    "copy=True to get private copies, or raise prefetch (now "
+                    f"{session.reader.num_slots - 2}: a worker has prefetch + 2 slots)"
                 )
             )
 

@@ -235,6 +235,24 @@ def test_a_killed_trainer_resumes_to_the_same_batches_and_weights(
         assert end["metrics"]["eval_rows"] == SAMPLES
 
 
+def test_gradient_accumulation_past_the_loaders_slots_is_told_before_training(
+    images: Path, tmp_path: Path
+) -> None:
+    """Trainer fetches a step's batches before it drops the last step's: with 4 of them and
+    one worker of 4 slots, training stopped after its first optimizer step with a
+    SlotsExhaustedError. Told before training, with the prefetch that suffices, which does."""
+    run = functools.partial(_run, images, path=None)
+    args = ("--accumulate=4", "--workers=1", "--no-eval")
+    told = run(tmp_path / "told", tmp_path / "told.jsonl", *args)
+    assert told.returncode != 0
+    assert "gradient_accumulation_steps=4" in told.stderr
+    assert "prefetch=5 (or more), or copy=True" in told.stderr
+    assert not _records(tmp_path / "told.jsonl", "batch")  # (before any step)
+    trained = run(tmp_path / "ran", tmp_path / "ran.jsonl", *args, "--prefetch=5")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert len(_records(tmp_path / "ran.jsonl", "batch")) == EPOCHS * 7
+
+
 EVALUATED = 10  # ids in batches of 4: 4, 4 and 2 rows (cut_padding=True)
 
 

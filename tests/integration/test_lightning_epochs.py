@@ -204,3 +204,46 @@ def test_lightning_takes_the_loader_as_it_is(
     assert seen["train_is_last_built"] and seen["validation_is_built"]
     assert seen["samplers"] == ("EpochSampler", "EpochSampler")
     assert seen["train"].closed and seen["validation"].closed
+
+
+def holder_class(pl: ModuleType) -> Any:
+    """A LightningModule of package ``pl`` that holds a loader given to it, at this module's
+    top level (where pickle finds a class: ddp_spawn pickles the module to get to its loader)."""
+    name = f"Holder_{pl.__name__.replace('.', '_')}"
+    if name not in globals():
+
+        def __init__(self: Any, loader: Loader) -> None:
+            pl.LightningModule.__init__(self)
+            self.loader = loader
+            self.layer = torch.nn.Linear(1, 1)
+
+        def train_dataloader(self: Any) -> Loader:
+            return self.loader
+
+        made = type(name, (pl.LightningModule,), {"__init__": __init__})
+        made.train_dataloader = train_dataloader
+        made.__module__, made.__qualname__ = __name__, name
+        globals()[name] = made
+    return globals()[name]
+
+
+def test_a_loader_built_before_a_ddp_spawn_fit_is_refused_saying_where_to_build_it(
+    pl: ModuleType,
+) -> None:
+    """``strategy="ddp_spawn"`` pickles the LightningModule into each rank: a loader it holds
+    failed deep in multiprocessing with ``cannot pickle '_thread.lock' object``."""
+
+    Holder = holder_class(pl)
+    trainer = pl.Trainer(
+        strategy="ddp_spawn",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with Loader(P.id_source, P.cast_step, batch_size=4, num_workers=1) as loader:
+        with pytest.raises(TypeError, match=r"cannot be sent to another process.*ddp_spawn"):
+            trainer.fit(Holder(loader))
