@@ -64,3 +64,48 @@ def test_local_footers_are_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     )
     assert found[0].num_rows == 5
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_start_that_finds_another_half_way_waits_for_it_and_reads_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that starts while another is reading the node's footers (some kept already)
+    waits for it, whatever it found missing: it took a lock of its own, and read them again
+    (3 ranks read 10 footers 19 times)."""
+    import threading
+
+    from workers.sources.parquet._footers import _key, _keep, set_lock
+    from workers.sources.storage import locked
+
+    monkeypatch.setenv("DALI_LOADER_CACHE_DIR", str(tmp_path / "cache"))
+    files = [write(tmp_path / f"{k}.parquet", 20 + k) for k in range(4)]
+    urls = [f"memory-like://{path}" for path in files]
+    local = storage_for(str(tmp_path))
+    identities = [(path.stat().st_size, "v1") for path in files]
+    folder = cache_dir(FOOTER_CACHE)
+    folder.mkdir(parents=True)
+    paths = [folder / f"{_key(url, ident)}.footer" for url, ident in zip(urls, identities)]
+    footers = [read_footer_bytes(local, str(p), p.stat().st_size) for p in files]
+    reads: list[int] = []
+
+    def read(number: int) -> bytes:
+        reads.append(number)
+        return footers[number]
+
+    remote = LocalStorage()
+    remote.local = False
+    found: list[list[int]] = []
+    with locked(set_lock(folder, paths)):  # (the first process, half-way: 1 footer kept)
+        _keep(paths[0], footers[0])
+        later = threading.Thread(
+            target=lambda: found.append(
+                [f.num_rows for f in node_footers(remote, urls, identities, read)]
+            )
+        )
+        later.start()
+        later.join(timeout=1.0)
+        assert later.is_alive()  # (it waits for the first)
+        for number in range(1, 4):
+            _keep(paths[number], footers[number])
+    later.join(timeout=10)
+    assert found == [[20, 21, 22, 23]] and reads == []
