@@ -74,7 +74,7 @@ def test_a_start_that_finds_another_half_way_waits_for_it_and_reads_none(
     (3 ranks read 10 footers 19 times)."""
     import threading
 
-    from workers.sources.parquet._footers import _key, _keep, set_lock
+    from workers.sources.parquet._footers import _keep, _key, set_lock
     from workers.sources.storage import locked
 
     monkeypatch.setenv("DALI_LOADER_CACHE_DIR", str(tmp_path / "cache"))
@@ -84,7 +84,7 @@ def test_a_start_that_finds_another_half_way_waits_for_it_and_reads_none(
     identities = [(path.stat().st_size, "v1") for path in files]
     folder = cache_dir(FOOTER_CACHE)
     folder.mkdir(parents=True)
-    paths = [folder / f"{_key(url, ident)}.footer" for url, ident in zip(urls, identities)]
+    paths = [folder / f"{_key(url, ident)}.footer" for url, ident in zip(urls, identities, strict=True)]
     footers = [read_footer_bytes(local, str(p), p.stat().st_size) for p in files]
     reads: list[int] = []
 
