@@ -84,7 +84,8 @@ def test_a_start_that_finds_another_half_way_waits_for_it_and_reads_none(
     identities = [(path.stat().st_size, "v1") for path in files]
     folder = cache_dir(FOOTER_CACHE)
     folder.mkdir(parents=True)
-    paths = [folder / f"{_key(url, ident)}.footer" for url, ident in zip(urls, identities, strict=True)]
+    keys = [_key(url, ident) for url, ident in zip(urls, identities, strict=True)]
+    paths = [folder / f"{key}.footer" for key in keys]
     footers = [read_footer_bytes(local, str(p), p.stat().st_size) for p in files]
     reads: list[int] = []
 
