@@ -8,8 +8,12 @@ worker.
   floats, strings, lists of numbers), checked at the start; values as views of Arrow's buffers.
 * ``_plan``: the files listed and their footers read (one ranged read each): the row groups,
   the unit an epoch's order deals, each with the byte range of the requested columns.
+* ``_schemas``: the requested columns' kinds, agreeing across files, and the leaf columns
+  (column chunks) that hold them.
 * ``_footers``: footers read once per node (remote ones kept in the node's cache).
 * ``_reader``: ``load(index)``: a row group read with one ranged read, ahead of its need.
+* ``_sparse``: what pyarrow reads a row group from (the ranges read, as views), and the record
+  batches a large row group is read in.
 * ``_summary``: the summary of a directory of Parquet files (``loader-parquet-summary.json``),
   read at a start in place of the listing and the footers.
 * ``_index``: what the index command runs for Parquet files: footers read on threads, the

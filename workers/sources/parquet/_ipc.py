@@ -26,8 +26,9 @@ from ..plan import encode_parts
 from ..storage import storage_for
 from ._arrow import pyarrow_modules
 from ._columns import values_of
-from ._plan import ParquetPlan, checked_schemas
+from ._plan import ParquetPlan
 from ._reader import Held, ParquetLoader
+from ._schemas import checked_schemas
 
 __all__ = ["ArrowFiles", "ArrowLoader", "ArrowPlan", "arrow_files_of"]
 

@@ -19,7 +19,6 @@ itself: a file rewritten since the start is named, never read as another's rows)
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import threading
@@ -45,6 +44,7 @@ from ._arrow import note_compute, pyarrow_modules
 from ._columns import ChunkedValues, Values, default_value, values_of
 from ._footers import read_footer_bytes
 from ._plan import ParquetPlan, read_ranges
+from ._sparse import SparseFile, batch_rows, decoded_size
 from ._summary import index_command
 
 __all__ = ["DamagedRowGroup", "Held", "ParquetLoader", "SparseFile", "optional_defaults"]
@@ -69,89 +69,6 @@ class DamagedRowGroup(ValueError):
     """A row group whose bytes cannot be decoded (a corrupt page, a bad checksum): its samples
     fail to load, so ``on_error="skip"`` skips them all, each named with the row group's byte
     range (read once: its other rows fail without another read)."""
-
-
-#: The bytes of a record batch a large row group is read in: a row group read whole is
-#: decoded into one buffer per column, which pyarrow grows by doubling (copying it), so a
-#: 90 MB image column took 3.3x its size at its peak; read in batches of about this size,
-#: 2x, and no copy when the batches are used.
-BATCH_BYTES = 16 << 20
-
-
-def batch_rows(rows: int, size: int) -> int:
-    """The rows of each record batch a row group of ``rows`` rows and ``size`` bytes (the
-    requested columns') is read in: all of them up to :data:`BATCH_BYTES`."""
-    if size <= BATCH_BYTES or rows <= 1:
-        return max(rows, 1)
-    return max(1, -(-rows // -(-size // BATCH_BYTES)))
-
-
-def _decoded_size(group: Any, names: Sequence[str]) -> int:
-    """The bytes the columns ``names`` of a row group (its footer's metadata) take decoded:
-    their chunks' uncompressed sizes."""
-    total = 0
-    for k in range(group.num_columns):
-        column = group.column(k)
-        path = column.path_in_schema
-        if any(path == name or path.startswith(f"{name}.") for name in names):
-            total += column.total_uncompressed_size
-    return total
-
-
-class SparseFile(io.RawIOBase):
-    """A read-only file of ``size`` bytes of which only ``pieces`` (start -> bytes) are held:
-    what pyarrow reads of a row group. A read outside them raises (the plan said which bytes a
-    row group needs), naming the range."""
-
-    def __init__(self, name: str, size: int, pieces: dict[int, np.ndarray[Any, Any]]) -> None:
-        super().__init__()
-        self.name, self.size, self.pieces, self.position = name, size, pieces, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.position, 2: self.size}[whence]
-        self.position = base + offset
-        return self.position
-
-    def read(self, size: int | None = -1) -> Any:
-        """The next ``size`` bytes as a view of the piece that holds them, not a copy: pyarrow
-        keeps the view as its buffer (a copy would hold a row group's bytes twice while it is
-        decoded)."""
-        end = self.size if size is None or size < 0 else min(self.size, self.position + size)
-        if end <= self.position:
-            return b""
-        start, data = self._piece(end - self.position)
-        view = data[self.position - start : end - start].data
-        self.position = end
-        return view
-
-    def readinto(self, buffer: Any) -> int:
-        want = min(len(buffer), max(0, self.size - self.position))
-        if want == 0:
-            return 0
-        start, data = self._piece(want)
-        at = self.position - start
-        memoryview(buffer).cast("B")[:want] = data[at : at + want].data
-        self.position += want
-        return want
-
-    def _piece(self, want: int) -> tuple[int, np.ndarray[Any, Any]]:
-        """The piece that holds the ``want`` bytes at the position, and where it starts."""
-        for start, data in self.pieces.items():
-            if start <= self.position and self.position + want <= start + len(data):
-                return start, data
-        raise OSError(
-            f"{self.name}: bytes {self.position}-{self.position + want} were not read "
-            "with the row group (its footer's offsets disagree with its pages)"
-        )
 
 
 def optional_defaults(
@@ -366,7 +283,7 @@ class ParquetLoader:
                 # does) and the row group's read did not fetch)
                 pre_buffer=False,
             )
-            decoded = _decoded_size(plan.footers[file].row_group(group), self.names)
+            decoded = decoded_size(plan.footers[file].row_group(group), self.names)
             batches = list(
                 reader.iter_batches(
                     batch_rows(count, max(size, decoded)), [group], self.names, use_threads=False

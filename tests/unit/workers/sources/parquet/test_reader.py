@@ -142,7 +142,7 @@ def test_a_large_row_group_is_read_in_record_batches_with_every_rows_values(
 ) -> None:
     """A row group past ``BATCH_BYTES`` is decoded in record batches (its columns never put
     together into one buffer): each row still gives its own values, nulls and lists too."""
-    from workers.sources.parquet import _reader
+    from workers.sources.parquet import _sparse
     from workers.sources.parquet._columns import ChunkedValues
 
     rows = 50
@@ -157,7 +157,7 @@ def test_a_large_row_group_is_read_in_record_batches_with_every_rows_values(
         }
     )
     pq.write_table(table, tmp_path / "a.parquet", row_group_size=rows)
-    monkeypatch.setattr(_reader, "BATCH_BYTES", 8_000)  # (about 8 rows a batch)
+    monkeypatch.setattr(_sparse, "BATCH_BYTES", 8_000)  # (about 8 rows a batch)
     plan = open_plan(str(tmp_path / "a.parquet"), ("image", "label", "vec"))
     load = ParquetLoader(plan, optional={"label": -1})
     for i in reversed(range(rows)):
