@@ -122,3 +122,29 @@ def test_a_folder_and_tar_shards_mixed_half_and_half(image_root: Path, tmp_path:
             labels.update(np.asarray(batch["label"]).ravel()[:real].tolist())
     assert seen == {0: 48, 1: 48}
     assert labels == {0: 32, 1: 32, 2: 32}  # each class's 16 images, from both sources
+
+
+def test_bytes_beside_integers_are_refused_not_read_as_numbers() -> None:
+    """A tar's ``__key__`` (bytes: uint8) at the position of a Parquet int64: each key came
+    as an array of its characters' codes, cast to int64, silently."""
+    with pytest.raises(ValueError, match=r"gives uint8 of rank 1.*bytes, uint8, are bytes"):
+        make(dtypes=("uint8", "int64"))
+
+
+def test_a_worker_whose_part_of_a_mixed_epoch_is_empty_pads_as_a_dataset_does() -> None:
+    """3 batches of 4 over 5 workers: two workers have no row of the epoch (a resume near an
+    epoch's end onto more workers too); they failed at the start (a zero-size minimum)."""
+    with make(workers=5, sizes=(10, 6), epoch_size=12) as loader:
+        epoch = [r for b in loader for r in rows(b)]
+    assert Counter(source for source, _id in epoch) == {0: 9, 1: 3}
+    assert len(set(epoch)) == 12
+
+
+def test_weights_must_be_a_dict_of_finite_positive_numbers() -> None:
+    from loader import MixDataset, SamplesDataset
+
+    sources = {"a": SamplesDataset(4, T.Ids(0, "int64")), "b": SamplesDataset(4, T.Ids(9, "int64"))}
+    with pytest.raises(ValueError, match=r"weight of 'b' must be a finite number > 0, got inf"):
+        MixDataset(sources, {"a": 1.0, "b": float("inf")})
+    with pytest.raises(TypeError, match=r"weights must be a dict .*'a': 1.0, 'b': 1.0.*got list"):
+        MixDataset(sources, [0.5, 0.5])  # type: ignore[arg-type]

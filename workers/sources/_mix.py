@@ -73,6 +73,8 @@ class MixPlan:
 
     def block_of(self, positions: _Int64s) -> _Int64s:
         """The block of each position (blocks start at ``sum(starts)``, increasing)."""
+        if not len(positions):  # (a worker whose part of an epoch is empty)
+            return np.zeros(0, np.int64)
         low = np.clip(positions * self.blocks // max(1, self.total) - 2, 0, self.blocks)
         high = np.clip(low + 5, 0, self.blocks)
         candidates = np.arange(int(low.min()), int(high.max()) + 1, dtype=np.int64)
@@ -234,6 +236,12 @@ def mix_counts(weights: Mapping[str, float], names: Sequence[str], epoch_size: i
 
 
 def _check_weights(names: list[str], weights: Mapping[str, float]) -> None:
+    if not isinstance(weights, Mapping):
+        raise TypeError(
+            f"weights must be a dict of each source's name and its weight "
+            f"({{{', '.join(f'{name!r}: 1.0' for name in names)}}}), got "
+            f"{type(weights).__name__}"
+        )
     if set(weights) != set(names):
         missing, extra = set(names) - set(weights), set(weights) - set(names)
         raise ValueError(
@@ -241,8 +249,9 @@ def _check_weights(names: list[str], weights: Mapping[str, float]) -> None:
             f"unknown {sorted(extra)}"
         )
     for name, weight in weights.items():
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise ValueError(f"the weight of {name!r} must be a number > 0, got {weight!r}")
+        number = not isinstance(weight, bool) and isinstance(weight, (int, float))
+        if not number or not weight > 0 or not math.isfinite(weight):
+            raise ValueError(f"the weight of {name!r} must be a finite number > 0, got {weight!r}")
 
 
 def _check_outputs(names: list[str], sources: list[OpenedSource]) -> list[list[Any]]:
@@ -278,7 +287,8 @@ def _check_outputs(names: list[str], sources: list[OpenedSource]) -> list[list[A
                     f"{array.ndim} but {names[0]!r} gives {arrays[0].dtype} of rank "
                     f"{arrays[0].ndim}{_output_name(sources, 0, column)}: every source of a "
                     "mix must give the same outputs, in the same order (integers of other "
-                    "widths, and floats, are cast to the wider)"
+                    "widths are cast to the wider integer, floats to the wider float; bytes, "
+                    "uint8, are bytes)"
                 )
             target = np.promote_types(target, array.dtype)
         if arrays[0].dtype.kind in "iu" and target.kind not in "iu":  # (uint64 with int64)
@@ -298,8 +308,10 @@ def _check_outputs(names: list[str], sources: list[OpenedSource]) -> list[list[A
 
 
 def _castable(a: np.dtype[Any], b: np.dtype[Any]) -> bool:
-    """The same dtype, or both integers, or both floats."""
-    return a == b or (a.kind in "iu" and b.kind in "iu") or (a.kind == b.kind == "f")
+    """The same dtype, or both integers (neither uint8: bytes, as every source gives encoded
+    images, text and keys), or both floats."""
+    numbers = a.kind in "iu" and b.kind in "iu" and np.dtype(np.uint8) not in (a, b)
+    return a == b or numbers or (a.kind == b.kind == "f")
 
 
 def _output_name(sources: list[OpenedSource], k: int, column: int) -> str:

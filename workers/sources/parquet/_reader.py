@@ -436,10 +436,14 @@ class ParquetLoader:
                 defaulted.append(name)
                 continue
             if value is None:
+                fix = (
+                    "a row without its image (a failed download) has nothing to train on:"
+                    if values.kind == "image"
+                    else f"if rows may lack it, make it optional (optional={{{name!r}: default}}),"
+                )
                 raise MemberMissing(
-                    f"{self.describe(index)}: column {name!r} is null; if rows may lack it, "
-                    f"make it optional (optional={{{name!r}: default}}), filter such rows out "
-                    'of the dataset, or pass on_error="skip" to skip them',
+                    f"{self.describe(index)}: column {name!r} is null; {fix} filter such rows "
+                    'out of the dataset, or pass on_error="skip" to skip them',
                     name,
                 )
             if isinstance(value, str):
