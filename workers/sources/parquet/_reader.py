@@ -224,14 +224,16 @@ class ParquetLoader:
             where = plan.vouched[file]
             if where is not None:
                 raise StorageFailure(
-                    f"{url} changed since it was indexed ({error.expected} -> {error.found}): "
+                    f"{url} changed since it was indexed "
+                    f"({IdentityChanged.change(error.expected, error.found)}): "
                     f"the summary {where} that this job planned its epochs with is stale for "
                     f"it. Run {index_command(plan.storage.dirname(url))} (it reads the changed "
                     "file's footer and rewrites the summary), then restart the job"
                 ) from error
             raise StorageFailure(
-                f"{url} changed since the job planned its epochs ({error.expected} -> "
-                f"{error.found}): restart the job over the files as they are now"
+                f"{url} changed since the job planned its epochs "
+                f"({IdentityChanged.change(error.expected, error.found)}): restart the job over "
+                "the files as they are now"
             ) from error
         except StorageFailure:
             raise

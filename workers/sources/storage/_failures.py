@@ -57,8 +57,14 @@ class IdentityChanged(StorageFailure):
     store answered that read."""
 
     def __init__(self, path: str, expected: Identity, found: Identity) -> None:
-        super().__init__(f"{path} is not the object expected ({expected} -> {found})")
+        super().__init__(f"{path} is not the object expected ({self.change(expected, found)})")
         self.path, self.expected, self.found = path, expected, found
+
+    @staticmethod
+    def change(expected: Identity, found: Identity) -> str:
+        """``23314 bytes, ETag:909d... -> 13988 bytes, ETag:aa73...``: what an identity was and
+        what it is."""
+        return " -> ".join(f"{size} bytes, {version}" for size, version in (expected, found))
 
 
 def unreachable(error: BaseException) -> bool:

@@ -327,7 +327,11 @@ class RemoteStorage(Storage):
             try:
                 data, found = self.retried(what, path, lambda: self._s3_read(path, start, end))
             except OSError as error:
-                if not isinstance(error, (ConnectionError, FileNotFoundError)):
+                # (a refusal may mean the object changed: 416 for a range past a cut object's
+                # end; a store that kept failing, throttling, would fail the HEAD too)
+                if not isinstance(error, (ConnectionError, FileNotFoundError)) and not transient(
+                    error
+                ):
                     self._raise_if_changed(path, expect, error)
                 raise
             if found != expect:
