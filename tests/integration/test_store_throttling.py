@@ -126,6 +126,17 @@ def test_a_429_on_a_listing_a_footer_and_a_row_group_is_retried_and_logged(
     assert all(s.range for s in refused)  # (ranged reads of row groups)
 
 
+def run_code(code: str, url: str, options: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """``code`` in a process of its own, given the URL and the storage options."""
+    return subprocess.run(
+        [sys.executable, "-c", code, url, repr(options)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=120,
+    )
+
+
 def test_a_429_on_a_tar_shard_is_retried(throttled: Throttled) -> None:
     throttled.proxy.throttle("train-002.tar", 3)
     assert epoch_ids(throttled.tars()) == list(range(TARS))
@@ -151,13 +162,7 @@ def test_each_retry_of_a_429_is_logged_with_the_url_and_the_status(throttled: Th
     )
 
     def read() -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [sys.executable, "-c", code, url, repr(throttled.options)],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parents[2],
-            timeout=120,
-        )
+        done = run_code(code, url, throttled.options)
         assert done.returncode == 0, done.stderr
         return done
 
@@ -281,13 +286,7 @@ def test_a_lasting_503_slow_down_is_asked_retries_times_not_125(throttled: Throt
         """
     )
     throttled.proxy.throttle("train-002.tar", 10**6, status=503)
-    done = subprocess.run(
-        [sys.executable, "-c", code, url, repr(throttled.options)],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[2],
-        timeout=120,
-    )
+    done = run_code(code, url, throttled.options)
     assert len(throttled.proxy.throttled()) == RETRIES + 1
     assert done.stdout.startswith(f"listed\nfailed: {url}: reading bytes 0-512 failed (HTTP 503)")
     # (no HEAD to ask whether the object changed: a store that kept failing is not a change)
