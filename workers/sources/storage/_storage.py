@@ -256,10 +256,7 @@ class RemoteStorage(Storage):
                 f"({error}); for s3:// install s3fs: pip install 'dali-capture-loader[s3]'"
             ) from error
         if isinstance(getattr(self.fs, "retries", None), int) and "retries" not in options:
-            # (s3fs tries a failed request 5 times in each of two nested layers, under
-            # botocore's own tries: a 503 that lasts was asked 125 times over 3.5 minutes
-            # with this loader's retries; these are the retries, with the client's own)
-            self.fs.retries = 1
+            self.fs.retries = 1  # (s3fs's 2 nested layers of 5 tries: a lasting 503 asked 125x)
         startup.opened(protocol)  # (the next server of this script imports it ahead)
         _connect_ahead(self.fs, protocol)
         self.protocol, self.retries = protocol, retries
@@ -327,8 +324,7 @@ class RemoteStorage(Storage):
             try:
                 data, found = self.retried(what, path, lambda: self._s3_read(path, start, end))
             except OSError as error:
-                # (a refusal may mean the object changed: 416 for a range past a cut object's
-                # end; a store that kept failing, throttling, would fail the HEAD too)
+                # (a 416 may mean the object was cut; a store that kept failing is not asked)
                 if not isinstance(error, (ConnectionError, FileNotFoundError)) and not transient(
                     error
                 ):
