@@ -191,9 +191,22 @@ def test_main_job_stopped_by_a_sigterm_closes_its_loader_and_says_so(image_root:
     assert job.returncode == 143, err
     assert "terminated (SIGTERM)" in err and "Traceback" not in err
     deadline = time.monotonic() + 30  # (the worker server ends once it sees the job gone)
-    while True:
-        left = subprocess.run(["pgrep", "-g", str(job.pid)], capture_output=True, text=True)
-        if not left.stdout.strip() or time.monotonic() > deadline:
-            break
+    while (left := in_group(job.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert left.stdout.strip() == ""
+    assert left == []
+
+
+def in_group(group: int) -> list[int]:
+    """The live processes (zombies left out) of process group ``group``, from ``/proc``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == group:  # (state, ppid, pgrp)
+            found.append(int(entry))
+    return found
