@@ -227,4 +227,4 @@ def test_an_object_cut_short_after_the_plan_is_named_as_changed(
         with pytest.raises(Exception, match=r"changed since the job planned its epochs") as raised:
             for _batch in batches:
                 pass
-    assert "(64, 'ETag:" in str(raised.value)
+    assert "-> 64 bytes, ETag:" in str(raised.value)
