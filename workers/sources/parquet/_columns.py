@@ -24,6 +24,8 @@ row's bytes are one slice of the data buffer between two offsets, never a ``to_p
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -303,17 +305,18 @@ class Values:
 
 class ChunkedValues:
     """One column of a row group read in record batches (a large one: see
-    :func:`~._reader.batch_rows`): each batch's :class:`Values`, as one (never put together
+    :func:`~._sparse.batch_rows`): each batch's :class:`Values`, as one (never put together
     into one buffer, which would copy them all once more)."""
 
     def __init__(self, kind: str, chunks: list[Values], rows: list[int], name: str = "") -> None:
         self.kind, self.name, self.chunks = kind, name, chunks
-        self.starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+        #: where each chunk starts (a list: looked up once per sample)
+        self.starts = list(itertools.accumulate(rows[:-1], initial=0))
 
     def row(self, row: int) -> np.ndarray[Any, Any] | str | None:
         """Row ``row``'s value, as :meth:`Values.row` gives it."""
-        chunk = int(np.searchsorted(self.starts, row, side="right")) - 1
-        return self.chunks[chunk].row(row - int(self.starts[chunk]))
+        chunk = bisect.bisect_right(self.starts, row) - 1
+        return self.chunks[chunk].row(row - self.starts[chunk])
 
 
 def values_of(kinds: list[ColumnKind], table: Any) -> list[Values | ChunkedValues]:

@@ -186,16 +186,10 @@ def _check_columns(dataset: Any, columns: tuple[str, ...]) -> None:
 def _sliced(dataset: Any) -> bool:
     """Whether the dataset's table holds a part of its Arrow files (``select(range(a, b))``
     slices the memory-mapped tables, with no indices to tell it): a block that replays a slice."""
-    table = getattr(dataset, "data", None)
-    blocks = getattr(table, "blocks", None)  # (a table over several files: one per file)
-    tables = (
-        [table]
-        if not isinstance(blocks, list)
-        else [block for row in blocks for block in (row if isinstance(row, list) else [row])]
-    )
     return any(
         any(operation[0] == "slice" for operation in getattr(one, "replays", None) or ())
-        for one in tables
+        for row in _blocks(dataset)
+        for one in row
     )
 
 

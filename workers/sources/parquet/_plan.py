@@ -257,7 +257,7 @@ class ParquetPlan:
         self.file_rows: list[int] = []
         self.group_rows: list[list[int]] = []
         wanted = {kind.name for kind in kinds}
-        files, groups, rows, begins, ends = [], [], [], [], []
+        files, groups, rows, begins, ends, decoded = [], [], [], [], [], []
         #: per row group: the byte ranges read of it (its requested columns' chunks, those
         #: apart by more than a small gap read apart: see :func:`read_ranges`)
         self.ranges: list[tuple[tuple[int, int], ...]] = []
@@ -288,6 +288,7 @@ class ParquetPlan:
                 rows.append(meta.num_rows)
                 begins.append(begin)
                 ends.append(end)
+                decoded.append(sum(int(meta.column(k).total_uncompressed_size) for k in leaves))
                 self.ranges.append(pieces)
         if not rows:
             raise ValueError(f"no rows to read in {', '.join(urls[:3])}: every file is empty")
@@ -296,6 +297,9 @@ class ParquetPlan:
         self.groups = np.asarray(groups, np.int64)
         self.begins = np.asarray(begins, np.int64)
         self.ends = np.asarray(ends, np.int64)
+        #: per row group: the bytes its requested columns take decoded (their chunks'
+        #: uncompressed sizes: what sizes a large one's record batches, :func:`._sparse.batch_rows`)
+        self.decoded = np.asarray(decoded, np.int64)
         #: per row group: the bytes its reads take (the ranges' sum)
         self.sizes = np.asarray([sum(e - b for b, e in r) for r in self.ranges], np.int64)
         self.counts = np.asarray(rows, np.int64)

@@ -44,7 +44,7 @@ from ._arrow import note_compute, pyarrow_modules
 from ._columns import ChunkedValues, Values, default_value, values_of
 from ._footers import read_footer_bytes
 from ._plan import ParquetPlan, read_ranges
-from ._sparse import SparseFile, batch_rows, decoded_size
+from ._sparse import SparseFile, batch_rows
 from ._summary import index_command
 
 __all__ = ["DamagedRowGroup", "Held", "ParquetLoader", "SparseFile", "optional_defaults"]
@@ -285,12 +285,8 @@ class ParquetLoader:
                 # does) and the row group's read did not fetch)
                 pre_buffer=False,
             )
-            decoded = decoded_size(plan.footers[file].row_group(group), self.names)
-            batches = list(
-                reader.iter_batches(
-                    batch_rows(count, max(size, decoded)), [group], self.names, use_threads=False
-                )
-            )
+            per_batch = batch_rows(count, max(size, int(plan.decoded[unit])))
+            batches = list(reader.iter_batches(per_batch, [group], self.names, use_threads=False))
             table = (
                 pa.Table.from_batches(batches)
                 if batches

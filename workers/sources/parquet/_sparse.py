@@ -5,12 +5,11 @@ fetched, handed out as views; and how many rows a record batch of a large row gr
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["BATCH_BYTES", "SparseFile", "batch_rows", "decoded_size"]
+__all__ = ["BATCH_BYTES", "SparseFile", "batch_rows"]
 
 
 #: The bytes of a record batch a large row group is read in: a row group read whole is
@@ -26,18 +25,6 @@ def batch_rows(rows: int, size: int) -> int:
     if size <= BATCH_BYTES or rows <= 1:
         return max(rows, 1)
     return max(1, -(-rows // -(-size // BATCH_BYTES)))
-
-
-def decoded_size(group: Any, names: Sequence[str]) -> int:
-    """The bytes the columns ``names`` of a row group (its footer's metadata) take decoded:
-    their chunks' uncompressed sizes."""
-    total = 0
-    for k in range(group.num_columns):
-        column = group.column(k)
-        path = column.path_in_schema
-        if any(path == name or path.startswith(f"{name}.") for name in names):
-            total += column.total_uncompressed_size
-    return total
 
 
 class SparseFile(io.RawIOBase):
