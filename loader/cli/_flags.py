@@ -100,7 +100,7 @@ def data_format(data: Path | str) -> str:
     if ".parquet" in base or "://" in text:
         return "parquet"
     if any(c in base for c in "*?["):  # (a pattern without the extension: what it matches)
-        matches = globbing.glob(text)
+        matches = globbing.glob(text, recursive=True)
         if any(match.endswith(".parquet") for match in matches):
             return "parquet"
         if any(match.endswith(".tar") for match in matches):

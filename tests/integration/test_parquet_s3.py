@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -228,3 +229,25 @@ def test_an_object_cut_short_after_the_plan_is_named_as_changed(
             for _batch in batches:
                 pass
     assert "-> 64 bytes, ETag:" in str(raised.value)
+
+
+def test_an_object_named_alone_or_with_a_globs_characters_is_read_as_itself(
+    counted: tuple[Counted, list[Path]],
+) -> None:
+    """A file's own URL lists the file itself on S3 (it was taken for a directory and its name
+    added to it: ``one.parquet/one.parquet does not exist``); a key or prefix whose name holds
+    ``?`` or ``[`` is that object, not a glob's matches."""
+    made, paths = counted
+    client = made.server.client()
+    try:
+        client.upload_file(str(paths[2]), made.bucket, "odd/[v2].parquet")
+        client.upload_file(str(paths[2]), made.bucket, "i?j/part.parquet")
+    finally:
+        client.close()
+    bucket = f"s3://{made.bucket}"
+    urls = [f"{bucket}/{paths[0].name}", f"{bucket}/odd/[v2].parquet", f"{bucket}/i?j"]
+    source = functools.partial(P.image_parquet, urls=urls, storage_options=made.server.options())
+    with Loader(source, P.decode_step, batch_size=4, num_workers=2, copy=True) as loader:
+        got = Counter(i for batch in loader for i in ids(batch))
+    last = range(TOTAL - SIZES[2], TOTAL)  # (the third file's rows, under two names)
+    assert got == Counter({**dict.fromkeys(range(SIZES[0]), 1), **dict.fromkeys(last, 2)})

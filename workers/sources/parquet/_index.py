@@ -12,10 +12,12 @@ then reads its footer itself, and fails naming it). Library code: progress goes 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob as globbing
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,7 +94,7 @@ def _matches(pattern: str, storage_options: dict[str, Any] | None) -> list[str]:
         storage = storage_for(pattern, storage_options, RETRIES)
         directory, _, last = pattern.rpartition("/")
         return fnmatch.filter(list(storage.listing(directory) or {}), last)
-    return globbing.glob(pattern.removeprefix("file://"))
+    return globbing.glob(pattern.removeprefix("file://"), recursive=True)
 
 
 def index_parquet(
@@ -223,6 +225,27 @@ def _save(
             if still == entry.identity:
                 kept[name] = entry
         kept.update(new)
+        _warn_partial(storage, directory, kept, listing)
         first = min(new)
         footer = parse_footer(storage.join(directory, first), new[first].footer)
         state.summaries.append(write_summary(storage, directory, kept, footer))
+
+
+def _warn_partial(
+    storage: Storage, directory: str, kept: dict[str, FileEntry], listing: Any
+) -> None:
+    """Warn where the summary of ``directory`` will name fewer Parquet files than it holds (a
+    file or a glob indexed, not the directory): a job that reads the directory from a store
+    takes the summary for its listing."""
+    if storage.local:
+        with contextlib.suppress(OSError):
+            listing = dict.fromkeys(os.listdir(directory or "."))
+    others = sorted(n for n in (listing or {}) if n.endswith(".parquet") and n not in kept)
+    if others:
+        warnings.warn(
+            f"the summary of {directory} names {len(kept)} of its {len(kept) + len(others)} "
+            f"Parquet files (not {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): "
+            "a job that reads the directory from a store reads only the files its summary "
+            "names. Index the directory itself to cover them all",
+            stacklevel=2,
+        )

@@ -28,7 +28,6 @@ Nothing is written anywhere: reading a dataset never writes beside it.
 
 from __future__ import annotations
 
-import glob as globbing
 import hashlib
 import os
 import posixpath
@@ -43,8 +42,6 @@ from ..storage import (
     Identity,
     Storage,
     StorageFailure,
-    expand_urls,
-    is_url,
     storage_failure,
     storage_for,
 )
@@ -53,6 +50,7 @@ from ._arrow import pyarrow_modules
 from ._columns import ColumnKind, column_kinds
 from ._footers import node_footers_into, parse_footer, read_footer_bytes
 from ._kept import KeptFooters
+from ._listed import list_parquet
 from ._schemas import agree, checked_schemas, leaf_columns
 from ._summary import (
     FileEntry,
@@ -66,8 +64,6 @@ from ._summary import (
 )
 
 __all__ = ["ParquetPlan", "checked_schemas", "list_parquet", "open_plan", "read_footer"]
-
-_GLOB = frozenset("*?[")
 
 
 class Listings:
@@ -125,57 +121,6 @@ class Summaries:
             return None
         entry = found[0].get(storage.basename(url))
         return None if entry is None else (entry, found[1])
-
-
-def list_parquet(
-    urls: str | os.PathLike[str] | Sequence[str],
-    storage: Storage,
-    listings: Listings | None = None,
-    summaries: Summaries | None = None,
-) -> list[str]:
-    """The files ``urls`` names, in order: a directory gives its ``*.parquet`` files sorted by
-    name (a remote one with a summary: the files the summary names, no listing), a glob its
-    matches sorted, a file itself."""
-    found: list[str] = []
-    listing = listings if listings is not None else storage.listing
-    for item in expand_urls(urls):
-        if is_url(item):
-            if any(c in item for c in _GLOB):
-                matches = storage.glob(item)
-                found.extend(matches)
-                if not matches:
-                    raise FileNotFoundError(f"no file matches {item}")
-                continue
-            summary = None
-            if summaries is not None and not item.endswith(".parquet"):
-                summary = summaries(item.rstrip("/"))
-            if summary is not None and summary[0]:
-                names = sorted(n for n in summary[0] if n.endswith(".parquet"))
-                found.extend(storage.join(item.rstrip("/"), name) for name in names)
-                continue
-            listed = listing(item)
-            names = sorted(n for n in (listed or {}) if n.endswith(".parquet"))
-            if names:
-                found.extend(storage.join(item, name) for name in names)
-            else:
-                found.append(item)
-            continue
-        path = item[len("file://") :] if item.startswith("file://") else item
-        if any(c in path for c in _GLOB):
-            matches = sorted(globbing.glob(path))
-            if not matches:
-                raise FileNotFoundError(f"no file matches {path}")
-            found.extend(matches)
-        elif os.path.isdir(path):
-            names = sorted(n for n in os.listdir(path) if n.endswith(".parquet"))
-            if not names:
-                raise FileNotFoundError(f"{path} holds no *.parquet file")
-            found.extend(os.path.join(path, name) for name in names)
-        else:
-            found.append(path)
-    if not found:
-        raise ValueError("no Parquet files: the list of paths/URLs is empty")
-    return found
 
 
 def read_footer(storage: Storage, url: str, size: int) -> Any:

@@ -25,12 +25,12 @@ from ._index_file import read as read_index_file
 from ._index_file import write as write_index_file
 from ._libraries import StorageLibraryError, check_storage_libraries, url_protocols
 from ._many import read_each
+from ._patterns import expand_urls
 from ._reads import count_read, reads_so_far
 from ._storage import (
     AHEAD_BYTES,
     RETRIES,
     Storage,
-    expand_urls,
     is_url,
     local_path,
     storage_for,

@@ -27,7 +27,7 @@ import os
 import posixpath
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any, TypeVar
 
 import numpy as np
@@ -176,7 +176,7 @@ class LocalStorage(Storage):
             return file.read()
 
     def glob(self, pattern: str) -> list[str]:
-        return sorted(globbing.glob(local_path(pattern)))
+        return sorted(globbing.glob(local_path(pattern), recursive=True))
 
     def write(self, path: str, data: bytes) -> None:
         temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -414,9 +414,9 @@ class RemoteStorage(Storage):
     def glob(self, pattern: str) -> list[str]:
         """The URLs of the objects ``pattern`` (a URL with ``*``, ``?`` or ``[...]``) matches,
         sorted; its listings retried as reads are."""
-        matches = self.retried("listing", pattern, functools.partial(self.fs.glob, pattern))
+        found = self.retried("listing", pattern, functools.partial(self._glob, pattern))
         prefix = f"{self.protocol}://"
-        return sorted(m if "://" in m else prefix + m for m in matches)
+        return sorted(m if "://" in m else prefix + m for m in found)
 
     def write(self, path: str, data: bytes) -> None:
         self.retried("writing", path, functools.partial(self.fs.pipe_file, path, data))
@@ -433,7 +433,8 @@ class RemoteStorage(Storage):
             return None
         found: dict[str, Identity] = {}
         for entry in entries:
-            if entry.get("type", "file") == "file":
+            # (a file's own URL lists the file itself: it is no directory's member)
+            if entry.get("type", "file") == "file" and self._strip(entry["name"]) != stripped:
                 name = posixpath.basename(self._strip(entry["name"]))
                 found[name] = (int(entry.get("size") or 0), _version(entry))
         return found
@@ -446,6 +447,11 @@ class RemoteStorage(Storage):
         self.fs.invalidate_cache(directory)  # (a listing made earlier in this process is old)
         entries: list[dict[str, Any]] = self.fs.ls(directory, detail=True)
         return entries
+
+    def _glob(self, pattern: str) -> list[str]:
+        """The objects (not the directories) ``pattern`` matches."""
+        matches = self.fs.glob(pattern, detail=True)
+        return [name for name, entry in matches.items() if entry.get("type", "file") == "file"]
 
     def _info(self, path: str) -> dict[str, Any]:
         entry: dict[str, Any] = self.fs.info(path)
@@ -506,42 +512,3 @@ def storage_for(
     if storage is None:
         storage = _cache[key] = RemoteStorage(protocol, dict(options or {}), retries)
     return storage
-
-
-def expand_urls(urls: str | os.PathLike[str] | Iterable[str]) -> list[str]:
-    """A list of paths/URLs, or one with WebDataset brace patterns expanded:
-    ``train-{000000..000127}.tar`` (zero-padded ranges) and ``{a,b}`` (alternatives)."""
-    items = [urls] if isinstance(urls, (str, os.PathLike)) else list(urls)
-    expanded: list[str] = []
-    for item in items:
-        if not isinstance(item, (str, os.PathLike)):
-            raise TypeError(f"a shard's path or URL must be a str, got {type(item).__name__}")
-        expanded.extend(_braces(os.fspath(item)))
-    if not expanded:
-        raise ValueError("no shards: the list of tar paths/URLs is empty")
-    return expanded
-
-
-def _braces(pattern: str) -> list[str]:
-    start = pattern.find("{")
-    if start < 0:
-        if "}" in pattern:
-            raise ValueError(f"unbalanced braces in the shard pattern {pattern!r}")
-        return [pattern]
-    end = pattern.find("}", start)
-    if end < 0:
-        raise ValueError(f"unbalanced braces in the shard pattern {pattern!r}")
-    inside, rest = pattern[start + 1 : end], _braces(pattern[end + 1 :])
-    head = pattern[:start]
-    if ".." in inside:
-        low, _, high = inside.partition("..")
-        if not (low.isdigit() and high.isdigit()) or int(low) > int(high):
-            raise ValueError(
-                f"the range {{{inside}}} in {pattern!r} must be {{first..last}} of integers, "
-                "first <= last"
-            )
-        width = len(low) if low.startswith("0") else 0
-        options = [str(number).zfill(width) for number in range(int(low), int(high) + 1)]
-    else:
-        options = inside.split(",")
-    return [head + option + tail for option in options for tail in rest]

@@ -43,8 +43,8 @@ def _none_found(where: str, names: list[str]) -> FileNotFoundError:
 
 
 def _local(path: str) -> list[str]:
-    if any(c in path for c in _GLOB):
-        matches = sorted(globbing.glob(path))
+    if any(c in path for c in _GLOB) and not os.path.exists(path):
+        matches = sorted(globbing.glob(path, recursive=True))
         tars = [m for m in matches if m.endswith(_TAR) and os.path.isfile(m)]
         if not tars:
             raise _none_found(f"the matches of {path}", matches)

@@ -83,3 +83,47 @@ def test_columns_of_another_type_in_another_file_name_both(tmp_path: Path) -> No
         ValueError, match=r"'id' is int64 in \S+a\.parquet but string in \S+b\.parquet"
     ):
         open_plan(str(tmp_path), ("id",))
+
+
+def test_a_name_as_written_wins_over_a_glob_and_double_stars_go_into_directories(
+    tmp_path: Path,
+) -> None:
+    storage = LocalStorage()
+    for name in ("a?.parquet", "ab.parquet", "[v2].parquet", "v.parquet"):
+        (tmp_path / name).write_bytes(b"x")
+    # (a file named with a glob's characters is that file, not what the glob matches)
+    assert list_parquet(str(tmp_path / "a?.parquet"), storage) == [str(tmp_path / "a?.parquet")]
+    assert list_parquet(str(tmp_path / "[v2].parquet"), storage) == [str(tmp_path / "[v2].parquet")]
+    # (a directory so named, beside a sibling the glob would match, and one with braces)
+    for directory in ("d*z", "dxz", "d{1,2}"):
+        (tmp_path / directory).mkdir()
+        (tmp_path / directory / f"{directory}.parquet").write_bytes(b"x")
+    for directory in ("d*z", "d{1,2}"):
+        assert list_parquet(str(tmp_path / directory), storage) == [
+            str(tmp_path / directory / f"{directory}.parquet")
+        ]
+    # (a glob of directories gives their files)
+    assert list_parquet(str(tmp_path / "dx?"), storage) == [str(tmp_path / "dxz" / "dxz.parquet")]
+    deep = tmp_path / "deep"
+    for sub in ("", "x", "x/y", "x/y/z"):
+        (deep / sub).mkdir(parents=True, exist_ok=True)
+        (deep / sub / f"{sub.replace('/', '') or 'top'}.parquet").write_bytes(b"x")
+    found = list_parquet(str(deep / "**" / "*.parquet"), storage)
+    names = ["top.parquet", "x.parquet", "xy.parquet", "xyz.parquet"]
+    assert sorted(Path(p).name for p in found) == names
+
+
+def test_indexing_part_of_a_directory_warns_that_its_summary_names_only_that_part(
+    tmp_path: Path,
+) -> None:
+    from workers.sources.parquet._index import index_parquet
+
+    write(tmp_path / "a.parquet", 5, 5)
+    write(tmp_path / "b.parquet", 5, 5, first=5)
+    with pytest.warns(UserWarning, match=r"names 1 of its 2 Parquet files \(not b.parquet\)"):
+        index_parquet(str(tmp_path / "a.parquet"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        index_parquet(str(tmp_path))  # (the whole directory: no warning)

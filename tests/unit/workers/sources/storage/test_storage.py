@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 
-from workers.sources.storage import _failures, _storage
+from workers.sources.storage import _failures, _storage, expand_urls
 
 
-def test_brace_patterns_expand_like_webdataset() -> None:
-    assert _storage.expand_urls("s3://b/train-{000..002}.tar") == [
+def test_brace_patterns_expand_like_webdataset(tmp_path: Path) -> None:
+    assert expand_urls("s3://b/train-{000..002}.tar") == [
         "s3://b/train-000.tar",
         "s3://b/train-001.tar",
         "s3://b/train-002.tar",
     ]
-    assert _storage.expand_urls("d/{a,b}-{8..10}.tar") == [
+    assert expand_urls("d/{a,b}-{8..10}.tar") == [
         "d/a-8.tar",
         "d/a-9.tar",
         "d/a-10.tar",
@@ -25,11 +26,15 @@ def test_brace_patterns_expand_like_webdataset() -> None:
         "d/b-10.tar",
     ]
     with pytest.raises(ValueError, match="first <= last"):
-        _storage.expand_urls("t-{5..2}.tar")
+        expand_urls("t-{5..2}.tar")
     with pytest.raises(ValueError, match="unbalanced"):
-        _storage.expand_urls("t-{1..2.tar")
+        expand_urls("t-{1..2.tar")
     with pytest.raises(ValueError, match="empty"):
-        _storage.expand_urls([])
+        expand_urls([])
+    # (a local name that exists as written is not a pattern)
+    (tmp_path / "d{1,2}").mkdir()
+    assert expand_urls(str(tmp_path / "d{1,2}")) == [str(tmp_path / "d{1,2}")]
+    assert expand_urls(str(tmp_path / "e{1,2}")) == [str(tmp_path / "e1"), str(tmp_path / "e2")]
 
 
 def test_transient_errors_are_tried_again_and_logged(caplog: pytest.LogCaptureFixture) -> None:
