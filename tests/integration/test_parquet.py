@@ -431,3 +431,28 @@ def test_a_page_that_fails_its_checksum_is_a_damaged_row_group_not_a_wrong_sampl
             assert real(batch, "label") == [i % 3 for i in real(batch, "id")]
             seen += real(batch, "id")
     assert sorted(set(seen)) == [i for i in range(30) if not 10 <= i < 20]
+
+
+def test_a_worker_whose_whole_part_is_a_damaged_row_group_skips_it_under_skip(
+    tmp_path: Path,
+) -> None:
+    """Under skip, a batch none of whose rows loads is filled with a good sample (flagged and
+    cut); where a worker's whole part of the epoch is one damaged row group, that sample comes
+    from the rest of the dataset (it failed the job: "nothing to fill their rows with")."""
+    P.write_parquet(tmp_path, (16,), 8)
+    _damage_row_group(tmp_path / "train-00000.parquet", 1)  # (rows 8-15)
+    for seed in range(4):  # (the shuffle gives a worker the damaged row group alone in some)
+        with loader_over(str(tmp_path), on_error="skip", seed=seed, max_skipped=20) as loader:
+            for _epoch in range(2):
+                seen = []
+                for batch in loader:
+                    # (a batch of stand-ins alone keeps one row, flagged replaced)
+                    ids = real(batch, "id")
+                    seen += [i for row, i in enumerate(ids) if row not in batch.info.replaced]
+                assert sorted(seen) == list(range(8)), seed
+    # (every row group damaged: no sample to fill with; the data is named at fault, not step())
+    _damage_row_group(tmp_path / "train-00000.parquet", 0)
+    with loader_over(str(tmp_path), on_error="skip", max_skipped=20) as loader:
+        with pytest.raises(RuntimeError, match="no other sample of the dataset loaded") as raised:
+            list(loader)
+    assert "step() or the pipeline is at fault" not in str(raised.value)

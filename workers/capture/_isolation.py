@@ -72,6 +72,8 @@ class FailingSamples:
         captured random operators). Otherwise, or when no sample fails alone, raise ``error``,
         its message naming them first."""
         sampled = self._sampled
+        if _data_fault(error):  # (no sample loads: nothing for the step to be blamed for)
+            raise error
         failing = self.find(epoch, done)
         if failing is None:
             attach(error, message=every_sample_fails(error))
@@ -140,3 +142,13 @@ class FailingSamples:
         except Exception:
             return True
         return False
+
+
+def _data_fault(error: BaseException | None) -> bool:
+    """Whether ``error`` (or what it wraps) is the data's alone: no sample of a batch loads."""
+    seen = 0
+    while error is not None and seen < 8:
+        if getattr(error, "_loader_data_fault", False):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False

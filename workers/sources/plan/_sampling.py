@@ -23,6 +23,7 @@ one epoch per iteration.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict, deque
@@ -281,12 +282,16 @@ class BatchedSamples:
                 else self._stand_in(epoch, ids, raised)
             )
         if good is None:
-            raise RuntimeError(
-                f"every sample of the first batch failed to load "
-                f"({', '.join(self.describe(i) for i in ids[:4])}{', ...' if len(ids) > 4 else ''}"
-                f"; first: {errors[0].reason if errors else 'known bad'}): nothing to fill their "
-                "rows with. Check that the data is readable and that ext=/columns= name what "
-                "the samples hold (optional= for a member some samples lack)"
+            distinct = list(dict.fromkeys(ids))
+            named = ", ".join(self.describe(i) for i in distinct[:4])
+            raise _no_stand_in(
+                f"every sample of a batch failed to load ({named}"
+                f"{', ...' if len(distinct) > 4 else ''}; first: "
+                f"{errors[0].reason if errors else 'known bad'}), and no other sample of the "
+                f"dataset loaded to fill their rows (up to {_STAND_IN_TRIES} tried): the data "
+                "is at fault, not the step. Check that the data is readable and that "
+                "ext=/columns= name what the samples hold (optional= for a member some samples "
+                "lack)"
             )
         for row in failed:
             samples[row] = good
@@ -296,9 +301,14 @@ class BatchedSamples:
     def _stand_in(self, epoch: int, ids: list[int], raised: set[int]) -> Any | None:
         """A good sample to stand in a batch whose every sample failed under skip (all of them
         in one damaged part: a row group, a shard cut short): the last good sample loaded, else
-        the first that loads of this shard's batches of ``epoch`` (it is still delivered in its
-        own batch; here its rows are flagged replaced). None when none loads."""
-        candidates = (int(i) for chunk, _pad in self.batches_for_epoch(epoch) for i in chunk)
+        the first that loads of this shard's batches of ``epoch``, else of the whole dataset's
+        samples (a shard whose whole part is damaged: a small dataset's one row group); it is
+        still delivered in its own batch, here its rows are flagged replaced. None when none
+        loads."""
+        own = (int(i) for chunk, _pad in self.batches_for_epoch(epoch) for i in chunk)
+        stride = max(1, self.total // _STAND_IN_TRIES)  # (spread over the dataset's parts)
+        others = (i for start in range(stride) for i in range(start, self.total, stride))
+        candidates = itertools.chain(own, others)
         tried = 0
         for index in candidates:
             if index in ids or index in raised or index in self._control.bad:
@@ -508,3 +518,12 @@ class OpenedSource:
     parts: str = ""
     #: what it leaves out of every epoch, one line each (see ``wire.Hello.left_out``)
     left_out: tuple[str, ...] = ()
+
+
+def _no_stand_in(message: str) -> RuntimeError:
+    """The error of a batch none of whose samples loads, with no good sample anywhere to fill
+    its rows: the data's fault (``_loader_data_fault``: not searched for failing samples as a
+    batch that fails in the step is)."""
+    error = RuntimeError(message)
+    error._loader_data_fault = True  # type: ignore[attr-defined]
+    return error
