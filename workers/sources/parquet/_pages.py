@@ -37,7 +37,6 @@ __all__ = [
     "decode_footer",
     "index_range",
     "leaf_file",
-    "leaf_path",
     "leaves_of",
     "page_values",
     "pages_for",
@@ -192,7 +191,7 @@ def read_part(
     """The rows ``part`` promises of its leaf (an Arrow array), from its ``dictionary`` page and
     its ``pages``; :class:`IndexLies` where they hold other rows than the offset index said."""
     made = leaf_file(footer, group, part, dictionary, pages)
-    array = read_leaf(pq, pa, made, leaf_path(footer, part.leaf))
+    array = read_leaf(pq, pa, made, part.leaf)
     rows = part.rows[1] - part.rows[0]
     if len(array) != rows:
         raise IndexLies(f"leaf {part.leaf}'s pages hold {len(array)} rows, not {rows}")
@@ -275,16 +274,11 @@ def decode_footer(data: bytes) -> Struct:
     return footer
 
 
-def leaf_path(footer: Struct, leaf: int) -> str:
-    """Leaf ``leaf``'s dotted path (``image.bytes``), as pyarrow selects it."""
-    meta = _columns(footer, 0)[leaf].get_value(3)
-    return ".".join(part.decode() for part in meta.get_value(3)[1])
-
-
-def read_leaf(pq: Any, pa: Any, data: bytes, path: str) -> Any:
-    """The one column (an Arrow array) of a :func:`leaf_file`: leaf ``path`` (dotted)."""
+def read_leaf(pq: Any, pa: Any, data: bytes, leaf: int) -> Any:
+    """The one column (an Arrow array) of a :func:`leaf_file`: leaf number ``leaf`` (by number:
+    its dotted path may be another column's name, ``a.b`` beside ``a{b}``)."""
     reader = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
-    table = reader.read_row_group(0, columns=[path], use_threads=False)
+    table = reader.reader.read_row_group(0, [leaf], use_threads=False)
     column = table.column(0)
     return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
 

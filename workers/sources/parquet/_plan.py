@@ -207,6 +207,9 @@ class ParquetPlan:
         #: apart by more than a small gap read apart: see :func:`read_ranges`)
         self.ranges: list[tuple[tuple[int, int], ...]] = []
         self.damaged: list[str] = []
+        #: per file, the leaf columns (column chunks) of the requested columns: what a read
+        #: selects, by number (a name may be another column's path: ``a.b`` beside ``a{b}``)
+        self.leaves: list[list[int]] = []
         given = footers if parsed is None else parsed
         for number, (url, footer) in enumerate(zip(urls, given, strict=True)):
             size = identities[number][0]
@@ -215,6 +218,7 @@ class ParquetPlan:
                 [footer.row_group(k).num_rows for k in range(footer.num_row_groups)]
             )
             leaves = leaf_columns(footer, wanted)
+            self.leaves.append(leaves)
             for group in range(footer.num_row_groups):
                 meta = footer.row_group(group)
                 if meta.num_rows == 0:

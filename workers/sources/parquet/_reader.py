@@ -286,11 +286,13 @@ class ParquetLoader:
                 pre_buffer=False,
             )
             per_batch = batch_rows(count, max(size, int(plan.decoded[unit])))
-            batches = list(reader.iter_batches(per_batch, [group], self.names, use_threads=False))
+            # (the columns' leaves by number, not by name: a name may be another's path)
+            leaves, arrow = plan.leaves[file], reader.reader
+            batches = list(arrow.iter_batches(per_batch, [group], leaves, use_threads=False))
             table = (
                 pa.Table.from_batches(batches)
                 if batches
-                else reader.read_row_group(group, columns=self.names, use_threads=False)
+                else arrow.read_row_group(group, leaves, use_threads=False)
             )
             return Held(0, count, values_of(plan.kinds, table))
         except Exception as error:

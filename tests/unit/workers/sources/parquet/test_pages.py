@@ -67,10 +67,12 @@ def footer_of(path: Path) -> tuple[bytes, thrift.Struct]:
     return data, pages.decode_footer(data[-8 - size : -8])
 
 
-def read_rows(path: Path, lo: int, hi: int) -> tuple[list[Any], int]:
+def read_rows(
+    path: Path, lo: int, hi: int, columns: tuple[str, ...] = COLUMNS
+) -> tuple[list[Any], int]:
     """Columns of rows [lo, hi) of row group 0 read by their pages, and the bytes read."""
     data, footer = footer_of(path)
-    leaves = pages.leaves_of(footer, COLUMNS)
+    leaves = pages.leaves_of(footer, columns)
     assert leaves is not None
     flat = [leaf for group in leaves for leaf in group]
     where = pages.index_range(footer, 0, flat)
@@ -82,7 +84,7 @@ def read_rows(path: Path, lo: int, hi: int) -> tuple[list[Any], int]:
         body = data[slice(*part.pages)]
         read += len(dictionary) + len(body)
         made = pages.leaf_file(footer, 0, part, dictionary, body)
-        array = pages.read_leaf(pq, pa, made, pages.leaf_path(footer, part.leaf))
+        array = pages.read_leaf(pq, pa, made, part.leaf)
         assert len(array) == part.rows[1] - part.rows[0]
         arrays[part.leaf] = array.slice(lo - part.rows[0], hi - lo)
     return [pages.put_together(pa, [arrays[k] for k in group]) for group in leaves], read
@@ -112,7 +114,7 @@ def test_a_dictionary_encoded_and_a_compressed_column_read_by_pages(tmp_path: Pa
     for part, name in zip(parts, ("label", "text"), strict=True):
         dictionary = data[slice(*part.dictionary)] if part.dictionary else b""
         made = pages.leaf_file(footer, 0, part, dictionary, data[slice(*part.pages)])
-        array = pages.read_leaf(pq, pa, made, name).slice(2000 - part.rows[0], 100)
+        array = pages.read_leaf(pq, pa, made, part.leaf).slice(2000 - part.rows[0], 100)
         assert array.to_pylist() == table.column(name).to_pylist()[2000:2100]
 
 
@@ -218,3 +220,19 @@ def test_the_bytes_read_ahead_count_the_pages_a_worker_reads_not_the_row_groups(
         load.expect(0, batches)
         assert (load._ahead.get(2) is not None) == page_index
         assert [int(load(int(i))[1][0]) for i in batches[0][:3]] == [0, 1, 2]
+
+
+def test_a_column_named_as_another_columns_leaf_is_read_by_its_own_pages(tmp_path: Path) -> None:
+    """A top-level ``a.b`` beside a struct ``a{b}``: both leaves have the dotted path ``a.b``,
+    which selected both (a damaged row group); a leaf is read by its number."""
+    table = pa.table(
+        {
+            "a.b": pa.array(range(ROWS), pa.int64()),
+            "a": pa.array([{"b": -i} for i in range(ROWS)]),
+        }
+    )
+    path = write(tmp_path / "a.parquet", table)
+    (dotted,), _read = read_rows(path, 10, 30, ("a.b",))
+    assert dotted.to_pylist() == list(range(10, 30))
+    (struct,), _read = read_rows(path, 10, 30, ("a",))
+    assert struct.field(0).to_pylist() == [-i for i in range(10, 30)]

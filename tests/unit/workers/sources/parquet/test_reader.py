@@ -234,6 +234,17 @@ def test_names_with_dots_uuids_categories_and_widths_that_differ_between_files(
         assert raw.tobytes() == (bytes([i]) if i < rows else b"x")
 
 
+def test_a_column_named_as_another_columns_leaf_is_read_not_taken_for_damage(
+    tmp_path: Path,
+) -> None:
+    """``a.b`` beside a struct ``a{b}``: selected by name, both leaves (path ``a.b``) were read,
+    the struct's outside the bytes fetched: "damaged"."""
+    table = pa.table({"a.b": [100, 101], "a": pa.array([{"b": 200}, {"b": 201}]), "id": [0, 1]})
+    pq.write_table(table, tmp_path / "a.parquet")
+    load = ParquetLoader(open_plan(str(tmp_path / "a.parquet"), ("id", "a.b")))
+    assert [[v.tolist() for v in load(i)] for i in range(2)] == [[[0], [100]], [[1], [101]]]
+
+
 def test_a_double_float32_cannot_hold_fails_its_row_naming_where_it_is(tmp_path: Path) -> None:
     import warnings
 
