@@ -197,6 +197,29 @@ class LoaderTrainerMixin:
             return self.eval_loader
         return super().get_eval_dataloader(eval_dataset)  # type: ignore[misc]
 
+    def prediction_step(
+        self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
+    ) -> Any:
+        """Trainer's, except that a batch of padding alone (``cut_padding=True`` over a step at
+        which this rank's worker has no sample left: one row, flagged ``padded``) predicts no
+        row: the predictions and labels come empty (the other ranks' gathers go on in step)."""
+        found = super().prediction_step(  # type: ignore[misc]
+            model, inputs, prediction_loss_only, ignore_keys=ignore_keys
+        )
+        info, first = getattr(inputs, "info", None), _first_tensor(inputs)
+        padded = getattr(info, "padded", 0)
+        if not padded or first is None or first.dim() == 0 or first.shape[0] > padded:
+            return found
+        from accelerate.utils import recursively_apply
+
+        loss, logits, labels = found
+        empty = functools.partial(recursively_apply, lambda t: t[:0] if t.dim() else t)
+        return (
+            loss,
+            None if logits is None else empty(logits),
+            None if labels is None else empty(labels),
+        )
+
     def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
         """The loader as it is: its loaded state starts it at the first batch not trained on
         (Trainer's own count of those, ``num_batches``, is what it continues from). Another

@@ -244,8 +244,9 @@ def _cut_rows(
     its info saying so (a replaced row inside the padding is cut with it when the padding is
     cut). Trailing rows alone are cut as zero-copy views (they keep the lease alive); a row cut
     in the middle takes the kept rows by index (a copy of them: numpy, torch and cupy arrays,
-    and lists of per-sample arrays). A batch all of whose rows would go keeps its first, flagged
-    in ``replaced`` (a repeat of a sample delivered before)."""
+    and lists of per-sample arrays). A batch all of whose rows would go keeps its first: flagged
+    in ``padded`` (``padded == 1``) where every row was padding, else in ``replaced`` (a repeat
+    of a sample delivered before)."""
     size = len(values[0]) if values else 0
     real = size - padded
     gone = set(range(real, size)) | {row for row in replaced if 0 <= row < size}
@@ -253,10 +254,12 @@ def _cut_rows(
     # (the padding rows kept: a padding row that is also flagged replaced is cut as one)
     left_padded = sum(1 for row in range(size - info.padded, size) if row not in gone)
     if size and len(gone) == size:
-        # every row a repeat (no sample of the batch could be read): one stays, flagged, so
-        # that the trainer (and every rank, in step) still gets a batch, not an empty one
+        # every row a repeat: one stays, flagged, so that the trainer (and every rank, in step)
+        # still gets a batch, not an empty one. Flagged as what it is: padding where the batch
+        # holds no sample (a worker with none of its own left: ``padded`` says so, and counts
+        # of samples leave it out), a repeat where no sample of the batch could be read
         gone.discard(0)
-        real, left, left_padded = 1, (0,), 0
+        real, left, left_padded = (1, (), 1) if info.padded >= size else (1, (0,), 0)
     inside = sorted(row for row in gone if row < real)
     if not inside:
         values = [value[:real] for value in values]

@@ -256,20 +256,9 @@ def test_gradient_accumulation_past_the_loaders_slots_is_told_before_training(
 EVALUATED = 10  # ids in batches of 4: 4, 4 and 2 rows (cut_padding=True)
 
 
-def test_evaluate_and_predict_take_a_loader_and_batch_info_reaches_the_steps(
-    tmp_path: Path,
-) -> None:
-    """In this process: ``evaluate()`` (the ``eval_loader``), ``evaluate(eval_dataset=loader)``
-    and ``predict(loader)`` each go over the loader's samples once; ``prediction_step`` gets the
-    batch with its ``info`` and so does ``compute_loss`` (after Trainer's device transfer); the
-    model is called with the batch's keys only."""
-    torch = pytest.importorskip("torch")
-    from accelerate.state import AcceleratorState, GradientState
-    from transformers import TrainingArguments
-
-    from loader.hf import LoaderTrainer
-
-    seen: dict[str, list[Any]] = {"prediction_step": [], "compute_loss": []}
+def id_model() -> Any:
+    """A model of the batch's ``id`` key alone: its loss their mean, its prediction the ids."""
+    import torch
 
     class Model(torch.nn.Module):  # type: ignore[misc,name-defined]
         def __init__(self) -> None:
@@ -279,6 +268,26 @@ def test_evaluate_and_predict_take_a_loader_and_batch_info_reaches_the_steps(
         def forward(self, id: Any) -> dict[str, Any]:  # the batch's keys, nothing else
             ids = id.reshape(-1)
             return {"loss": (self.weight * ids).float().mean(), "ids": ids}
+
+    return Model
+
+
+def test_evaluate_and_predict_take_a_loader_and_batch_info_reaches_the_steps(
+    tmp_path: Path,
+) -> None:
+    """In this process: ``evaluate()`` (the ``eval_loader``), ``evaluate(eval_dataset=loader)``
+    and ``predict(loader)`` each go over the loader's samples once; ``prediction_step`` gets the
+    batch with its ``info`` and so does ``compute_loss`` (after Trainer's device transfer); the
+    model is called with the batch's keys only."""
+    pytest.importorskip("torch")
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import TrainingArguments
+
+    from loader.hf import LoaderTrainer
+
+    seen: dict[str, list[Any]] = {"prediction_step": [], "compute_loss": []}
+
+    Model = id_model()
 
     class Recorder(LoaderTrainer):
         def prediction_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -317,6 +326,37 @@ def test_evaluate_and_predict_take_a_loader_and_batch_info_reaches_the_steps(
     assert np.ravel(prediction.label_ids).tolist() == np.ravel(prediction.predictions).tolist()
     assert set(prediction.metrics) >= {"test_loss", "test_runtime"}
     assert len(seen["prediction_step"]) == 9  # 3 batches, 3 times
+
+
+def test_predict_takes_no_row_of_a_batch_of_padding_alone(tmp_path: Path) -> None:
+    """3 samples, batches of 4, 2 workers: the second worker has no sample of its own and
+    yields a batch of padding (its one row kept by ``cut_padding=True``, flagged ``padded``);
+    it was predicted as a fourth row, a repeat."""
+    pytest.importorskip("torch")
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import TrainingArguments
+
+    from loader.hf import LoaderTrainer
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        dataloader_pin_memory=False,
+        label_names=["id"],
+    )
+    source = functools.partial(P.sample_source, total=3)
+    try:
+        with Loader(
+            source, P.cast_step, batch_size=4, num_workers=2, output="torch", cut_padding=True
+        ) as loader:
+            assert [batch.info.padded for batch in loader] == [0, 1]
+            prediction = LoaderTrainer(model=id_model()(), args=args).predict(loader)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert sorted(np.ravel(prediction.predictions).tolist()) == [0, 1, 2]
+    assert np.ravel(prediction.label_ids).tolist() == np.ravel(prediction.predictions).tolist()
 
 
 def test_a_checkpoint_without_the_loaders_state_or_of_another_world_size_is_refused(

@@ -77,3 +77,14 @@ def test_texts_decode_lists_and_stacked_rows_of_numpy_and_torch() -> None:
     stacked = np.frombuffer(b"abcdef", np.uint8).reshape(2, 3)
     assert texts(stacked) == ["abc", "def"] == texts(torch.from_numpy(stacked.copy()))
     assert jsons([np.frombuffer(b'{"k": 1}', np.uint8)]) == [{"k": 1}]
+
+
+def test_a_batch_of_padding_alone_keeps_one_row_flagged_as_padding() -> None:
+    """``cut_padding=True`` over a batch with no sample (a worker with none of its own left in
+    the epoch): the row kept is padding, and says so (``padded`` 1, ``valid`` -1); flagged as a
+    replaced row with ``padded`` 0, an evaluation loop counted it as a sample, a repeat."""
+    rows = np.arange(4) * 10
+    values, cut = _cut_rows([rows], info(4), 4, ())
+    assert values[0].tolist() == [0]
+    assert (cut.padded, cut.replaced, cut.cut, cut.cut_rows) == (1, (), 3, (1, 2, 3))
+    assert values[0][: cut.valid].tolist() == []  # (the idiom: every real row, none here)
