@@ -38,7 +38,8 @@ class BatchInfo:
     (``cut_replaced=True``: the batch is that many rows shorter, and no row of it repeats
     another), or, with ``cut_replaced=False``, kept at the batch's full size holding a repeat
     of another row and listed in ``replaced`` (mask them: a contrastive loss must, or it trains
-    on duplicate pairs). With ``cut_padding=True`` the padding is cut too (``padded`` is 0).
+    on duplicate pairs). With ``cut_padding=True`` the padding is cut too (``padded`` is 0;
+    1 in a batch of padding alone, its one row kept: every rank takes the same steps).
     ``cut`` says how many rows were cut and ``cut_rows`` which (counted in the batch as the
     worker made it)."""
 
