@@ -456,3 +456,39 @@ def test_a_worker_whose_whole_part_is_a_damaged_row_group_skips_it_under_skip(
         with pytest.raises(RuntimeError, match="no other sample of the dataset loaded") as raised:
             list(loader)
     assert "step() or the pipeline is at fault" not in str(raised.value)
+
+
+def test_a_local_file_replaced_by_one_of_the_same_size_while_the_job_runs_is_named(
+    tmp_path: Path,
+) -> None:
+    """A file rewritten between epochs with other rows of the same size: its row groups were
+    read as the plan's, other samples delivered silently (and a rewrite of another size was
+    refused as a damaged row group). Each read checks the file's size and mtime (an fstat)."""
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def write(first: int) -> None:
+        ids = list(range(first, first + 20))
+        table = pa.table({"label": [i % 3 for i in ids], "id": ids})
+        pq.write_table(
+            table,
+            tmp_path / "a.parquet",
+            row_group_size=5,
+            use_dictionary=False,
+            compression="none",
+        )
+
+    write(0)
+    with loader_over(str(tmp_path), workers=1) as loader:
+        assert sorted(i for batch in loader for i in real(batch, "id")) == list(range(20))
+        size = (tmp_path / "a.parquet").stat().st_size
+        write(1000)  # (the same size: plain values of the same width)
+        assert (tmp_path / "a.parquet").stat().st_size == size
+        stat = os.stat(tmp_path / "a.parquet")
+        os.utime(tmp_path / "a.parquet", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        with pytest.raises(Exception, match=r"a\.parquet changed since the job planned") as raised:
+            for batch in loader:
+                assert max(real(batch, "id")) < 20  # (never one of the new file's rows)
+    assert "restart the job" in str(raised.value)

@@ -123,6 +123,10 @@ class Summaries:
         return None if entry is None else (entry, found[1])
 
 
+def _rows_of_groups(footer: Any) -> list[int]:
+    return [footer.row_group(k).num_rows for k in range(footer.num_row_groups)]
+
+
 def read_footer(storage: Storage, url: str, size: int) -> Any:
     """The footer (``pyarrow.parquet.FileMetaData``) of the Parquet file at ``url`` of ``size``
     bytes, from one ranged read of its tail (two when the footer is longer); ``ValueError``
@@ -207,18 +211,14 @@ class ParquetPlan:
         #: apart by more than a small gap read apart: see :func:`read_ranges`)
         self.ranges: list[tuple[tuple[int, int], ...]] = []
         self.damaged: list[str] = []
-        #: per file, the leaf columns (column chunks) of the requested columns: what a read
-        #: selects, by number (a name may be another column's path: ``a.b`` beside ``a{b}``)
-        self.leaves: list[list[int]] = []
+        #: per file, the requested columns' leaves (chunks), which a read selects by number
+        self.leaves: list[list[int]] = []  # (a name may be another's path: a.b beside a{b})
         given = footers if parsed is None else parsed
         for number, (url, footer) in enumerate(zip(urls, given, strict=True)):
             size = identities[number][0]
             self.file_rows.append(int(footer.num_rows))
-            self.group_rows.append(
-                [footer.row_group(k).num_rows for k in range(footer.num_row_groups)]
-            )
-            leaves = leaf_columns(footer, wanted)
-            self.leaves.append(leaves)
+            self.group_rows.append(_rows_of_groups(footer))
+            self.leaves.append(leaves := leaf_columns(footer, wanted))
             for group in range(footer.num_row_groups):
                 meta = footer.row_group(group)
                 if meta.num_rows == 0:

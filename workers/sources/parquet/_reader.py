@@ -217,7 +217,7 @@ class ParquetLoader:
         plan = self.plan
         url, identity = plan.urls[file], plan.identities[file]
         storage = plan.storage
-        check = not storage.local and storage.can_check(identity)
+        check = storage.can_check(identity)
         try:
             data = storage.read(url, start, end, expect=identity if check else None)
         except IdentityChanged as error:

@@ -150,10 +150,15 @@ class LocalStorage(Storage):
     def read(
         self, path: str, start: int, end: int, expect: Identity | None = None
     ) -> np.ndarray[Any, Any]:
-        """Bytes ``[start, end)`` of ``path`` as a uint8 array (one open, ``preadv``, close;
-        ``expect`` is not checked: local identities come from the start's listing)."""
+        """Bytes ``[start, end)`` of ``path`` as a uint8 array (one open, ``preadv``, close);
+        with ``expect``, the file's size and mtime as it is opened (one ``fstat``) are checked
+        against it: a file replaced since the plan, even by one of the same size, is named."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
+            if expect is not None:
+                found = _local_identity(os.fstat(fd))
+                if found != expect:
+                    raise IdentityChanged(path, expect, found)
             data = np.empty(end - start, dtype=np.uint8)
             done = 0
             while done < data.size:
@@ -167,6 +172,9 @@ class LocalStorage(Storage):
             return data
         finally:
             os.close(fd)
+
+    def can_check(self, identity: Identity) -> bool:
+        return identity[1].startswith("mtime:")
 
     def open(self, path: str) -> IO[bytes]:
         return open(path, "rb")  # (the caller closes it)
