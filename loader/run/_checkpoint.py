@@ -335,6 +335,16 @@ def _check_dataset(state: Mapping[str, Any], sampling: Sampling, strict: bool) -
     differs = _parts_differ(_field(state, "sampling", Mapping), sampling)
     if differs:
         message += f" ({differs})"
+    if isinstance(saved_total, int) and saved_total != sampling.total:
+        # (strict=False would not help: the positions of another number of samples are others)
+        epoch = state.get("epoch")
+        raise ValueError(
+            f"{message}; a state only applies to the same data, and one over "
+            f"{saved_total} samples cannot resume over {sampling.total} (strict=False does not "
+            "lift this). Resume over the files as they were, or start the state's epoch "
+            f"afresh over these: set_epoch({epoch if isinstance(epoch, int) else 'e'}) instead "
+            "of loading the state"
+        )
     if strict:
         raise ValueError(
             f"{message}; a state only applies to the same data (pass strict=False to "
