@@ -78,4 +78,11 @@ def describe_difference(saved: str, mine: str) -> str | None:
         said.append(f"{kind}s not in the state: {_listed(added)}")
     if changed:
         said.append(f"{kind}s changed: {_listed(changed)}")
+    order, now = [p[0] for p in before], [p[0] for p in after]
+    if not said and order != now:  # (the same parts, listed in another order)
+        at = next(k for k, (a, b) in enumerate(zip(order, now, strict=True)) if a != b)
+        said.append(
+            f"the same {kind}s in another order ({kind} {at} was {order[at]}, is {now[at]} "
+            "here): give them in the state's order (a directory or a glob lists them by name)"
+        )
     return "; ".join(said) or None

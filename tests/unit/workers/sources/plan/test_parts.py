@@ -41,3 +41,12 @@ def test_a_long_list_is_cut_after_a_few_names() -> None:
     saved = encode_parts("shard", [(f"{k}.tar", 1, 1) for k in range(8)])
     said = describe_difference(saved, encode_parts("shard", []))
     assert said == "shards missing here: 0.tar, 1.tar, 2.tar, 3.tar, 4.tar and 3 more"
+
+
+def test_the_same_parts_in_another_order_are_named() -> None:
+    parts = [("a.parquet", 10, 3), ("b.parquet", 20, 4), ("c.parquet", 30, 5)]
+    saved = encode_parts("file", parts)
+    mine = encode_parts("file", [parts[0], parts[2], parts[1]])
+    said = describe_difference(saved, mine)
+    assert said is not None
+    assert "the same files in another order (file 1 was b.parquet, is c.parquet here)" in said
