@@ -181,6 +181,10 @@ class WorkerPool:
         alive_read, alive_write = self._context.Pipe(duplex=False)
         name = f"dali-loader-worker-{index}"
         process: WorkerProcess
+        if self._server is not None and not (self._server.serving and self._server.alive()):
+            # (shut down, shutdown_worker_server(), while this pool lives: a worker replaced now
+            # is forked from this process's server of now)
+            self._server = start_worker_server(self._specs)
         if self._server is not None:
             # A forked worker gets the trainer's environment, directory and import path of now,
             # as a spawned one does (what changed since the server started reaches it too)

@@ -301,6 +301,8 @@ class WorkerServer:
         #: none of this process's descriptors any more (None: told, or no fork)
         self._release = release
         self._release_lock = threading.Lock()
+        #: False once forgotten (``shutdown_worker_server``): it forks no more workers
+        self.serving = True
 
     @classmethod
     def start(cls, how: str) -> WorkerServer:
@@ -362,6 +364,7 @@ class WorkerServer:
 
     def forget(self) -> None:
         """Close the socket: a server that still runs stops serving (module docstring)."""
+        self.serving = False
         self._sock.close()
         with self._release_lock:
             if self._release is not None:

@@ -293,6 +293,25 @@ def test_a_worker_killed_by_a_signal_is_reported_through_the_server() -> None:
                 pass
 
 
+def test_a_worker_replaced_after_the_server_was_shut_down_is_forked_from_a_new_one() -> None:
+    """``shutdown_worker_server()`` while a loader is open: a worker of that loader killed
+    later is replaced (``max_restarts``) from the process's new server; the old one, stopped,
+    failed the replacement ("the loader's worker server is gone")."""
+    from loader import shutdown_worker_server
+    from tests import pipelines as P
+
+    with Loader(
+        P.sample_source, P.cast_step, batch_size=4, num_workers=1, copy=True, max_restarts=1
+    ) as loader:
+        batches = iter(loader)
+        seen = [int(i) for i in next(batches)["id"].ravel()]
+        assert shutdown_worker_server() is not None
+        os.kill(loader.worker_pids()[0], signal.SIGKILL)
+        for batch in batches:
+            seen += [int(i) for i in batch["id"].ravel()[: 4 - batch.info.padded]]
+    assert sorted(seen) == list(range(30))
+
+
 EARLY_PACKAGE = """
 from loader.processes import server as _server
 
