@@ -25,6 +25,10 @@ from ._session import Aborting, Idle, Running, Seeking, SessionView, Stopped, Ta
 
 logger = logging.getLogger("loader")
 
+#: Samples skipped for one reason that are each logged at WARNING (a damaged row group's rows
+#: all fail for the same one: its thousand lines said nothing more than the first few)
+SAID_EACH = 5
+
 #: With ``timeout`` set, the longest a replacement process may take to start (spawn, imports,
 #: sources) before its Hello, unless ``startup_timeout`` or ``timeout`` says otherwise.
 REPLACEMENT_START = 60.0
@@ -79,6 +83,8 @@ class Healing:
         #: start's listing would have found them: the line a worker's hello gives then)
         self.left_out: dict[str, str] = {}
         self._exiting: set[int] = set()  # workers that said they exit (SamplesFailed)
+        #: samples logged per reason (past :data:`SAID_EACH`, one line says the rest go unlogged)
+        self._said: dict[str, int] = {}
         #: worker -> its replacement process, and the traces counted before it started
         self._replacements: dict[int, tuple[WorkerHandle, int]] = {}
 
@@ -100,7 +106,15 @@ class Healing:
         step = view.step_of(message.epoch, message.step)
         for index, name in new:
             described = f"sample {index}" if name == str(index) else f"sample {index} ({name})"
-            logger.warning(
+            said = self._said[message.reason] = self._said.get(message.reason, 0) + 1
+            if said == SAID_EACH + 1:  # (a damaged row group: its every row, for one reason)
+                logger.warning(
+                    "more samples fail for the same reason (%s): skipped without a line each "
+                    "(stats().skipped names them all)",
+                    message.reason,
+                )
+            logger.log(
+                logging.WARNING if said <= SAID_EACH else logging.DEBUG,
                 "skipped %s: worker %d (%s) fails on it at epoch %d, its own step %d (%s)",
                 described,
                 view.index,

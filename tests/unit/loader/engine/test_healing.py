@@ -124,6 +124,28 @@ def test_failing_samples_are_told_to_the_others_once(caplog: pytest.LogCaptureFi
     assert healing.bad_samples == {5, 6, 7}
 
 
+def test_many_samples_failing_for_one_reason_are_logged_a_few_then_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A damaged row group: each of its rows fails for the same reason. A line each for the
+    first few, one saying the rest go without a line; another reason is logged again."""
+    healing = _healing(on_error="skip")
+    snapshot = view(1, Running(2), epoch=0)
+    reason = "DamagedRowGroup: a.parquet: row group 1 (bytes 10-20) cannot be read"
+    with caplog.at_level(logging.WARNING, "loader"):
+        for step in range(4):  # (batches of 4 rows of the row group)
+            ids = tuple(range(4 * step, 4 * step + 4))
+            message = wire.SamplesFailed(0, step, ids, tuple(map(str, ids)), reason, exits=False)
+            healing.samples_failed(snapshot, message)
+        other = wire.SamplesFailed(0, 5, (99,), ("99",), "another reason", exits=False)
+        healing.samples_failed(snapshot, other)
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(":")[0] for line in lines[:5]] == [f"skipped sample {i}" for i in range(5)]
+    assert lines[5].startswith("more samples fail for the same reason (DamagedRowGroup")
+    assert lines[6].startswith("skipped sample 99") and len(lines) == 7
+    assert healing.bad_samples == set(range(16)) | {99}
+
+
 def test_a_hung_load_under_skip_is_skipped_and_the_worker_replaced() -> None:
     healing = _healing(on_error="skip")
     error = _died()
