@@ -111,7 +111,9 @@ def run_job(argv: list[str]) -> int:
                         bar.refresh()
             print(_table(loader.stats(), loader.diagnose()))
     except (LoaderError, ValueError, TypeError, RuntimeError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        # (the library's advice names its keyword; here the flag says the same)
+        said = str(error).replace("Pass columns=(...)", "Pass --columns IMAGE,LABEL")
+        print(f"error: {said}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Terminated) as error:
         return stopped(error)

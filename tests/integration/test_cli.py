@@ -118,6 +118,9 @@ def test_main_job_reads_parquet_by_a_glob_and_named_columns_and_points_to_nested
     result = run_cli("--data", str(renamed), "--columns", "img,cls", "--epochs", "1")
     assert result.returncode == 0, result.stderr
     assert "samples            48" in result.stdout
+    result = run_cli("--data", str(renamed), "--epochs", "1")  # (without --columns)
+    assert result.returncode == 1
+    assert "its columns: img, cls, id. Pass --columns IMAGE,LABEL naming" in result.stderr
     result = run_cli("--data", str(tmp_path / "hub"), "--epochs", "1")
     assert result.returncode == 2
     assert f"it holds Parquet files under {tmp_path / 'hub' / 'data'}: pass --data" in (
