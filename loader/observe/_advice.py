@@ -48,7 +48,8 @@ MAX_AHEAD = 8
 SOURCE_KINDS = {
     "tars:": "sharded_tars",
     "files:": "sharded_files",
-    "mix:": "sharded_mix",
+    "mix:": "sharded_mix",  # (0.3's: a state's)
+    "mix2:": "sharded_mix",
     "parquet:": "sharded_parquet",
     "hf-dataset:": "sharded_parquet",  # (a datasets.Dataset's Arrow files)
 }

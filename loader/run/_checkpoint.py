@@ -326,6 +326,9 @@ def _check_dataset(state: Mapping[str, Any], sampling: Sampling, strict: bool) -
         raise ValueError(f"sampling.fingerprint: {saved!r} is not what state_dict() writes")
     if saved == mine or _window_differs(saved, mine, state, sampling):
         return
+    if saved.startswith("mix:") and mine == "mix2:" + saved.removeprefix("mix:"):
+        _older_mix(state)
+        return
     saved_total = _field(state, "sampling", Mapping).get("total")
     before = saved_total if isinstance(saved_total, int) else sampling.total
     message = (
@@ -351,6 +354,25 @@ def _check_dataset(state: Mapping[str, Any], sampling: Sampling, strict: bool) -
             "load_state_dict() to resume over a dataset you changed knowingly)"
         )
     logger.warning("%s; resuming anyway (strict=False)", message)
+
+
+def _older_mix(state: Mapping[str, Any]) -> None:
+    """A state over the same mix saved by 0.3 (``mix:``), whose sources' later permutations
+    were not kept apart from the ones before (:mod:`workers.sources._separated`): between
+    epochs it applies (the next epoch is drawn in this loader's order); taken mid-epoch, the
+    samples it owes are others than the ones this order gives: ``ValueError``."""
+    received = state.get("received")
+    if isinstance(received, list) and not any(received):
+        return
+    epoch = state.get("epoch")
+    raise ValueError(
+        "dataset: the state was saved mid-epoch over this mix by a loader before 0.4, whose "
+        "sources draw their later permutations in another order (since 0.4 a permutation's "
+        "first samples are kept apart from the last ones before it, so that no batch holds a "
+        "sample twice): the samples it still owes are not this loader's. Finish that epoch "
+        "with the loader that saved it and save again at its end, or start its epoch afresh "
+        f"here: set_epoch({epoch if isinstance(epoch, int) else 'e'}) instead of loading it"
+    )
 
 
 #: How a shuffling tar or Parquet source's fingerprint names its ``shuffle_window``.

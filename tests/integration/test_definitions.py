@@ -141,7 +141,7 @@ def test_mix_dataset_takes_exact_counts_and_resumes_mid_epoch() -> None:
         iterator = iter(loader)
         taken = [r for _ in range(3) for r in rows(next(iterator))]
         state = json.loads(json.dumps(loader.state_dict()))
-    assert state["sampling"]["fingerprint"].startswith("mix:")
+    assert state["sampling"]["fingerprint"].startswith("mix2:")
     with make() as loader:
         loader.load_state_dict(state)
         assert taken + [r for b in loader for r in rows(b)] == epoch

@@ -52,7 +52,7 @@ def test_an_interrupted_epoch_resumed_on_another_layout_keeps_the_counts() -> No
         iterator = iter(loader)
         taken = [r for _ in range(3) for r in rows(next(iterator))]
         state = json.loads(json.dumps(loader.state_dict()))
-    assert state["sampling"]["fingerprint"].startswith("mix:")
+    assert state["sampling"]["fingerprint"].startswith("mix2:")
     with make(workers=3) as loader:
         loader.load_state_dict(state)
         rest = [r for b in loader for r in rows(b)]
@@ -148,3 +148,27 @@ def test_weights_must_be_a_dict_of_finite_positive_numbers() -> None:
         MixDataset(sources, {"a": 1.0, "b": float("inf")})
     with pytest.raises(TypeError, match=r"weights must be a dict .*'a': 1.0, 'b': 1.0.*got list"):
         MixDataset(sources, [0.5, 0.5])  # type: ignore[arg-type]
+
+
+def test_a_state_of_the_mix_saved_by_0_3_applies_between_epochs_only() -> None:
+    """0.3's mixes drew a source's later permutations without keeping them apart from the ones
+    before (``mix:`` fingerprints): taken mid-epoch, such a state owes other samples than this
+    order gives, and is refused saying what to do; taken between epochs it applies."""
+    with make() as loader:
+        iterator = iter(loader)
+        for _ in range(3):
+            next(iterator)
+        state = json.loads(json.dumps(loader.state_dict()))
+        del iterator
+        for _ in loader:  # (the epoch's rest: between epochs now)
+            pass
+        between = json.loads(json.dumps(loader.state_dict()))
+        uninterrupted = [r for b in loader for r in rows(b)]
+    for saved in (state, between):
+        fingerprint = saved["sampling"]["fingerprint"]
+        saved["sampling"]["fingerprint"] = "mix:" + fingerprint.removeprefix("mix2:")
+    with make() as loader:
+        with pytest.raises(ValueError, match=r"mid-epoch over this mix by a loader before 0\.4"):
+            loader.load_state_dict(state)
+        loader.load_state_dict(between)
+        assert [r for b in loader for r in rows(b)] == uninterrupted

@@ -47,6 +47,7 @@ from ._datasets import (
     SamplesDataset,
     TarsDataset,
 )
+from ._separated import SeparatedOrder, reach
 from .plan import BatchedSamples, Batching, Defaulted, EpochOrder, OpenedSource, Order
 
 logger = logging.getLogger("workers")
@@ -131,8 +132,10 @@ class Mixture:
     plan: MixPlan
     seed: int
     shuffle: bool
+    #: the batch size: how far in a source's stream one batch reaches (:func:`reach`)
+    batch_size: int = 1
     offsets: _Int64s = field(init=False)
-    _orders: dict[tuple[int, int], Order] = field(default_factory=dict, init=False)
+    _orders: dict[tuple[int, int, bool], Order] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         sizes = [source.total for source in self.sources]
@@ -142,8 +145,25 @@ class Mixture:
         return source_seed(self.seed, self.names[source])
 
     def order(self, source: int, turn: int) -> Order:
-        """Source ``source``'s permutation number ``turn`` of its running stream."""
-        key = (source, turn)
+        """Source ``source``'s permutation number ``turn`` of its running stream: a shuffled
+        one's first positions kept clear of the samples that ended the turn before
+        (:class:`SeparatedOrder`: no batch holds a sample twice where a turn ends)."""
+        if turn == 0 or not self.shuffle:
+            return self._base(source, turn)
+        key = (source, turn, True)
+        order = self._orders.get(key)
+        if order is None:
+            total, batch = self.sources[source].total, self.batch_size
+            before, after = reach(self.plan, source, total, turn, batch)
+            kept = reach(self.plan, source, total, turn + 1, batch)[0]
+            previous = self._base(source, turn - 1)
+            base = self._base(source, turn)
+            order = SeparatedOrder(base, previous, total, before, after, kept)
+            self._orders[key] = order
+        return order
+
+    def _base(self, source: int, turn: int) -> Order:
+        key = (source, turn, False)
         order = self._orders.get(key)
         if order is None:
             opened, seed = self.sources[source], self.source_seed(source)
@@ -151,7 +171,7 @@ class Mixture:
                 order = opened.orders(turn)
             else:
                 order = EpochOrder(opened.total, turn, seed, self.shuffle)
-            if len(self._orders) > 4 * len(self.sources):
+            if len(self._orders) > 8 * len(self.sources):
                 self._orders.clear()
             self._orders[key] = order
         return order
@@ -388,7 +408,8 @@ class MixDataset(Definition):
                 f"an epoch of {size} samples takes none from {empty}: raise epoch_size or "
                 "their weights"
             )
-        mix = Mixture(names, opened, MixPlan(counts), seed, batching.shuffle)
+        plan = MixPlan(counts)
+        mix = Mixture(names, opened, plan, seed, batching.shuffle, batching.batch_size)
         digest = hashlib.sha256()
         for name, source, count in zip(names, opened, counts, strict=True):
             digest.update(f"{name}\0{source.total}\0{source.fingerprint}\0{count}\n".encode())
@@ -401,7 +422,9 @@ class MixDataset(Definition):
             # (the order is the mix's: ``shuffle`` is applied there)
             replace(batching, shuffle=True),
             num_outputs=opened[0].num_outputs + int(self.source_output),
-            fingerprint=f"mix:{digest.hexdigest()[:16]}",
+            # (mix2: its sources' later permutations kept apart from the ones before; a
+            # state of mix: is of 0.3's order, loaded between epochs only)
+            fingerprint=f"mix2:{digest.hexdigest()[:16]}",
             orders=functools.partial(MixOrder, mix),
             left_out=tuple(line for source in opened for line in source.left_out),
         )

@@ -132,7 +132,7 @@ def test_a_mixture_definition_is_opened_like_sharded_mix() -> None:
     )
     built = _build(_spec(mix, batch_size=4))
     assert built.sampled is not None and built.sampled.num_outputs == 2
-    assert str(built.sampling().fingerprint).startswith("mix:")
+    assert str(built.sampling().fingerprint).startswith("mix2:")
     assert sum(len(ids) for ids in _epoch(built, 4)) == 12  # this shard's half of 24
 
 
