@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..storage import RETRIES, Storage, expand_urls, is_url, read_each, storage_for
+from ..storage import RETRIES, Storage, expand_urls, is_glob, is_url, read_each, storage_for
 from ._arrow import pyarrow_modules
 from ._footers import footer_from_tail, parse_footer, tail_range
 from ._plan import Listings, list_parquet
@@ -67,7 +67,7 @@ def names_parquet(
     if any(item.endswith(".tar") or "{" in item for item in items):
         return False
     for item in items:
-        if any(c in item.rsplit("/", 1)[-1] for c in "*?["):  # (a pattern: what it matches)
+        if is_glob(item.rsplit("/", 1)[-1]):  # (a pattern: what it matches)
             matched = _matches(item, storage_options)
             if any(name.endswith(".tar") for name in matched):
                 return False

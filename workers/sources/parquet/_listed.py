@@ -9,16 +9,13 @@ glob its characters would make (a file named ``a?.parquet``, ``[v2].parquet``, a
 
 from __future__ import annotations
 
-import glob as globbing
 import os
 from collections.abc import Callable, Sequence
 
-from ..storage import Identity, Storage, expand_urls, is_url
+from ..storage import Identity, Storage, expand_urls, is_glob, is_url, local_glob
 from ._summary import FileEntry
 
 __all__ = ["list_parquet"]
-
-_GLOB = frozenset("*?[")
 
 Listing = Callable[[str], "dict[str, Identity] | None"]
 SummaryOf = Callable[[str], "tuple[dict[str, FileEntry], str] | None"]
@@ -46,9 +43,9 @@ def list_parquet(
 def _local(path: str) -> list[str]:
     if os.path.isdir(path):
         return _directory(path)
-    if os.path.exists(path) or not any(c in path for c in _GLOB):
+    matches = local_glob(path)
+    if matches is None:
         return [path]
-    matches = sorted(globbing.glob(path, recursive=True))
     files = [match for match in matches if os.path.isfile(match)]
     if files:
         return files
@@ -68,7 +65,7 @@ def _directory(path: str) -> list[str]:
 def _remote(
     item: str, storage: Storage, listing: Listing, summaries: SummaryOf | None
 ) -> list[str]:
-    pattern = any(c in item for c in _GLOB)
+    pattern = is_glob(item)
     if pattern:
         matches = storage.glob(item)
         if matches:

@@ -25,7 +25,7 @@ from ._index_file import read as read_index_file
 from ._index_file import write as write_index_file
 from ._libraries import StorageLibraryError, check_storage_libraries, url_protocols
 from ._many import read_each
-from ._patterns import expand_urls
+from ._patterns import expand_urls, is_glob, local_glob
 from ._reads import count_read, reads_so_far
 from ._storage import (
     AHEAD_BYTES,
@@ -51,7 +51,9 @@ __all__ = [
     "check_storage_libraries",
     "count_read",
     "expand_urls",
+    "is_glob",
     "is_url",
+    "local_glob",
     "local_path",
     "locked",
     "open_document",

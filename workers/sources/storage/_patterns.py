@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import glob as globbing
 import os
 from collections.abc import Iterable
 
 from ._storage import is_url
 
-__all__ = ["expand_urls"]
+__all__ = ["expand_urls", "is_glob", "local_glob"]
+
+
+def is_glob(path: str) -> bool:
+    """Whether ``path`` holds a glob's characters (``*``, ``?``, ``[``)."""
+    return any(c in path for c in "*?[")
+
+
+def local_glob(path: str) -> list[str] | None:
+    """The local paths the glob ``path`` matches, sorted (``**`` goes into subdirectories);
+    None where ``path`` is no glob, or a name that exists as it is written (``a?.parquet``)."""
+    if not is_glob(path) or os.path.exists(path):
+        return None
+    return sorted(globbing.glob(path, recursive=True))
 
 
 def expand_urls(urls: str | os.PathLike[str] | Iterable[str]) -> list[str]:

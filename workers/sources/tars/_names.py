@@ -8,15 +8,13 @@ from a directory or a glob: what lies beside the shards (img2dataset's ``.parque
 
 from __future__ import annotations
 
-import glob as globbing
 import os
 from collections.abc import Iterable
 from typing import Any
 
-from ..storage import RETRIES, expand_urls, is_url, local_path, storage_for
+from ..storage import RETRIES, expand_urls, is_glob, is_url, local_glob, local_path, storage_for
 
 #: Characters that make a name a glob.
-_GLOB = frozenset("*?[")
 _TAR = ".tar"
 
 
@@ -43,8 +41,8 @@ def _none_found(where: str, names: list[str]) -> FileNotFoundError:
 
 
 def _local(path: str) -> list[str]:
-    if any(c in path for c in _GLOB) and not os.path.exists(path):
-        matches = sorted(globbing.glob(path, recursive=True))
+    matches = local_glob(path)
+    if matches is not None:
         tars = [m for m in matches if m.endswith(_TAR) and os.path.isfile(m)]
         if not tars:
             raise _none_found(f"the matches of {path}", matches)
@@ -59,7 +57,7 @@ def _local(path: str) -> list[str]:
 
 
 def _remote(url: str, storage_options: dict[str, Any] | None, retries: int) -> list[str]:
-    if any(c in url for c in _GLOB):
+    if is_glob(url):
         matches = storage_for(url, storage_options, retries).glob(url)
         tars = [m for m in matches if m.endswith(_TAR)]
         if not tars:
